@@ -1,0 +1,46 @@
+"""fsdp_int8: INT8 quantized training for PyTorch FSDP2.
+
+Linear weights live as int8 with one fp32 absmax scale per output row; optimizer updates
+are written back with stochastic rounding; FSDP2 all-gathers the int8 bytes.
+"""
+
+import torch
+
+from fsdp_int8 import _rng
+from fsdp_int8.comm import CollectiveCounter, CollectiveRecord, count_collectives
+from fsdp_int8.config import Int8TrainingConfig
+from fsdp_int8.convert import init_int8_weights_, quantize_
+from fsdp_int8.fsdp import find_blocks, shard_model
+from fsdp_int8.linear import int8_weight_linear
+from fsdp_int8.weight import Int8Weight, _rebuild_int8_weight
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Int8TrainingConfig",
+    "Int8Weight",
+    "quantize_",
+    "init_int8_weights_",
+    "shard_model",
+    "find_blocks",
+    "count_collectives",
+    "CollectiveCounter",
+    "CollectiveRecord",
+    "int8_weight_linear",
+    "rounding_rng_state",
+    "set_rounding_rng_state",
+    "__version__",
+]
+
+# torch.load(weights_only=True) rebuilds Int8Weights through these two names only.
+torch.serialization.add_safe_globals([Int8Weight, _rebuild_int8_weight])
+
+
+def rounding_rng_state() -> dict[str, torch.Tensor]:
+    """The stochastic-rounding generators' states of this process, keyed by device."""
+    return _rng.get_state()
+
+
+def set_rounding_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore generator states returned by :func:`rounding_rng_state`."""
+    _rng.set_state(state)

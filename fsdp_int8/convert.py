@@ -1,0 +1,93 @@
+"""``quantize_``: swap a model's eligible ``nn.Linear`` weights for ``Int8Weight`` parameters."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_int8 import _rng
+from fsdp_int8.config import Int8TrainingConfig
+from fsdp_int8.weight import Int8Weight
+
+__all__ = ["quantize_", "init_int8_weights_", "is_sharded"]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) or another DTensor API has touched ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    )
+
+
+def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.Module:
+    """Swap eligible ``nn.Linear`` weights of ``model`` for int8 weights, in place.
+
+    Quantization rounds to nearest; later optimizer updates use the config's rounding.
+    Idempotent (already quantized weights are left alone), and works on a model on the
+    meta device (``to_empty`` then allocates int8 storage). It also seeds the
+    stochastic-rounding generator from ``config.seed`` and this process's rank.
+
+    Args:
+        model: The model, before any ``fully_shard``.
+        config: Which layers and how; defaults to :class:`Int8TrainingConfig()`.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        RuntimeError: if the model is already sharded (quantize first, then shard).
+    """
+    config = config or Int8TrainingConfig()
+    if is_sharded(model):
+        raise RuntimeError(
+            "quantize_ got a model that is already sharded (fully_shard or DTensor parameters). "
+            "Quantize first, then shard: use fsdp_int8.shard_model(model), which does both."
+        )
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    _rng.manual_seed(config.seed, rank)
+    for name, module in model.named_modules():
+        if not config.should_quantize(module, name):
+            continue
+        weight = module.weight
+        if isinstance(weight, Int8Weight):
+            continue
+        with torch.no_grad():
+            int8_weight = Int8Weight.from_float(
+                weight, stochastic_rounding=config.stochastic_rounding
+            )
+        module.weight = nn.Parameter(int8_weight, requires_grad=weight.requires_grad)
+    return model
+
+
+def init_int8_weights_(
+    model: nn.Module, init_fn: Callable[[str, torch.Tensor], object]
+) -> nn.Module:
+    """Initialise every int8 weight of ``model`` through a float tensor, rounding to nearest.
+
+    Single-op initialisers (``uniform_``, ``normal_``, ``kaiming_uniform_``, a module's
+    ``reset_parameters``) work on int8 weights directly. Multi-step ones such as
+    ``nn.init.trunc_normal_`` would requantize between their steps; run them here instead.
+    Works before and after sharding (the float tensor has the parameter's sharding).
+
+    Args:
+        model: A quantized (possibly sharded) model.
+        init_fn: ``init_fn(name, values)`` fills the fp32 tensor ``values`` in place.
+
+    Returns:
+        ``model``.
+    """
+    for name, param in model.named_parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if not isinstance(local, Int8Weight):
+            continue
+        values = torch.zeros_like(param, dtype=torch.float32)  # plain (sharded like param)
+        with torch.no_grad():
+            init_fn(name, values)
+            param.copy_(values)
+    return model

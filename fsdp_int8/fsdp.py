@@ -1,0 +1,183 @@
+"""``shard_model``: quantize, then ``fully_shard`` each block and the root (torchtitan's policy)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from fsdp_int8 import _rng
+from fsdp_int8.config import Int8TrainingConfig
+from fsdp_int8.convert import is_sharded, quantize_
+
+__all__ = ["shard_model", "find_blocks", "BlockSpec"]
+
+# Which modules are blocks: module types, or a predicate on the module.
+BlockSpec = Union[type, Sequence[type], Callable[[nn.Module], bool]]
+
+
+def default_device_type() -> str:
+    """``"cuda"`` (or another accelerator) when one is available, else ``"cpu"``."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cpu"
+
+
+def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if match(child):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Module]:
+    """The modules that ``shard_model`` wraps one by one, in registration order.
+
+    Args:
+        model: The model.
+        blocks: Block types or a predicate. ``None`` looks for Hugging Face's
+            ``_no_split_modules`` class names, then for ``nn.ModuleList``s of repeated
+            modules (``model.layers``, ``model.model.layers``, ``transformer.h``, ...).
+    """
+    if blocks is not None:
+        if isinstance(blocks, type) or (
+            isinstance(blocks, Sequence) and all(isinstance(b, type) for b in blocks)
+        ):
+            types = (blocks,) if isinstance(blocks, type) else tuple(blocks)
+            return _outermost(model, lambda m: isinstance(m, types))
+        if callable(blocks):
+            return _outermost(model, blocks)
+        raise TypeError(f"blocks must be module types or a predicate, got {blocks!r}")
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    if no_split:
+        found = _outermost(model, lambda m: type(m).__name__ in no_split)
+        if found:
+            return found
+    return [
+        block
+        for module_list in _outermost(model, lambda m: _is_repeated_blocks(m))
+        for block in module_list
+    ]
+
+
+def _is_repeated_blocks(module: nn.Module) -> bool:
+    children = list(module.children())
+    return (
+        isinstance(module, nn.ModuleList)
+        and len(children) > 0
+        and len({type(c) for c in children}) == 1
+        and any(True for _ in children[0].parameters())
+    )
+
+
+def _check_reshard_after_forward(value: object) -> None:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        raise ValueError(
+            f"reshard_after_forward={value}: resharding to a smaller group after forward does "
+            "not work for parameters that use FSDP2's all-gather hooks in torch "
+            f"{torch.__version__} (FSDPParam raises NotImplementedError when it unshards from "
+            "that state). Use True (least memory) or False (no second all-gather in "
+            "backward); see docs/limits.md."
+        )
+    raise TypeError(f"reshard_after_forward must be a bool, got {value!r}")
+
+
+def _resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "shard_model needs an initialised process group: call "
+            "torch.distributed.init_process_group() first (torchrun sets the environment)"
+        )
+    world = dist.get_world_size()
+    if mesh is None:
+        return init_device_mesh(device_type, (world,))
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"shard_model takes a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got "
+            f"{mesh.ndim} dims"
+        )
+    if mesh.size() != world:
+        raise ValueError(
+            f"the mesh covers {mesh.size()} ranks but the world has {world}: pass a mesh over "
+            "all ranks, e.g. init_device_mesh(device_type, (world_size,))"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError("an HSDP mesh needs mesh_dim_names, e.g. ('replicate', 'shard')")
+    return mesh
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    config: Int8TrainingConfig | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    blocks: BlockSpec | None = None,
+) -> nn.Module:
+    """Quantize ``model`` and shard it with FSDP2: each embedding, each block, then the root.
+
+    The root group holds what is left (final norm, output head). It is not resharded
+    after forward, and neither is the last block: backward needs their parameters first. Works on a model on the meta device: call ``model.to_empty(device=...)``
+    afterwards and initialise in place (``reset_parameters`` or the model's own init).
+
+    Args:
+        model: The unsharded model (plain PyTorch).
+        mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP). Default: all
+            ranks on the default device type.
+        config: Quantization config (see :class:`Int8TrainingConfig`).
+        mp_policy: FSDP2 mixed precision; its ``param_dtype`` is the compute dtype of the
+            unsharded weights. The wire format is int8 regardless.
+        reshard_after_forward: ``True`` frees unsharded weights after forward; ``False``
+            keeps them until backward. Integers are refused (see docs/limits.md).
+        blocks: Block types or a predicate; default: discovered (see :func:`find_blocks`).
+
+    Returns:
+        ``model``, now an ``FSDPModule``.
+    """
+    _check_reshard_after_forward(reshard_after_forward)
+    if is_sharded(model):
+        raise RuntimeError(
+            "shard_model got a model that is already sharded; call it once, on the plain model"
+        )
+    param = next(model.parameters(), None)
+    device_type = (
+        param.device.type if param is not None and param.device.type != "meta"
+        else default_device_type()
+    )
+    mesh = _resolve_mesh(mesh, device_type)
+    config = config or Int8TrainingConfig()
+    quantize_(model, config)
+    # Replicas (HSDP) must round identically: seed by the rank within the shard dim only.
+    _rng.manual_seed(config.seed, mesh.get_local_rank(mesh.ndim - 1))
+
+    found = find_blocks(model, blocks)
+    if not found:
+        raise ValueError(
+            f"shard_model found no blocks in {type(model).__name__}: no nn.ModuleList of "
+            "repeated modules and no _no_split_modules. Pass blocks=(MyBlock,) or a predicate."
+        )
+    options = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    in_blocks = {id(m) for block in found for m in block.modules()}
+    for embedding in model.modules():
+        if isinstance(embedding, nn.Embedding) and id(embedding) not in in_blocks:
+            fully_shard(embedding, reshard_after_forward=reshard_after_forward, **options)
+    for index, block in enumerate(found):
+        last = index == len(found) - 1
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **options)
+    # Backward needs the root's parameters (norm, head) first: keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **options)
+    return model
+

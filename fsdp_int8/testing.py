@@ -1,0 +1,167 @@
+"""Run a test body in N processes: CPU + gloo here, one GPU per rank + NCCL where there are enough.
+
+Two front ends over one worker:
+
+* :func:`run_distributed` for pytest-style tests::
+
+      def _body(rank: int, world_size: int) -> float:   # module-level: it is pickled
+          model = fsdp_int8.shard_model(MyModel())
+          ...
+          return loss
+
+      def test_my_model():
+          losses = run_distributed(_body, world_size=2)   # one result per rank
+
+* :class:`DistributedTestCase`, a ``MultiProcessTestCase`` (the base of torch's own
+  ``FSDPTest``) that initialises the process group on CPU too, for unittest-style suites.
+
+Spawning a process costs seconds (importing torch): put many cases in one body.
+Teardown follows what avoids gloo's exit-time abort: collect garbage, then destroy the
+process group before the interpreter shuts down.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["device_type_for", "run_distributed", "DistributedTestCase"]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def device_type_for(world_size: int) -> str:
+    """``"cuda"`` when there is one GPU per rank, else ``"cpu"``."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "cuda"
+    return "cpu"
+
+
+def _init_process_group(rank: int, world_size: int, init_file: str) -> str:
+    device_type = device_type_for(world_size)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    else:  # ranks share the CPU cores: give each its share instead of oversubscribing
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(
+        backend=dist.get_default_backend_for_device(device_type),
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+    )
+    return device_type
+
+
+def _teardown() -> None:
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _worker(rank, world_size, init_file, body, args, results) -> None:
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    try:
+        _init_process_group(rank, world_size, init_file)
+        value = body(rank, world_size, *args)
+        _teardown()
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def run_distributed(
+    body: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``body(rank, world_size, *args)`` in ``world_size`` fresh processes.
+
+    The process group is initialised before ``body`` runs and destroyed after it returns.
+
+    Returns:
+        Each rank's return value (they must be picklable), indexed by rank.
+
+    Raises:
+        AssertionError: with every failing rank's traceback if any rank raised.
+        TimeoutError: if a rank did not finish in ``timeout`` seconds (a hang).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, body, args, results))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        try:
+            while len(outcomes) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=timeout)
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(outcomes))
+                    raise TimeoutError(
+                        f"ranks {missing} of {world_size} did not finish in {timeout:.0f} s "
+                        "(a hang: a collective that not every rank reached?)"
+                    ) from None
+                outcomes[rank] = (ok, value)
+                if not ok:  # a failed rank may leave the others blocked in a collective
+                    break
+        finally:
+            for p in procs:
+                p.join(timeout=5 if len(outcomes) == world_size else 1)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
+    if failures:
+        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+try:
+    from torch.testing._internal.common_distributed import MultiProcessTestCase
+except ImportError:  # expecttest missing: the function front end still works
+    MultiProcessTestCase = None  # type: ignore[assignment,misc]
+
+if MultiProcessTestCase is not None:
+
+    class DistributedTestCase(MultiProcessTestCase):
+        """A ``MultiProcessTestCase`` whose ranks run on CPU + gloo when GPUs are missing.
+
+        Unlike torch's ``FSDPTest`` it does not skip on CPU. Override ``world_size``;
+        each test method runs in every rank with ``self.rank`` and ``self.device_type``
+        set and the default process group initialised.
+        """
+
+        @property
+        def world_size(self) -> int:
+            return 2
+
+        def setUp(self) -> None:
+            super().setUp()
+            self._spawn_processes()
+
+        @classmethod
+        def _run(cls, rank: int, test_name: str, file_name: str, parent_pipe, **kwargs) -> None:
+            self = cls(test_name)
+            self.rank = rank
+            self.file_name = file_name
+            self.device_type = _init_process_group(rank, self.world_size, file_name)
+            self.run_test(test_name, parent_pipe)  # destroys the process group afterwards
+            gc.collect()

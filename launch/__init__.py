@@ -1,0 +1,1 @@
+"""Entry points and the model trained by the torchrun launcher."""

@@ -1,0 +1,158 @@
+"""A small Llama-style decoder (RoPE, RMSNorm, SwiGLU): plain PyTorch, no distributed code.
+
+Parallelism and quantization are applied from outside (``fsdp_int8.shard_model``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelArgs:
+    """Shape of the decoder."""
+
+    vocab_size: int = 256  # byte-level tokens
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    hidden_dim: int = 0  # 0: the Llama rule, about 8/3 * dim rounded up to a multiple of 16
+    max_seq_len: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+        if not self.hidden_dim:
+            self.hidden_dim = 16 * math.ceil(8 * self.dim / 3 / 16)
+
+
+PRESETS: dict[str, ModelArgs] = {
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, max_seq_len=128),
+    "small": ModelArgs(dim=256, n_layers=4, n_heads=8, max_seq_len=256),
+    "base": ModelArgs(dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
+    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, max_seq_len=2048),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_frequencies(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
+    """``[seq_len, head_dim // 2, 2]``: cos and sin of each position's rotation."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of ``x`` ``[B, T, H, D]`` by position."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = freqs[: x.shape[1], None, :, 0], freqs[: x.shape[1], None, :, 1]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.wq = nn.Linear(args.dim, args.dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = (w(x).view(batch, seq, self.n_heads, -1) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token embedding, ``n_layers`` blocks in ``self.layers``, final norm, output head."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        head_dim = args.dim // args.n_heads
+        self.register_buffer(
+            "freqs", rope_frequencies(head_dim, args.max_seq_len, args.rope_theta), persistent=False
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens > max_seq_len {self.args.max_seq_len}")
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, self.freqs)
+        return self.output(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter in place (also after ``to_empty`` on a meta model)."""
+        head_dim = self.args.dim // self.args.n_heads
+        self.freqs = rope_frequencies(head_dim, self.args.max_seq_len, self.args.rope_theta).to(
+            self.freqs.device
+        )
+        std = 0.02
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        # GPT-2's scaled init of the residual projections keeps early activations small.
+        for block in self.layers:
+            for proj in (block.attention.wo, block.feed_forward.w2):
+                nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.args.n_layers))

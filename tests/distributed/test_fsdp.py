@@ -1,0 +1,330 @@
+"""FSDP2 with int8 weights, in real processes (CPU + gloo here, GPUs + NCCL where present).
+
+Each test spawns its ranks once and runs many cases inside (a spawn costs seconds).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fsdp_int8
+from fsdp_int8 import Int8TrainingConfig, Int8Weight
+from fsdp_int8.testing import device_type_for, run_distributed
+
+from _cases import (
+    BF16_POLICY, FULL_MATRIX, assert_parity, case, int8_params, local_of, mean_over_ranks,
+    train_parity,
+)
+from _nets import MLPNet, tiny_transformer
+
+STEPS = 8 if FULL_MATRIX else 3
+
+
+def _parity_matrix(rank: int, world: int, hiddens: tuple[int, ...], mesh=None) -> None:
+    for hidden in hiddens:
+        for bf16 in (False, True):
+            for reshard in (True, False):
+                name = f"world={world} rows={hidden} bf16={bf16} reshard={reshard} mesh={mesh}"
+                with case(name):
+                    result = train_parity(
+                        rank, world, hidden=hidden, mp_policy=BF16_POLICY if bf16 else None,
+                        reshard_after_forward=reshard, steps=STEPS, mesh=mesh,
+                    )
+                    assert_parity(result, bf16=bf16)
+
+
+# ---------------------------------------------------------------- bytes on the wire
+def _shard_blocks_plain(model: nn.Module, mesh, mp_policy) -> None:
+    for block in model.layers[:-1]:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model.layers[-1], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+
+
+def _one_step_collectives(model: nn.Module, rank: int) -> fsdp_int8.CollectiveCounter:
+    x = torch.randn(4, model.layers[0].up.in_features, generator=torch.Generator().manual_seed(rank))
+    with fsdp_int8.count_collectives() as counter:
+        model(x).sum().backward()
+    return counter
+
+
+def _check_bytes(rank: int, world: int) -> None:
+    dim, n_layers = 256, 2  # K = 256: scales add 4/256 to the int8 bytes
+    mesh = init_device_mesh(device_type_for(world), (world,))
+    torch.manual_seed(0)
+    int8_model = MLPNet(dim=dim, hidden=dim, n_layers=n_layers, bias=False)
+    bf16_model = MLPNet(dim=dim, hidden=dim, n_layers=n_layers, bias=False)
+    fsdp_int8.shard_model(int8_model, mesh=mesh, mp_policy=BF16_POLICY)
+    _shard_blocks_plain(bf16_model, mesh, BF16_POLICY)
+
+    int8_counter = _one_step_collectives(int8_model, rank)
+    bf16_counter = _one_step_collectives(bf16_model, rank)
+    int8_gathers = int8_counter.of("all_gather_single")
+    bf16_gathers = bf16_counter.of("all_gather_single")
+    # forward: every block and the root; backward: the blocks that resharded (not the last).
+    expected_calls = n_layers + 1 + (n_layers - 1)
+    assert len(int8_gathers) == expected_calls, int8_counter.summary()
+    assert len(bf16_gathers) == expected_calls, bf16_counter.summary()
+
+    # Block all-gathers carry only int8 layers: one int8 buffer of [padded_rows, K + 4]
+    # per weight and rank, nothing else.
+    padded = -(-dim // world)
+    block_numel = world * 2 * padded * (dim + 4)
+    int8_blocks = [r for r in int8_gathers if r.numel == block_numel]
+    assert len(int8_blocks) == n_layers + (n_layers - 1), [(r.dtype, r.numel) for r in int8_gathers]
+    assert all(r.dtype == torch.int8 and r.bytes == block_numel for r in int8_blocks)
+    bf16_blocks = [r for r in bf16_gathers if r.numel == world * 2 * padded * dim]
+    assert all(r.dtype == torch.bfloat16 for r in bf16_blocks) and len(bf16_blocks) == len(int8_blocks)
+    ratio = sum(r.bytes for r in int8_blocks) / sum(r.bytes for r in bf16_blocks)
+    assert ratio <= 0.51, f"int8 all-gather is {ratio:.4f} of bf16"
+    assert abs(ratio - (dim + 4) / (2 * dim)) < 1e-9, ratio
+
+    # Gradients are reduce-scattered in full precision (reduce_dtype fp32), as without int8.
+    assert int8_counter.total_bytes("reduce_scatter_single") == bf16_counter.total_bytes(
+        "reduce_scatter_single"
+    )
+
+
+def _check_optimizer_step_is_local(rank: int, world: int) -> None:
+    """Each rank requantizes only its own rows: the step runs no collective."""
+    torch.manual_seed(0)
+    model = fsdp_int8.shard_model(MLPNet(hidden=33))
+    x = torch.randn(4, 32)
+    for options in (dict(foreach=False), dict(foreach=True), dict(fused=True)):
+        with case(f"AdamW {options}"):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **options)
+            model(x).sum().backward()
+            before = [local_of(p).int_data.clone() for _, p in int8_params(model)]
+            with fsdp_int8.count_collectives() as counter:
+                opt.step()
+            assert counter.records == [], counter.summary()
+            after = [local_of(p).int_data for _, p in int8_params(model)]
+            assert any(not torch.equal(a, b) for a, b in zip(before, after)), "step changed nothing"
+            assert all(isinstance(local_of(p), Int8Weight) for _, p in int8_params(model))
+            opt.zero_grad()
+
+
+def _check_pre_all_gather_hook_runs(rank: int, world: int) -> None:
+    """We rely on FSDP2 calling the 1-argument (backward-compatibility) hook form: if a
+    torch release stops calling it, this fails loudly instead of a silent bf16 gather."""
+    assert len(inspect.signature(Int8Weight.fsdp_pre_all_gather).parameters) == 2  # self, mesh
+    calls = []
+    original = Int8Weight.fsdp_pre_all_gather
+
+    def spy(self, mesh):
+        calls.append(mesh.size())
+        return original(self, mesh)
+
+    Int8Weight.fsdp_pre_all_gather = spy
+    try:
+        model = fsdp_int8.shard_model(MLPNet(hidden=33))
+        model(torch.randn(2, 32)).sum().backward()
+    finally:
+        Int8Weight.fsdp_pre_all_gather = original
+    # 2 blocks x 2 weights in forward, + first block again in backward
+    assert len(calls) == 6 and set(calls) == {world}, calls
+
+
+def _check_training_features(rank: int, world: int) -> None:
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    config = Int8TrainingConfig(stochastic_rounding=False)
+
+    def sharded(**kw) -> nn.Module:
+        torch.manual_seed(0)
+        net = MLPNet(hidden=33)
+        for key, value in kw.items():
+            setattr(net, key, value)
+        return fsdp_int8.shard_model(net, config=config)
+
+    mine = slice(rank * 4, rank * 4 + 4)
+    with case("gradient accumulation"):
+        # two micro-batches without sync == one batch of both (mean of two means)
+        acc, full = sharded(), sharded()
+        halves = (slice(rank * 4, rank * 4 + 2), slice(rank * 4 + 2, rank * 4 + 4))
+        for i, part in enumerate(halves):
+            acc.set_requires_gradient_sync(i == len(halves) - 1)
+            (F.mse_loss(acc(x[part]), y[part]) / len(halves)).backward()
+        F.mse_loss(full(x[mine]), y[mine]).backward()
+        for (name, a), (_, b) in zip(acc.named_parameters(), full.named_parameters()):
+            torch.testing.assert_close(a.grad.full_tensor(), b.grad.full_tensor(), rtol=1e-5, atol=1e-6, msg=name)
+
+    with case("clip_grad_norm_ on the sharded model"):
+        torch.manual_seed(0)
+        reference = fsdp_int8.quantize_(MLPNet(hidden=33), config)
+        F.mse_loss(reference(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)
+        model = sharded()
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)  # fp32 sum order only
+        clipped = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad.full_tensor()) for p in model.parameters()])
+        )
+        assert abs(clipped.item() - 0.5) < 1e-4, clipped
+
+    with case("activation checkpointing of blocks"):
+        plain = sharded()
+        torch.manual_seed(0)
+        wrapped_net = MLPNet(hidden=33)
+        for i, block in enumerate(wrapped_net.layers):
+            wrapped_net.layers[i] = checkpoint_wrapper(block)
+        wrapped = fsdp_int8.shard_model(wrapped_net, config=config)
+        for net in (plain, wrapped):
+            F.mse_loss(net(x[mine]), y[mine]).backward()
+        for p, q in zip(plain.parameters(), wrapped.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=0, atol=0)
+
+    with case("meta-device init: build on meta, shard_model, to_empty, init in place"):
+        with torch.device("meta"):
+            model = tiny_transformer()
+        fsdp_int8.shard_model(model)
+        model.to_empty(device=device_type_for(world))
+        model.init_weights()
+        weights = int8_params(model)
+        assert len(weights) == 2 * 7, [n for n, _ in weights]
+        for name, param in weights:
+            shard = local_of(param)
+            assert shard.int_data.abs().max() == 127, name  # RTN of a fresh normal init
+            assert torch.isfinite(shard.scale).all() and (shard.scale > 0).all(), name
+            std = param.full_tensor().dequantize().std().item()
+            assert 0.002 < std < 0.03, (name, std)  # normal_(std=0.02), or /sqrt(2 * n_layers)
+        tokens = torch.randint(0, 64, (2, 16))
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        assert abs(loss.item() - torch.log(torch.tensor(64.0)).item()) < 0.2  # near-uniform start
+
+    with case("multi-step init through init_int8_weights_ (trunc_normal_)"):
+        model = sharded()
+        fsdp_int8.init_int8_weights_(
+            model, lambda name, t: nn.init.trunc_normal_(t, std=0.02, a=-0.04, b=0.04)
+        )
+        for name, param in int8_params(model):
+            values = param.full_tensor().dequantize()
+            # a normal truncated at 2 sigma has std 0.88 sigma = 0.0176; int8 rounding of
+            # the 0.04 maximum is exact (it is the row absmax)
+            assert values.abs().max() <= 0.04 + 1e-6, (name, values.abs().max())
+            assert 0.015 < values.std() < 0.020, (name, values.std())
+
+
+def _check_errors(rank: int, world: int) -> None:
+    with case("integer reshard_after_forward"):
+        try:
+            fsdp_int8.shard_model(MLPNet(), reshard_after_forward=2)
+        except ValueError as error:
+            assert "all-gather hooks" in str(error) and "docs/limits.md" in str(error)
+        else:
+            raise AssertionError("no error")
+    with case("already sharded"):
+        model = fsdp_int8.shard_model(MLPNet())
+        for call in (fsdp_int8.shard_model, fsdp_int8.quantize_):
+            try:
+                call(model)
+            except RuntimeError as error:
+                assert "already sharded" in str(error)
+            else:
+                raise AssertionError(f"{call.__name__}: no error")
+    with case("nothing to shard"):
+        try:
+            fsdp_int8.shard_model(nn.Sequential(nn.Linear(32, 32), nn.ReLU()))
+        except ValueError as error:
+            assert "found no blocks" in str(error) and "blocks=" in str(error)
+        else:
+            raise AssertionError("no error")
+    with case("mesh that does not match the world"):
+        try:
+            fsdp_int8.shard_model(MLPNet(), mesh=_FakeMesh(world + 1))
+        except ValueError as error:
+            assert f"covers {world + 1} ranks but the world has {world}" in str(error)
+        else:
+            raise AssertionError("no error")
+
+
+class _FakeMesh:
+    """Stands in for a mesh of the wrong size (a real one cannot be built that way)."""
+
+    ndim = 1
+    mesh_dim_names = None
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self, dim: int | None = None) -> int:
+        return self._size
+
+
+def _check_transformer_learns(rank: int, world: int) -> None:
+    """A small Llama-style model with stochastic rounding learns a repeating sequence."""
+    model = fsdp_int8.shard_model(tiny_transformer(), config=Int8TrainingConfig(seed=3))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    pattern = torch.arange(16) * 5 % 64
+    losses = []
+    for step in range(40):
+        offsets = torch.randint(0, 16, (4,), generator=torch.Generator().manual_seed(step * world + rank))
+        batch = torch.stack([pattern.roll(-int(o)).repeat(2) for o in offsets])
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(loss))
+    # ln(64) = 4.16 at the start; the 16-token cycle is learnable to well below 1 nat.
+    assert losses[0] > 3.5 and losses[-1] < 1.5, losses
+
+
+def _two_rank_body(rank: int, world: int) -> None:
+    _parity_matrix(rank, world, hiddens=(32, 33, 31) if FULL_MATRIX else (32, 33))
+    _check_bytes(rank, world)
+    _check_optimizer_step_is_local(rank, world)
+    _check_pre_all_gather_hook_runs(rank, world)
+    _check_training_features(rank, world)
+    _check_errors(rank, world)
+    _check_transformer_learns(rank, world)
+
+
+def _four_rank_body(rank: int, world: int) -> None:
+    # 7 rows: shards of 2, 2, 2, 1; 5 rows: 2, 2, 1 and one empty rank.
+    _parity_matrix(rank, world, hiddens=(7, 5, 32) if FULL_MATRIX else (7, 5))
+    mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("replicate", "shard"))
+    _parity_matrix(rank, world, hiddens=(7,), mesh=mesh)
+    with case("HSDP replicas round identically under stochastic rounding"):
+        torch.manual_seed(0)
+        model = fsdp_int8.shard_model(
+            MLPNet(hidden=7), mesh=mesh, config=Int8TrainingConfig(seed=5, min_features=1)
+        )
+        assert int8_params(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            model(x[rank * 2: rank * 2 + 2]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        replicate_group = mesh.get_group("replicate")
+        for name, param in int8_params(model):
+            mine = local_of(param).int_data.contiguous()
+            gathered = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(gathered, mine, group=replicate_group)
+            assert torch.equal(gathered[0], gathered[1]), name
+
+
+def _one_rank_body(rank: int, world: int) -> None:
+    _parity_matrix(rank, world, hiddens=(33,))
+
+
+def test_fsdp_two_ranks():
+    run_distributed(_two_rank_body, 2)
+
+
+def test_fsdp_four_ranks_uneven_and_hsdp():
+    run_distributed(_four_rank_body, 4)
+
+
+def test_fsdp_world_size_one():
+    run_distributed(_one_rank_body, 1)
