@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers _wrap_tensor_autograd)
+from torch.utils._pytree import tree_map_only
 
 from fsdp_int8.weight import Int8Weight, contiguous_strides, dequantize_all
 
@@ -371,8 +372,16 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if not isinstance(target, Int8Weight):  # plain tensor updated with an Int8Weight operand
         return func(target, *dequantize_all(args), **dequantize_all(kwargs))
     values = target.dequantize(torch.float32)
-    func(values, *dequantize_all(args), **dequantize_all(kwargs))
+    func(values, *_as_fp32(args), **_as_fp32(kwargs))
     return target.assign_(values, stochastic=target.stochastic_rounding)
+
+
+def _as_fp32(tree: Any) -> Any:
+    """Operands of an update in fp32 (ops such as lerp_ refuse mixed dtypes)."""
+    tree = dequantize_all(tree, torch.float32)
+    return tree_map_only(
+        torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, tree
+    )
 
 
 _FUSED_OPTIMIZER_OPS = tuple(
@@ -385,13 +394,35 @@ _FUSED_OPTIMIZER_OPS = tuple(
 
 @_implements(*_FUSED_OPTIMIZER_OPS)
 def _fused_optimizer_step(func, params, *args, **kwargs) -> None:
-    # The fused kernels update every parameter in one call: run them on dequantized
-    # copies, then requantize each Int8Weight once.
-    work = [p.dequantize() if isinstance(p, Int8Weight) else p for p in params]
-    func(work, *args, **kwargs)
-    for param, values in zip(params, work):
+    # The fused kernels update every parameter in one call: run them on fp32 copies, then
+    # requantize each Int8Weight once. A kernel call holds one dtype, so when an int8
+    # weight's outer dtype is not fp32 (e.g. bf16) every list goes through fp32 copies.
+    count = len(params)
+    widen = any(isinstance(p, Int8Weight) and p.dtype != torch.float32 for p in params)
+
+    def is_list(arg) -> bool:
+        return isinstance(arg, (list, tuple)) and len(arg) == count and count > 0 and all(
+            isinstance(t, torch.Tensor) for t in arg
+        )
+
+    work_params = [
+        p.dequantize(torch.float32) if isinstance(p, Int8Weight) else (p.float() if widen else p)
+        for p in params
+    ]
+    work_args = [
+        [t.float() for t in arg] if widen and is_list(arg) else arg for arg in args
+    ]
+    func(work_params, *work_args, **kwargs)
+    for param, values in zip(params, work_params):
         if isinstance(param, Int8Weight):
             param.assign_(values, stochastic=param.stochastic_rounding)
+        elif values is not param:
+            param.copy_(values)
+    for arg, work in zip(args, work_args):
+        if work is not arg:  # optimizer states and grads updated in fp32: write them back
+            for original, updated in zip(arg, work):
+                if updated is not original:
+                    original.copy_(updated)
 
 
 # ---------------------------------------------------------------- out-of-place math (plain result)

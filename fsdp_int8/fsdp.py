@@ -126,6 +126,7 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     blocks: BlockSpec | None = None,
+    quantize: bool = True,
 ) -> nn.Module:
     """Quantize ``model`` and shard it with FSDP2: each embedding, each block, then the root.
 
@@ -143,6 +144,8 @@ def shard_model(
         reshard_after_forward: ``True`` frees unsharded weights after forward; ``False``
             keeps them until backward. Integers are refused (see docs/limits.md).
         blocks: Block types or a predicate; default: discovered (see :func:`find_blocks`).
+        quantize: ``False`` shards the model in full precision with the same groups: the
+            fp32 / bf16 baseline that int8 runs are compared with.
 
     Returns:
         ``model``, now an ``FSDPModule``.
@@ -158,10 +161,11 @@ def shard_model(
         else default_device_type()
     )
     mesh = _resolve_mesh(mesh, device_type)
-    config = config or Int8TrainingConfig()
-    quantize_(model, config)
-    # Replicas (HSDP) must round identically: seed by the rank within the shard dim only.
-    _rng.manual_seed(config.seed, mesh.get_local_rank(mesh.ndim - 1))
+    if quantize:
+        config = config or Int8TrainingConfig()
+        quantize_(model, config)
+        # Replicas (HSDP) must round identically: seed by the rank within the shard dim only.
+        _rng.manual_seed(config.seed, mesh.get_local_rank(mesh.ndim - 1))
 
     found = find_blocks(model, blocks)
     if not found:

@@ -54,6 +54,7 @@ def compare_shards(model: nn.Module, reference: nn.Module, shard_rank: int, shar
     between each rank's int8 shard and the same rows of the single-process reference."""
     ref_params = dict(reference.named_parameters())
     max_diff, differing, total, scale_err = 0, 0, 0, 0.0
+    err_sq, ref_sq = 0.0, 0.0
     weights = int8_params(model)
     assert len(weights) == len(int8_params(reference)) > 0, "no int8 weights to compare"
     for name, param in weights:
@@ -72,9 +73,17 @@ def compare_shards(model: nn.Module, reference: nn.Module, shard_rank: int, shar
             )
         differing += int((diff > 0).sum())
         total += diff.numel()
-    counts = torch.tensor([differing, total], dtype=torch.float64)
-    dist.all_reduce(counts)  # the fraction over all shards: one rank's few rows are noisy
-    return max_diff, (counts[0] / counts[1].clamp_min(1)).item(), scale_err
+        ref_values = ref_rows.float() * ref_scale.unsqueeze(1)
+        err_sq += float((shard.dequantize(torch.float32).view_as(ref_values) - ref_values).pow(2).sum())
+        ref_sq += float(ref_values.pow(2).sum())
+    counts = torch.tensor([differing, total, err_sq, ref_sq], dtype=torch.float64)
+    dist.all_reduce(counts)  # over all shards: one rank's few rows are noisy
+    return dict(
+        max_diff=max_diff,
+        frac=(counts[0] / counts[1].clamp_min(1)).item(),
+        scale_err=scale_err,
+        rel_err=(counts[2].sqrt() / counts[3].sqrt().clamp_min(1e-30)).item(),
+    )
 
 
 def train_parity(
@@ -125,8 +134,7 @@ def train_parity(
         losses.append((mean_over_ranks(loss), ref_loss.item()))
     shard_rank = mesh.get_local_rank(mesh.ndim - 1) if mesh is not None else rank
     shard_world = mesh.size(mesh.ndim - 1) if mesh is not None else world
-    max_diff, frac, scale_err = compare_shards(model, reference, shard_rank, shard_world)
-    return dict(losses=losses, max_diff=max_diff, frac=frac, scale_err=scale_err)
+    return dict(losses=losses, **compare_shards(model, reference, shard_rank, shard_world))
 
 
 def assert_parity(result: dict, *, bf16: bool) -> None:
@@ -135,23 +143,22 @@ def assert_parity(result: dict, *, bf16: bool) -> None:
     fp32: FSDP sums the ranks' gradients in another order than one process does, so
     values differ by a few fp32 ulps (~1e-7 relative); round-to-nearest then flips only
     the int8 values within that distance of a .5 boundary: losses agree to 1e-5 relative,
-    at most 1% of int8 values differ, by at most one step.
+    at most 1% of int8 values differ, by at most one step, scales by 1e-5.
     bf16 policy (SGD, see train_parity): the FSDP run computes in bf16 (8-bit mantissa,
-    0.4% per rounding) against an fp32 reference: losses agree to 3%; an update of about
-    one int8 step that is off by ~1% crosses a rounding boundary for a few % of the
-    values (up to ~9% seen with 5-element rows, whose absmax moves more): at most 10%
-    of int8 values differ; a row's absmax (so its scale) moves by
-    up to ~1%, which shifts its largest values by up to ~1 step before rounding: at most 2.
+    0.4% per rounding) against an fp32 reference, so the two trajectories drift apart
+    value by value (a differently rounded int8 value feeds the next step). What must
+    hold is closeness in aggregate: losses within 3% and the dequantized weights within
+    2% of the reference's norm (one int8 step is ~1% of a row's typical magnitude; seen:
+    at most 0.62% after 8 steps, FSDP_INT8_PRINT_PARITY=1 prints them).
     """
     for step, (loss, ref) in enumerate(result["losses"]):
         rel = abs(loss - ref) / abs(ref)
         limit = 3e-2 if bf16 else 1e-5
         assert rel <= limit, f"step {step}: loss {loss} vs reference {ref} ({rel:.2e} > {limit})"
     if bf16:
-        assert result["max_diff"] <= 2, result
-        assert result["frac"] <= 0.10, result
-        assert result["scale_err"] <= 1e-2, result
+        assert result["rel_err"] <= 2e-2, result
     else:
         assert result["max_diff"] <= 1, result
         assert result["frac"] <= 0.01, result
         assert result["scale_err"] <= 1e-5, result
+        assert result["rel_err"] <= 1e-3, result

@@ -6,6 +6,7 @@ Each test spawns its ranks once and runs many cases inside (a spawn costs second
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ def _parity_matrix(rank: int, world: int, hiddens: tuple[int, ...], mesh=None) -
                         rank, world, hidden=hidden, mp_policy=BF16_POLICY if bf16 else None,
                         reshard_after_forward=reshard, steps=STEPS, mesh=mesh,
                     )
+                    if rank == 0 and os.environ.get("FSDP_INT8_PRINT_PARITY"):
+                        print(name, {k: v for k, v in result.items() if k != "losses"}, flush=True)
                     assert_parity(result, bf16=bf16)
 
 
