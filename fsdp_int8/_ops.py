@@ -92,7 +92,9 @@ def _rows_of(weight: Int8Weight, count: int, what: str) -> int:
 
 
 def _check_dim0(dim: int, ndim: int, op: str) -> None:
-    if dim % max(ndim, 1) != 0:
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    if dim % ndim != 0:
         raise NotImplementedError(
             f"Int8Weight supports {op} along dim 0 only (whole rows: each row has its own "
             f"scale), got dim={dim}"

@@ -29,9 +29,10 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
     """Swap eligible ``nn.Linear`` weights of ``model`` for int8 weights, in place.
 
     Quantization rounds to nearest; later optimizer updates use the config's rounding.
-    Idempotent (already quantized weights are left alone), and works on a model on the
-    meta device (``to_empty`` then allocates int8 storage). It also seeds the
-    stochastic-rounding generator from ``config.seed`` and this process's rank.
+    Idempotent (already quantized weights are left alone), keeps tied weights tied, and
+    works on a model on the meta device (``to_empty`` then allocates int8 storage). When it
+    quantizes anything it also seeds the stochastic-rounding generator from
+    ``config.seed`` and this process's rank.
 
     Args:
         model: The model, before any ``fully_shard``.
@@ -49,19 +50,23 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
             "quantize_ got a model that is already sharded (fully_shard or DTensor parameters). "
             "Quantize first, then shard: use fsdp_int8.shard_model(model), which does both."
         )
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    _rng.manual_seed(config.seed, rank)
-    for name, module in model.named_modules():
+    swapped: dict[int, nn.Parameter] = {}  # tied weights stay tied
+    for name, module in model.named_modules(remove_duplicate=False):
         if not config.should_quantize(module, name):
             continue
         weight = module.weight
         if isinstance(weight, Int8Weight):
             continue
-        with torch.no_grad():
-            int8_weight = Int8Weight.from_float(
-                weight, stochastic_rounding=config.stochastic_rounding
-            )
-        module.weight = nn.Parameter(int8_weight, requires_grad=weight.requires_grad)
+        if id(weight) not in swapped:
+            with torch.no_grad():
+                int8_weight = Int8Weight.from_float(
+                    weight, stochastic_rounding=config.stochastic_rounding
+                )
+            swapped[id(weight)] = nn.Parameter(int8_weight, requires_grad=weight.requires_grad)
+        module.weight = swapped[id(weight)]
+    if swapped:  # a repeated call changes nothing, not even the generator
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        _rng.manual_seed(config.seed, rank)
     return model
 
 

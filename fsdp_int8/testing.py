@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -72,7 +73,9 @@ def _worker(rank, world_size, init_file, body, args, results) -> None:
     os.environ.setdefault("WORLD_SIZE", str(world_size))
     try:
         _init_process_group(rank, world_size, init_file)
-        value = body(rank, world_size, *args)
+        # Plain pickle bytes: a queue would pass tensors as shared-memory handles that die
+        # with this process before the parent reads them.
+        value = pickle.dumps(body(rank, world_size, *args))
         _teardown()
         results.put((rank, True, value))
     except BaseException:  # report everything, including assertion failures
@@ -131,7 +134,7 @@ def run_distributed(
     if failures:
         details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
 try:

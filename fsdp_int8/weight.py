@@ -191,7 +191,8 @@ class Int8Weight(torch.Tensor):
         return (
             _rebuild_int8_weight,
             (self.int_data.clone(), self.scale.clone(), self.dtype, self.row_len,
-             self.full_rows, self.stochastic_rounding, self.requires_grad),
+             self.full_rows, self.stochastic_rounding, self.requires_grad,
+             getattr(self, "_is_param", False)),
         )
 
     # ------------------------------------------------------------------ FSDP2 all-gather
@@ -227,11 +228,15 @@ class Int8Weight(torch.Tensor):
         return _ops.dispatch(func, args, kwargs or {})
 
 
-def _rebuild_int8_weight(int_data, scale, dtype, row_len, full_rows, stochastic, requires_grad):
+def _rebuild_int8_weight(
+    int_data, scale, dtype, row_len, full_rows, stochastic, requires_grad, is_param=False
+):
     weight = Int8Weight(
         int_data, scale, dtype=dtype, row_len=row_len, full_rows=full_rows,
         stochastic_rounding=stochastic,
     )
+    if is_param:  # a pickled module's parameter comes back as a parameter
+        return torch.nn.Parameter(weight, requires_grad=requires_grad)
     return weight.requires_grad_(requires_grad) if requires_grad else weight
 
 

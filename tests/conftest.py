@@ -1,0 +1,38 @@
+"""Shared setup for the single-process tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+# Let plain `pytest` (not only `python -m pytest` from the repo root) import the package.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from fsdp_int8 import _rng  # noqa: E402
+
+# Under pytest-xdist every worker is its own process: one intra-op thread each keeps
+# `-n <cores>` from oversubscribing the CPU (the tests use small tensors anyway).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_rngs(request):
+    """Every single-process test starts from the same torch and stochastic-rounding streams.
+
+    The stochastic-rounding generator is process-global, so without this a test's draws
+    would depend on which tests xdist happened to run before it in the same worker.
+    (Tests in subdirectories such as tests/distributed manage their own seeding.)
+    """
+    if os.path.dirname(str(request.node.path)) == _HERE:
+        torch.manual_seed(0)
+        _rng.manual_seed(0, 0)
+    yield

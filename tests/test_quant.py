@@ -1,0 +1,237 @@
+"""Numerics of the row-wise int8 quantizer against analytic values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fsdp_int8
+from fsdp_int8 import _rng
+from fsdp_int8.quant import INT8_MAX, dequantize_rowwise, quantize_rowwise
+
+FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23
+
+
+# ------------------------------------------------------------------ exact values
+def test_hand_made_2x4_exact_values_and_scales():
+    # Row 0: absmax 1.27 -> scale 0.01; row 1: absmax 2.54 (a negative entry) -> scale 0.02.
+    # Every x / scale sits at least 0.2 away from a .5 tie, so fp32 rounding of the
+    # division cannot flip a result.
+    x = torch.tensor([[1.27, -0.5, 0.254, 0.0], [-2.54, 1.0, 0.3, -0.016]])
+    q, s = quantize_rowwise(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert q.shape == (2, 4) and s.shape == (2,)
+    assert q.tolist() == [[127, -50, 25, 0], [-127, 50, 15, -1]]
+    # scale is exactly amax / 127 computed in fp32 ...
+    assert torch.equal(s, torch.tensor([1.27, 2.54]) / 127)
+    # ... which is the analytic 0.01 / 0.02 up to fp32 rounding.
+    torch.testing.assert_close(s, torch.tensor([0.01, 0.02]), rtol=2 * FP32_EPS, atol=0)
+    assert INT8_MAX == 127
+
+
+def test_dequantize_is_int_times_scale_in_requested_dtype():
+    q = torch.tensor([[127, -3], [0, 5]], dtype=torch.int8)
+    s = torch.tensor([0.5, 0.25])
+    assert torch.equal(dequantize_rowwise(q, s), torch.tensor([[63.5, -1.5], [0.0, 1.25]]))
+    out = dequantize_rowwise(q, s, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.tensor([[63.5, -1.5], [0.0, 1.25]], dtype=torch.bfloat16))
+
+
+def test_rejects_non_2d_and_integer_inputs():
+    with pytest.raises(ValueError, match=r"2-D tensor, got shape \(8,\)"):
+        quantize_rowwise(torch.ones(8))
+    with pytest.raises(TypeError, match="floating tensor, got torch.int32"):
+        quantize_rowwise(torch.ones(2, 2, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ symmetric range
+def _edge_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose absmax is exactly representable, positive or negative, huge or tiny."""
+    info = torch.finfo(dtype)
+    rows = [
+        [127.0, -127.0, 1.0, -0.5],
+        [-1.0, 0.5, 0.25, -0.125],  # negative absmax must map to -127, never -128
+        [-2.0, -2.0, -2.0, -2.0],
+        [0.5, -0.5, 0.5, -0.5],
+        [info.max, -info.max, 1.0, 0.0],
+        [-info.tiny, info.tiny / 2, 0.0, info.tiny],
+        [-3.0, 2.9999, -2.9999, 3.0],
+    ]
+    return torch.tensor(rows, dtype=torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_range_is_symmetric_for_every_input_dtype(dtype, stochastic):
+    gen = torch.Generator().manual_seed(1)
+    random = torch.randn(512, 64, generator=gen) * torch.logspace(-3, 3, 512)[:, None]
+    for x in (_edge_rows(dtype), random.to(dtype)):
+        q, s = quantize_rowwise(x, stochastic=stochastic)
+        assert q.min() >= -127 and q.max() <= 127
+        assert not (q == -128).any()
+        assert torch.isfinite(s).all() and (s >= 0).all()
+        # The absmax element of every non-zero row lands exactly on +-127.
+        nonzero = x.float().abs().amax(1) > 0
+        assert (q.abs().amax(1)[nonzero] == 127).all()
+        # ... with the sign of that element.
+        idx = x.float().abs().argmax(1, keepdim=True)
+        signs = torch.sign(x.float().gather(1, idx)).squeeze(1)
+        assert torch.equal(torch.sign(q.gather(1, idx).squeeze(1).float())[nonzero], signs[nonzero])
+
+
+def test_negative_absmax_row_is_minus_127_not_minus_128():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.tensor([[-1.0, 0.25, 0.5, 0.125]], dtype=dtype)
+        q, s = quantize_rowwise(x)
+        assert q[0, 0].item() == -127
+        assert s.item() == pytest.approx(1 / 127, rel=FP32_EPS)
+
+
+# ------------------------------------------------------------------ zeros, NaN, Inf
+def test_all_zero_row_has_zero_scale_and_dequantizes_to_zero():
+    x = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5], [-0.0, 0.0, -0.0]])
+    for stochastic in (False, True):
+        q, s = quantize_rowwise(x, stochastic=stochastic)
+        assert torch.isfinite(s).all()
+        assert s[0].item() == 0.0 and s[2].item() == 0.0
+        assert (q[0] == 0).all() and (q[2] == 0).all()
+        deq = dequantize_rowwise(q, s)
+        assert torch.isfinite(deq).all()
+        assert (deq[0] == 0).all() and (deq[2] == 0).all()
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_and_inf_raise_with_shape_and_count(stochastic, dtype):
+    x = torch.randn(3, 5)
+    x[0, 1] = float("nan")
+    x[2, 4] = float("inf")
+    x[2, 0] = float("-inf")
+    with pytest.raises(ValueError, match=r"shape \(3, 5\).*holds 3 non-finite values"):
+        quantize_rowwise(x.to(dtype), stochastic=stochastic)
+    y = torch.zeros(2, 7)
+    y[1, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"shape \(2, 7\).*holds 1 non-finite values"):
+        quantize_rowwise(y.to(dtype), stochastic=stochastic)
+
+
+# ------------------------------------------------------------------ round to nearest
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_to_nearest_error_is_at_most_half_a_step(dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(64, 96, generator=gen) * torch.logspace(-2, 2, 64)[:, None]).to(dtype)
+    q, s = quantize_rowwise(x)
+    err = (dequantize_rowwise(q, s) - x.float()).abs()
+    # Exact arithmetic gives err <= scale/2. In fp32, x / scale and q * scale are each
+    # rounded once (relative error <= eps/2 of values up to 127 * scale), so allow a few
+    # eps of the row's absmax on top; this is ~1e-7 of the bound, far below any real bug.
+    slack = 4 * FP32_EPS * 127 * s[:, None]
+    assert (err <= s[:, None] / 2 + slack).all(), (err / s[:, None]).max()
+    # And the bound is tight: some elements are close to half a step away.
+    assert (err / s[:, None]).max() > 0.45
+
+
+# ------------------------------------------------------------------ stochastic rounding
+def _between_grid_points(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 4x64 tensor whose rows have scales 1e-3, 0.05, 1 and 7; element 0 is the absmax
+    (exactly 127 steps), the others sit at ``k + f`` steps with ``f`` in [0.05, 0.95]."""
+    scales = torch.tensor([1e-3, 0.05, 1.0, 7.0])
+    k = torch.randint(-120, 120, (4, 64), generator=gen).float()
+    f = 0.05 + 0.9 * torch.rand(4, 64, generator=gen)
+    steps = k + f
+    steps[:, 0] = 127.0
+    return steps * scales[:, None], scales
+
+
+def test_stochastic_rounding_is_unbiased():
+    _rng.manual_seed(1234, 0)
+    x, _ = _between_grid_points(torch.Generator().manual_seed(3))
+    n = 4000
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for _ in range(n):
+        q, s = quantize_rowwise(x, stochastic=True)
+        total += dequantize_rowwise(q, s).double()
+    mean = total / n
+    s = quantize_rowwise(x)[1].double()[:, None]
+    # One SR draw of an element at k + f steps is (k + Bernoulli(f)) * scale: variance
+    # f (1 - f) scale^2 <= scale^2 / 4, so the mean of n draws has sigma <= scale / (2 sqrt n).
+    # 5 sigma: a two-sided normal tail of 5.7e-7 per element, 1.5e-4 over all 256
+    # elements (Bonferroni) -- the run is seeded, so this is a margin, not a flake rate.
+    # RTN would miss by up to 0.45 scale here, ~57x this bound.
+    sigma = s / (2 * math.sqrt(n))
+    float_slack = 4 * FP32_EPS * 127 * s  # fp32 rounding of x / scale and q * scale
+    bias = (mean - x.double()).abs()
+    assert (bias <= 5 * sigma + float_slack).all(), (bias / sigma).max()
+    # Sanity: the draws really spread over two grid points (not RTN in disguise).
+    q_rtn, _ = quantize_rowwise(x)
+    assert not torch.equal(quantize_rowwise(x, stochastic=True)[0], q_rtn)
+
+
+def test_stochastic_rounding_rounds_up_with_probability_of_the_fraction():
+    _rng.manual_seed(99, 0)
+    scale = 0.01
+    x = torch.full((1, 64), 10.3 * scale)
+    x[0, 0] = 127 * scale  # absmax: scale is 0.01 up to fp32 rounding
+    q_rtn, _ = quantize_rowwise(x)
+    assert (q_rtn[0, 1:] == 10).all()  # round to nearest always goes down from 10.3
+    n = 2000
+    ups = 0
+    for _ in range(n):
+        q, _ = quantize_rowwise(x, stochastic=True)
+        assert ((q[0, 1:] == 10) | (q[0, 1:] == 11)).all()  # only the two neighbours
+        ups += int((q[0, 1:] == 11).sum())
+    frac = ups / (63 * n)
+    # Binomial(126000, 0.3): sigma = sqrt(0.21 / 126000) = 0.0013; 0.01 is ~7.7 sigma.
+    assert abs(frac - 0.3) < 0.01, frac
+
+
+# ------------------------------------------------------------------ SR generator
+def _draw(x: torch.Tensor) -> torch.Tensor:
+    return quantize_rowwise(x, stochastic=True)[0]
+
+
+def test_sr_stream_reproducible_per_seed_and_rank():
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    _rng.manual_seed(7, 0)
+    a1, a2 = _draw(x), _draw(x)
+    _rng.manual_seed(7, 0)
+    b1, b2 = _draw(x), _draw(x)
+    assert torch.equal(a1, b1) and torch.equal(a2, b2)
+    assert not torch.equal(a1, a2)  # the stream advances between draws
+    _rng.manual_seed(7, 1)
+    assert not torch.equal(_draw(x), a1)  # another shard rank draws other noise
+    _rng.manual_seed(8, 0)
+    assert not torch.equal(_draw(x), a1)  # another seed too
+    assert _rng.seed_for(7, 0) != _rng.seed_for(7, 1) != _rng.seed_for(8, 0)
+
+
+def test_sr_stream_is_independent_of_torch_global_rng():
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    _rng.manual_seed(3, 0)
+    torch.manual_seed(100)
+    a = _draw(x)
+    _rng.manual_seed(3, 0)
+    torch.manual_seed(200)
+    assert torch.equal(_draw(x), a)
+    # ... and SR draws do not consume the global stream (dropout etc. stay reproducible).
+    before = torch.get_rng_state()
+    _draw(x)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_rounding_rng_state_roundtrip():
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    _rng.manual_seed(11, 0)
+    _draw(x)  # make sure the cpu generator exists and has advanced
+    state = fsdp_int8.rounding_rng_state()
+    assert "cpu" in state and state["cpu"].dtype == torch.uint8
+    first, second = _draw(x), _draw(x)
+    fsdp_int8.set_rounding_rng_state(state)
+    assert torch.equal(_draw(x), first)
+    assert torch.equal(_draw(x), second)
+    # The returned state is a copy: drawing did not change it, so restoring twice works.
+    fsdp_int8.set_rounding_rng_state(state)
+    assert torch.equal(_draw(x), first)
