@@ -7,6 +7,15 @@ are written back with stochastic rounding; FSDP2 all-gathers the int8 bytes.
 import torch
 
 from fsdp_int8 import _rng
+from fsdp_int8.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    export_full_state_dict,
+    latest_checkpoint,
+    load_checkpoint,
+    load_full_state_dict,
+    save_checkpoint,
+)
 from fsdp_int8.comm import CollectiveCounter, CollectiveRecord, count_collectives
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import init_int8_weights_, quantize_
@@ -23,6 +32,13 @@ __all__ = [
     "init_int8_weights_",
     "shard_model",
     "find_blocks",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "export_full_state_dict",
+    "load_full_state_dict",
+    "CheckpointError",
+    "CheckpointInfo",
     "count_collectives",
     "CollectiveCounter",
     "CollectiveRecord",

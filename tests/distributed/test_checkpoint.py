@@ -1,0 +1,147 @@
+"""Sharded checkpoints across processes: bit-exact loads at other world sizes, exact resume,
+full-precision export and import under FSDP2.
+
+The rows (33) never divide the world sizes used (2, 4): every shard load is uneven.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule
+
+import fsdp_int8
+from fsdp_int8 import Int8TrainingConfig, Int8Weight
+from fsdp_int8.testing import run_distributed
+
+from _cases import case
+from _nets import MLPNet
+
+BATCH = 8  # global batch: divides 1, 2 and 4 ranks
+
+
+def _model():
+    torch.manual_seed(0)
+    model = fsdp_int8.shard_model(MLPNet(hidden=33), config=Int8TrainingConfig(seed=7))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, opt, first_step: int, steps: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = BATCH // world
+    for step in range(first_step, first_step + steps):
+        data = torch.Generator().manual_seed(step)  # the batch depends on the step only
+        x, y = torch.randn(BATCH, 32, generator=data), torch.randn(BATCH, 4, generator=data)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _snapshot(model, opt) -> dict:
+    """Full int8 bytes, scales and optimizer states (gathered: comparable at any world size)."""
+    weights = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor()
+        weights[name] = (full.int_data.clone(), full.scale.clone()) if isinstance(full, Int8Weight) else full.detach().clone()
+    states = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    moments = {
+        f"{fqn}.{k}": v.detach().clone()
+        for fqn, state in states["state"].items() for k, v in state.items()
+    }
+    return {"weights": weights, "optimizer": moments}
+
+
+def _assert_identical(a: dict, b: dict, what: str) -> None:
+    assert a["weights"].keys() == b["weights"].keys() and a["optimizer"].keys() == b["optimizer"].keys()
+    for name, x in a["weights"].items():
+        y = b["weights"][name]
+        same = all(map(torch.equal, x, y)) if isinstance(x, tuple) else torch.equal(x, y)
+        assert same, f"{what}: weight {name} differs"
+    for name, x in a["optimizer"].items():
+        assert torch.equal(x, b["optimizer"][name]), f"{what}: optimizer state {name} differs"
+
+
+def _save_then_continue(rank, world, root):
+    """3 steps, save, 3 more: the snapshots after 3 and after 6 uninterrupted steps."""
+    model, opt = _model()
+    _train(model, opt, 0, 3)
+    fsdp_int8.save_checkpoint(root, model, opt, step=3, extra={"run": "test"})
+    at_save = _snapshot(model, opt)
+    _train(model, opt, 3, 3)
+    return at_save, _snapshot(model, opt)
+
+
+def _load_at_one_rank_then_save(rank, world, root, root_from_one):
+    model, opt = _model()
+    info = fsdp_int8.load_checkpoint(root, model, opt)
+    assert info.step == 3 and info.world_size == 2 and not info.rng_restored
+    loaded = _snapshot(model, opt)
+    fsdp_int8.save_checkpoint(root_from_one, model, opt, step=3)
+    return loaded
+
+
+def _resume_at_two_ranks(rank, world, root, root_from_one):
+    out = {}
+    with case("1 -> 2 load"):
+        model, opt = _model()
+        info = fsdp_int8.load_checkpoint(root_from_one, model, opt)
+        assert info.world_size == 1 and not info.rng_restored
+        out["from_one"] = _snapshot(model, opt)
+    with case("2 -> 2 resume"):
+        model, opt = _model()
+        info = fsdp_int8.load_checkpoint(root, model, opt)
+        assert info.step == 3 and info.rng_restored and info.extra == {"run": "test"}
+        out["loaded"] = _snapshot(model, opt)
+        _train(model, opt, info.step, 3)
+        out["resumed"] = _snapshot(model, opt)
+    with case("export to full precision, import back"):
+        exported = fsdp_int8.export_full_state_dict(model, dtype=torch.float32)
+        assert (len(exported) > 0) == (rank == 0)
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            int8_output = model(x)  # a collective: every rank runs it
+        for module in model.modules():  # the root and last block stay gathered after forward
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        if rank == 0:
+            plain = MLPNet(hidden=33)
+            plain.load_state_dict(exported)  # the unquantized model takes it as is
+            # the same dequantized values, multiplied in another order: fp32 rounding only
+            torch.testing.assert_close(plain(x), int8_output, rtol=1e-5, atol=1e-5)
+        fresh, _ = _model()
+        fsdp_int8.load_full_state_dict(fresh, exported)  # rank 0 has it, others pass {}
+        for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+            a_local, b_local = a._local_tensor, b._local_tensor
+            if isinstance(a_local, Int8Weight):  # dequantize + round to nearest is exact
+                assert torch.equal(a_local.int_rows(), b_local.int_rows()), name
+                assert torch.equal(a_local.scale, b_local.scale), name
+            else:
+                assert torch.equal(a_local, b_local), name
+    return out
+
+
+def _load_at_four_ranks(rank, world, root):
+    model, opt = _model()
+    fsdp_int8.load_checkpoint(root, model, opt)
+    loaded = _snapshot(model, opt)
+    _train(model, opt, 3, 1)  # and it trains on
+    return loaded
+
+
+def test_checkpoints_across_world_sizes_and_exact_resume():
+    with tempfile.TemporaryDirectory() as tmp:
+        root, root_from_one = f"{tmp}/two", f"{tmp}/one"
+        at_save, uninterrupted = run_distributed(_save_then_continue, 2, root)[0]
+        from_two_at_one = run_distributed(_load_at_one_rank_then_save, 1, root, root_from_one)[0]
+        _assert_identical(at_save, from_two_at_one, "2 -> 1 load")
+        two = run_distributed(_resume_at_two_ranks, 2, root, root_from_one)[0]
+        _assert_identical(at_save, two["from_one"], "1 -> 2 load")
+        _assert_identical(at_save, two["loaded"], "2 -> 2 load")
+        _assert_identical(uninterrupted, two["resumed"], "save at 3, restart, 3 more == 6 steps")
+        from_two_at_four = run_distributed(_load_at_four_ranks, 4, root)[0]
+        _assert_identical(at_save, from_two_at_four, "2 -> 4 load")
