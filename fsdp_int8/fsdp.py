@@ -58,16 +58,18 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Mo
         if callable(blocks):
             return _outermost(model, blocks)
         raise TypeError(f"blocks must be module types or a predicate, got {blocks!r}")
-    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    no_split = getattr(model, "_no_split_modules", None) or ()
+    no_split = {no_split} if isinstance(no_split, str) else set(no_split)
     if no_split:
         found = _outermost(model, lambda m: type(m).__name__ in no_split)
         if found:
             return found
-    return [
+    blocks_in_lists = (
         block
         for module_list in _outermost(model, lambda m: _is_repeated_blocks(m))
         for block in module_list
-    ]
+    )
+    return list({id(b): b for b in blocks_in_lists}.values())  # a block shared twice is one block
 
 
 def _is_repeated_blocks(module: nn.Module) -> bool:
@@ -161,18 +163,18 @@ def shard_model(
         else default_device_type()
     )
     mesh = _resolve_mesh(mesh, device_type)
+    found = find_blocks(model, blocks)  # before quantizing: a refused model stays as it was
+    if not found:
+        raise ValueError(
+            f"shard_model found no blocks in {type(model).__name__}: no nn.ModuleList of "
+            "repeated modules and no _no_split_modules. Pass blocks=(MyBlock,) or a predicate."
+        )
     if quantize:
         config = config or Int8TrainingConfig()
         quantize_(model, config)
         # Replicas (HSDP) must round identically: seed by the rank within the shard dim only.
         _rng.manual_seed(config.seed, mesh.get_local_rank(mesh.ndim - 1))
 
-    found = find_blocks(model, blocks)
-    if not found:
-        raise ValueError(
-            f"shard_model found no blocks in {type(model).__name__}: no nn.ModuleList of "
-            "repeated modules and no _no_split_modules. Pass blocks=(MyBlock,) or a predicate."
-        )
     options = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     in_blocks = {id(m) for block in found for m in block.modules()}
     for embedding in model.modules():

@@ -28,6 +28,7 @@ import os
 import pickle
 import queue
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 __all__ = ["device_type_for", "run_distributed", "DistributedTestCase"]
 
 DEFAULT_TIMEOUT_S = 300.0
+_POLL_S = 0.5  # how often a silent wait checks for ranks that died without reporting
 
 
 def device_type_for(world_size: int) -> str:
@@ -69,8 +71,7 @@ def _teardown() -> None:
 
 
 def _worker(rank, world_size, init_file, body, args, results) -> None:
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     try:
         _init_process_group(rank, world_size, init_file)
         # Plain pickle bytes: a queue would pass tensors as shared-memory handles that die
@@ -111,16 +112,27 @@ def run_distributed(
         for p in procs:
             p.start()
         outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
         try:
             while len(outcomes) < world_size:
                 try:
-                    rank, ok, value = results.get(timeout=timeout)
+                    rank, ok, value = results.get(timeout=_POLL_S)
                 except queue.Empty:
-                    missing = sorted(set(range(world_size)) - set(outcomes))
-                    raise TimeoutError(
-                        f"ranks {missing} of {world_size} did not finish in {timeout:.0f} s "
-                        "(a hang: a collective that not every rank reached?)"
-                    ) from None
+                    dead = [
+                        r for r, p in enumerate(procs)
+                        if r not in outcomes and p.exitcode is not None
+                    ]
+                    if dead and results.empty():  # died without a word (crash, OOM kill, ...)
+                        for r in dead:
+                            outcomes[r] = (False, f"exited with code {procs[r].exitcode} before reporting\n")
+                        break
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - set(outcomes))
+                        raise TimeoutError(
+                            f"ranks {missing} of {world_size} did not finish in {timeout:.0f} s "
+                            "(a hang: a collective that not every rank reached?)"
+                        ) from None
+                    continue
                 outcomes[rank] = (ok, value)
                 if not ok:  # a failed rank may leave the others blocked in a collective
                     break

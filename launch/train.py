@@ -1,83 +1,109 @@
-"""Train a small Llama-style byte-level LM with FSDP2 and int8 weights.
+"""Train a small Llama-style byte-level language model with FSDP2 and int8 weights.
 
-Run under torchrun (one process per GPU, or per CPU share without GPUs)::
+Run it under torchrun, one process per GPU (or per share of the CPU without GPUs):
 
     torchrun --nproc_per_node 2 -m launch.train --preset tiny --precision int8
 
-The device and backend come from the environment: CUDA + NCCL when every local rank has
-a GPU, CPU + gloo otherwise. The default corpus is the Python standard library's source.
+CUDA + NCCL are used when every local rank has a GPU, CPU + gloo otherwise. The text is
+the Python standard library's own source unless --data names a directory or file. A run
+writes to --out: metrics.jsonl (every step), loss.png, and checkpoints/ every
+--checkpoint-every steps; --resume (or a torchrun restart) continues from the latest one.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
 import time
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdp_int8
-from launch.data import load_corpus, sample_batch
+from launch.data import Corpus, load_corpus, sample_batch
+from launch.metrics import MetricsLog, Progress, bits_per_byte, plot_losses, read_metrics
 from launch.model import PRESETS, ModelArgs, Transformer
 
 PRECISIONS = ("fp32", "bf16", "int8")
 
 
+# ---------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="launch.train",
+        prog="torchrun --nproc_per_node N -m launch.train",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     model = parser.add_argument_group("model")
-    model.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
+    model.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                       help="model size (default: tiny, for CPUs; 1b is about a billion parameters)")
     model.add_argument("--dim", type=int, help="override the preset's width")
-    model.add_argument("--n-layers", type=int, help="override the preset's depth")
-    model.add_argument("--n-heads", type=int, help="override the preset's head count")
+    model.add_argument("--n-layers", type=int, help="override the preset's number of blocks")
+    model.add_argument("--n-heads", type=int, help="override the preset's attention heads")
     train = parser.add_argument_group("training")
     train.add_argument("--precision", default="int8", choices=PRECISIONS,
-                       help="fp32 / bf16-mixed FSDP2 baselines, or int8 weights (default)")
+                       help="int8 weights (default), or the fp32 / bf16-mixed FSDP2 baselines")
     train.add_argument("--compute-dtype", default="fp32", choices=("fp32", "bf16"),
-                       help="matmul dtype of int8 runs (the int8 all-gather is the same)")
-    train.add_argument("--steps", type=int, default=300, help="optimizer steps")
+                       help="matmul dtype of int8 runs (the all-gather is int8 either way)")
+    train.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     train.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     train.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
-    train.add_argument("--weight-decay", type=float, default=0.1)
-    train.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    train.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
+    train.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    train.add_argument("--replicas", type=int, default=1,
+                       help="HSDP: replicate the sharded model over this many groups of ranks")
+    train.add_argument("--seed", type=int, default=0, help="seeds init, data order and rounding")
     data = parser.add_argument_group("data")
     data.add_argument("--data", help="directory or file of text (default: Python's stdlib source)")
-    data.add_argument("--max-bytes", type=int, default=None, help="read at most this much text")
-    out = parser.add_argument_group("output")
-    out.add_argument("--log-every", type=int, default=25, help="print every N steps")
+    data.add_argument("--max-bytes", type=int, help="read at most this much text")
+    out = parser.add_argument_group("output and checkpoints")
+    out.add_argument("--out", default="runs/demo", help="directory for metrics, plot, checkpoints")
+    out.add_argument("--eval-every", type=int, default=100, help="validation every N steps")
     out.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank")
+    out.add_argument("--checkpoint-every", type=int, default=100, help="save every N steps (0: never)")
+    out.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    out.add_argument("--resume", action="store_true",
+                     help="continue from the latest checkpoint in --out (implied after a torchrun restart)")
     args = parser.parse_args(argv)
-    if args.preset not in PRESETS:
-        parser.error(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-    for name in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
+
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "replicas", "keep"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must be >= 0")
+    try:
+        args.model = model_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world % args.replicas:
+        parser.error(f"--replicas {args.replicas} does not divide the world size {world}")
     return args
 
 
 def model_args(args: argparse.Namespace) -> ModelArgs:
     preset = PRESETS[args.preset]
     overrides = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads") if getattr(args, k)}
-    fields = {**preset.__dict__, **overrides, "hidden_dim": 0 if overrides else preset.hidden_dim}
+    fields = {**preset.__dict__, **overrides}
+    if overrides:
+        fields["hidden_dim"] = 0  # recomputed from the new width
     fields["max_seq_len"] = max(fields["max_seq_len"], args.seq_len)
     return ModelArgs(**fields)
 
 
+# ---------------------------------------------------------------- set-up
 def setup_distributed() -> tuple[int, int, torch.device]:
-    """Rank, world size and device from torchrun's environment."""
-    if "RANK" not in os.environ:
-        raise SystemExit("run this under torchrun, e.g. torchrun --nproc_per_node 2 -m launch.train")
+    """Rank, world size and device, from torchrun's environment."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
@@ -86,92 +112,169 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(backend=dist.get_default_backend_for_device(device))
-    return dist.get_rank(), dist.get_world_size(), device
+    # After a torchrun restart the agent's store still holds the previous attempt's keys,
+    # and gloo would read the dead ranks' addresses from them: give each attempt its own.
+    store, rank, world = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend=dist.get_default_backend_for_device(device),
+        store=dist.PrefixStore(f"launch.train/attempt_{attempt}", store),
+        rank=rank, world_size=world,
+    )
+    return rank, world, device
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> Transformer:
     """Build on meta, shard (quantizing for int8), allocate on the device, initialise."""
     with torch.device("meta"):
-        model = Transformer(model_args(args))
+        model = Transformer(args.model)
+    world = dist.get_world_size()
+    mesh = (
+        init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+        if args.replicas > 1 else init_device_mesh(device.type, (world,))
+    )
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if args.precision == "int8":
         fsdp_int8.shard_model(
-            model, config=fsdp_int8.Int8TrainingConfig(seed=args.seed),
+            model, mesh=mesh, config=fsdp_int8.Int8TrainingConfig(seed=args.seed),
             mp_policy=bf16 if args.compute_dtype == "bf16" else None,
         )
     else:
-        fsdp_int8.shard_model(model, quantize=False, mp_policy=bf16 if args.precision == "bf16" else None)
+        fsdp_int8.shard_model(model, mesh=mesh, quantize=False,
+                              mp_policy=bf16 if args.precision == "bf16" else None)
     model.to_empty(device=device)
     torch.manual_seed(args.seed)
-    model.init_weights()
+    with warnings.catch_warnings():  # DTensor's CPU random-op notice; see docs/limits.md
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        model.init_weights()
     return model
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def batch_generator(args: argparse.Namespace, rank: int, step: int) -> torch.Generator:
+    """The batch depends only on (seed, rank, step): a resumed run sees the same data."""
+    return torch.Generator().manual_seed((args.seed * 1_000_003 + rank) * 1_000_003 + step)
+
+
 def loss_on(model: Transformer, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(inputs)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
 
 
 @torch.no_grad()
-def evaluate(model, data, args, rank, device) -> float:
-    generator = torch.Generator().manual_seed(10_000 + rank)
+def evaluate(model: Transformer, corpus: Corpus, args: argparse.Namespace, device: torch.device) -> float:
+    generator = torch.Generator().manual_seed(10_000 + dist.get_rank())  # the same batches every time
     total = torch.zeros((), device=device)
     for _ in range(args.eval_batches):
-        inputs, targets = sample_batch(data, args.batch_size, args.seq_len, generator)
+        inputs, targets = sample_batch(corpus.val, args.batch_size, args.seq_len, generator)
         total += loss_on(model, inputs.to(device), targets.to(device))
     dist.all_reduce(total)
     return total.item() / (args.eval_batches * dist.get_world_size())
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    corpus = load_corpus(args.data, args.max_bytes)  # before the process group: fail fast
+def restarted_by_torchrun() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+
+
+# ---------------------------------------------------------------- the run
+def train(args: argparse.Namespace, corpus: Corpus) -> None:
     rank, world, device = setup_distributed()
-    try:
-        model = build_model(args, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-        generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    out = Path(args.out)
+    checkpoints = out / "checkpoints"
+    model = build_model(args, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    start = 0
+    if (args.resume or restarted_by_torchrun()) and fsdp_int8.latest_checkpoint(checkpoints):
+        start = fsdp_int8.load_checkpoint(checkpoints, model, optimizer).step
+    log = MetricsLog(out / "metrics.jsonl", resume_step=start) if rank == 0 else None
+    progress = Progress(total=args.steps, initial=start, enabled=rank == 0)
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        progress.write(
+            f"{args.precision} {args.preset}: {params / 1e6:.2f}M parameters on {world} x {device.type}; "
+            f"{corpus.train.numel() / 1e6:.1f} MB of text from {corpus.source}"
+            + (f"; resumed at step {start}" if start else "")
+        )
+        log.write(event="start", step=start, world_size=world, precision=args.precision, preset=args.preset)
+
+    tokens_per_step = args.batch_size * args.seq_len * world
+    val = None
+    for step in range(start, args.steps):
+        began = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, batch_generator(args, rank, step))
+        with fsdp_int8.count_collectives() as counter:
+            loss = loss_on(model, inputs.to(device), targets.to(device))
+            loss.backward()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds = time.perf_counter() - began
         if rank == 0:
-            params = sum(p.numel() for p in model.parameters())
-            print(
-                f"training {params / 1e6:.2f}M params ({args.preset}, {args.precision}) on {world} "
-                f"x {device.type}, {corpus.train.numel() / 1e6:.1f} MB of text from {corpus.source}",
-                flush=True,
+            gathered = counter.total_bytes("all_gather_single")
+            progress.update(step, loss.item(), tokens_per_step / seconds, gathered)
+            log.write(step=step, loss=loss.item(), lr=learning_rate(step, args), seconds=seconds,
+                      tokens_per_s=tokens_per_step / seconds, all_gather_bytes=gathered,
+                      collective_bytes=counter.total_bytes())
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.steps:
+            val = evaluate(model, corpus, args, device)
+            if rank == 0:
+                log.write(step=done, val_loss=val)
+                progress.write(f"step {done}: validation loss {val:.4f} ({bits_per_byte(val):.3f} bits/byte)")
+        if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
+            fsdp_int8.save_checkpoint(checkpoints, model, optimizer, step=done, keep=args.keep,
+                                      extra={"argv": sys.argv[1:]})
+    progress.close()
+    del model, optimizer  # free FSDP's state before the process group goes (gloo exit abort)
+    gc.collect()
+    dist.barrier()
+    if rank == 0:
+        log.write(event="end", step=args.steps, val_loss=val)
+        log.close()
+        records = read_metrics(out / "metrics.jsonl")
+        plot = plot_losses(records, out / "loss.png", f"{args.preset}, {args.precision}, {world} ranks")
+        first = next((r["loss"] for r in records if "loss" in r), float("nan"))
+        rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+        print(
+            f"done: {args.steps} steps | train loss {first:.3f} -> {loss.item():.3f} | "
+            f"validation {val:.4f} ({bits_per_byte(val):.3f} bits/byte) | "
+            f"median {sorted(rates)[len(rates) // 2] if rates else 0:,.0f} tok/s | "
+            f"{out / 'metrics.jsonl'}" + (f", {plot}" if plot else ""),
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        print("launch.train runs under torchrun, e.g.: torchrun --nproc_per_node 2 -m launch.train", file=sys.stderr)
+        return 2
+    try:  # before the process group exists: a bad path fails here on every rank, no hang
+        corpus = load_corpus(args.data, args.max_bytes)
+        if corpus.val.numel() <= args.seq_len + 1:
+            raise ValueError(
+                f"the validation split of {corpus.source} has {corpus.val.numel()} bytes, fewer "
+                f"than one sequence of {args.seq_len + 1}: use more text or a smaller --seq-len"
             )
-        started = time.perf_counter()
-        for step in range(args.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, args)
-            inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, generator)
-            with fsdp_int8.count_collectives() as counter:
-                loss = loss_on(model, inputs.to(device), targets.to(device))
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-                gathered = counter.total_bytes("all_gather_single")
-                tokens = (step + 1) * args.batch_size * args.seq_len * world
-                print(
-                    f"step {step:5d}  loss {loss.item():.4f}  "
-                    f"{tokens / (time.perf_counter() - started):8.0f} tok/s  "
-                    f"all-gather {gathered / 1e6:.3f} MB/step",
-                    flush=True,
-                )
-        val = evaluate(model, corpus.val, args, rank, device)
-        if rank == 0:
-            print(f"done: {args.steps} steps, validation loss {val:.4f} ({val / math.log(2):.3f} bits/byte)")
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        train(args, corpus)
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
