@@ -68,9 +68,6 @@ def post_all_gather(
         out.scale.copy_(_scales_from(gathered, full_rows, shard.row_len))
         return None
     scale = _scales_from(gathered, full_rows, shard.row_len)
-    unsharded = Int8Weight(
-        data, scale, dtype=param_dtype, row_len=shard.row_len, full_rows=full_rows,
-        stochastic_rounding=shard.stochastic_rounding,
-    )
+    unsharded = shard.derive(data, scale, dtype=param_dtype)
     # `data` views FSDP2's own output buffer, which it frees; `scale` is ours to hand over.
     return unsharded, (scale,)

@@ -7,10 +7,33 @@ from typing import Callable
 
 import torch.nn as nn
 
-__all__ = ["Int8TrainingConfig", "ModuleFilter"]
+__all__ = ["Int8TrainingConfig", "Int8MatmulConfig", "ModuleFilter"]
 
 # ``filter(module, fully_qualified_name) -> bool``: True quantizes that ``nn.Linear``.
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+@dataclass(frozen=True)
+class Int8MatmulConfig:
+    """Which of a linear layer's three matmuls run as int8 x int8 -> int32 GEMMs.
+
+    Activations and gradients are quantized per row on the fly (round to nearest); the
+    weight's stored int8 values are used as they are, never dequantized.
+
+    Attributes:
+        output: ``y = x W^T`` (forward).
+        grad_input: ``grad_x = grad_y W`` (backward).
+        grad_weight: ``grad_W = grad_y^T x`` (backward). Off by default: the weight
+            gradient sums over every token, and quantizing both of its operands costs the
+            most accuracy.
+        compile: Quantize activations with a ``torch.compile``-fused kernel (one pass
+            instead of five; pays for itself on long runs, costs a compile per shape).
+    """
+
+    output: bool = True
+    grad_input: bool = True
+    grad_weight: bool = False
+    compile: bool = False
 
 
 @dataclass
@@ -30,6 +53,11 @@ class Int8TrainingConfig:
             whose error is the most visible in the loss).
         min_features: Smaller layers stay in full precision: a row of K weights
             carries a 4-byte scale, so tiny rows save little and lose precision.
+        int8_matmul: Run the linear layers' matmuls as int8 GEMMs (see
+            :class:`Int8MatmulConfig`); ``None`` (default) keeps weight-only int8, whose
+            matmuls run in the compute dtype.
+        quantize_gradients: Replace FSDP2's gradient reduce-scatter with an int8 one
+            (stochastic rounding, fp32 sums on the receiving rank); see docs/design.md.
     """
 
     stochastic_rounding: bool = True
@@ -37,6 +65,8 @@ class Int8TrainingConfig:
     module_filter: ModuleFilter | None = None
     skip_names: tuple[str, ...] = ("lm_head", "output", "head")
     min_features: int = 16
+    int8_matmul: Int8MatmulConfig | None = None
+    quantize_gradients: bool = False
 
     def __post_init__(self) -> None:
         if self.min_features < 1:

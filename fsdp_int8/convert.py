@@ -60,7 +60,8 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         if id(weight) not in swapped:
             with torch.no_grad():
                 int8_weight = Int8Weight.from_float(
-                    weight, stochastic_rounding=config.stochastic_rounding
+                    weight, stochastic_rounding=config.stochastic_rounding,
+                    int8_matmul=config.int8_matmul,
                 )
             swapped[id(weight)] = nn.Parameter(int8_weight, requires_grad=weight.requires_grad)
         module.weight = swapped[id(weight)]

@@ -1,19 +1,91 @@
 """``F.linear`` with an :class:`~fsdp_int8.Int8Weight`: the matmul never keeps a dequantized weight.
 
-Forward: ``y = (x @ q^T) * scale + b``, with ``q`` the int8 values cast to the compute
-dtype for the matmul only (exact: |q| <= 127 fits every float format's mantissa) and the
-per-row scale applied to the output columns. Backward: ``grad_x = (grad_y * scale) @ q``
-and a plain ``grad_w = grad_y^T @ x`` in the compute dtype. Only ``x`` and the int8
-weight are saved for backward.
+Weight-only (default): ``y = x @ (q * scale)^T + b``, the weight rebuilt in the compute
+dtype in one pass for this matmul only (a transient, never kept or saved: backward
+rebuilds it). Backward: ``grad_x = grad_y @ (q * scale)`` and a plain
+``grad_w = grad_y^T @ x`` in the compute dtype.
+
+Int8 matmuls (``Int8MatmulConfig``): each enabled matmul quantizes its floating operand
+per row on the fly (round to nearest) and runs ``torch._int_mm`` (int8 x int8 -> int32)
+against the stored int8 weight; the scales are applied to the int32 result:
+
+* output:      ``y[m, n]      = sx[m] * sw[n] * (qx @ qw^T)[m, n]``
+* grad_input:  ``grad_x[m, k] = sg[m] * (qg @ qw)[m, k]`` where ``qg, sg`` quantize
+  ``grad_y * sw`` (the weight's scale sits on the reduced dim, so it is folded in first);
+* grad_weight: ``grad_w[n, k] = sgT[n] * sxT[k] * (qgT @ qxT^T)[n, k]``, ``grad_y`` quantized
+  per output channel and ``x`` per input channel, both over the tokens (split into chunks
+  so that int32 sums of 127 * 127 products cannot overflow).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from fsdp_int8.config import Int8MatmulConfig
+from fsdp_int8.quant import INT8_MAX
 from fsdp_int8.weight import Int8Weight
 
-__all__ = ["int8_weight_linear"]
+__all__ = ["int8_weight_linear", "quantize_rows_fast"]
+
+# |int32 sum| <= tokens * 127 * 127 < 2**31 holds for up to 133,144 tokens: chunk below it.
+_MAX_TOKENS_PER_INT32_SUM = 1 << 17
+
+
+def _quantize_rows_eager(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values = values.float()
+    scale = values.abs().amax(dim=-1) / INT8_MAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+    return (values / divisor).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+@functools.cache
+def _quantize_rows_compiled():
+    # One fused pass instead of five; dynamic shapes: one compile serves every batch size.
+    return torch.compile(_quantize_rows_eager, dynamic=True)
+
+
+def quantize_rows_fast(values: torch.Tensor, *, compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 quantization of activations or gradients (round to nearest).
+
+    Unlike :func:`fsdp_int8.quant.quantize_rowwise` it does not check for NaN (a NaN
+    activation makes a NaN output anyway) and so never synchronises with the device.
+    """
+    return (_quantize_rows_compiled() if compile else _quantize_rows_eager)(values)
+
+
+def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for int8 operands, exactly, in int32."""
+    if a.device.type == "cuda" and a.shape[0] <= 16:  # cuBLASLt wants more than 16 rows
+        padded = a.new_zeros(17, a.shape[1])
+        padded[: a.shape[0]] = a
+        return torch._int_mm(padded, b)[: a.shape[0]]
+    return torch._int_mm(a, b)
+
+
+def _int8_output(x2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig) -> torch.Tensor:
+    qx, sx = quantize_rows_fast(x2d, compile=config.compile)
+    # The GEMM runs about twice as fast with a contiguous right operand; the transposed
+    # int8 copy costs one byte per weight, transiently (it is not a dequantized copy).
+    acc = _int_mm(qx, weight.int_rows().t().contiguous())
+    return acc.float().mul_(sx.unsqueeze(1)).mul_(weight.scale.unsqueeze(0)).to(x2d.dtype)
+
+
+def _int8_grad_input(g2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig) -> torch.Tensor:
+    qg, sg = quantize_rows_fast(g2d.float() * weight.scale.unsqueeze(0), compile=config.compile)
+    acc = _int_mm(qg, weight.int_rows().contiguous())  # FSDP2's rows are strided views
+    return acc.float().mul_(sg.unsqueeze(1)).to(g2d.dtype)
+
+
+def _int8_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, config: Int8MatmulConfig) -> torch.Tensor:
+    grad = torch.zeros(g2d.shape[1], x2d.shape[1], dtype=torch.float32, device=g2d.device)
+    for start in range(0, g2d.shape[0], _MAX_TOKENS_PER_INT32_SUM):
+        chunk = slice(start, start + _MAX_TOKENS_PER_INT32_SUM)
+        qg, sg = quantize_rows_fast(g2d[chunk].t(), compile=config.compile)  # per output channel
+        qx, sx = quantize_rows_fast(x2d[chunk].t(), compile=config.compile)  # per input channel
+        grad += _int_mm(qg, qx.t()).float() * sg.unsqueeze(1) * sx.unsqueeze(0)
+    return grad.to(g2d.dtype)
 
 
 class _Int8WeightLinear(torch.autograd.Function):
@@ -21,25 +93,36 @@ class _Int8WeightLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        q = weight.int_rows().to(x.dtype)
-        out = torch.matmul(x, q.t()).mul_(weight.scale.to(x.dtype))
+        config = weight.int8_matmul
+        x2d = x.reshape(-1, x.shape[-1])
+        if config is not None and config.output:
+            out = _int8_output(x2d, weight, config)
+        else:  # a transient weight in the compute dtype, built in one pass and not kept
+            out = torch.matmul(x2d, weight.dequantize(x.dtype).t())
         if bias is not None:
             out = out.add_(bias.to(x.dtype))
-        return out
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
+        config = weight.int8_matmul
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            scaled = grad_out * weight.scale.to(grad_out.dtype)
-            grad_x = torch.matmul(scaled, weight.int_rows().to(grad_out.dtype))
+            if config is not None and config.grad_input:
+                grad_x = _int8_grad_input(g2d, weight, config)
+            else:
+                grad_x = torch.matmul(g2d, weight.dequantize(g2d.dtype))
+            grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
         if ctx.needs_input_grad[1]:
-            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(
-                x.reshape(-1, x.shape[-1]).to(grad_out.dtype)
-            )
+            x2d = x.reshape(-1, x.shape[-1]).to(g2d.dtype)
+            if config is not None and config.grad_weight:
+                grad_w = _int8_grad_weight(g2d, x2d, config)
+            else:
+                grad_w = g2d.t().matmul(x2d)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+            grad_b = g2d.sum(0)
         return grad_x, grad_w, grad_b
 
 
@@ -57,5 +140,12 @@ def int8_weight_linear(
         raise RuntimeError(
             f"F.linear: input of shape {tuple(input.shape)} cannot multiply an Int8Weight of "
             f"shape {tuple(weight.shape)}"
+        )
+    if weight.int8_matmul is not None and input.device.type == "cuda" and (
+        weight.shape[0] % 8 or weight.shape[1] % 8
+    ):
+        raise ValueError(
+            f"int8 matmuls on CUDA need in and out features divisible by 8, got a weight of "
+            f"shape {tuple(weight.shape)}: exclude this layer with Int8TrainingConfig.module_filter"
         )
     return _Int8WeightLinear.apply(input, weight, bias)

@@ -13,6 +13,7 @@ autograd function in :mod:`fsdp_int8.linear`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from fsdp_int8 import quant
+from fsdp_int8.config import Int8MatmulConfig
 
 __all__ = ["Int8Weight"]
 
@@ -36,6 +38,7 @@ class Int8Weight(torch.Tensor):
             it so that the all-gather hook can pad every shard to the same size.
         stochastic_rounding: How in-place updates are written back (see
             :class:`fsdp_int8.Int8TrainingConfig`).
+        int8_matmul: Which matmuls of ``F.linear`` run as int8 GEMMs (``None``: none).
 
     Use :meth:`from_float` to build one from a plain tensor.
     """
@@ -45,6 +48,7 @@ class Int8Weight(torch.Tensor):
     row_len: int
     full_rows: int
     stochastic_rounding: bool
+    int8_matmul: Int8MatmulConfig | None
 
     @staticmethod
     def __new__(
@@ -56,6 +60,7 @@ class Int8Weight(torch.Tensor):
         row_len: int,
         full_rows: int | None = None,
         stochastic_rounding: bool = True,
+        int8_matmul: Int8MatmulConfig | None = None,
         requires_grad: bool = False,
     ) -> "Int8Weight":
         return torch.Tensor._make_wrapper_subclass(
@@ -71,6 +76,7 @@ class Int8Weight(torch.Tensor):
         row_len: int,
         full_rows: int | None = None,
         stochastic_rounding: bool = True,
+        int8_matmul: Int8MatmulConfig | None = None,
         requires_grad: bool = False,
     ) -> None:
         if int_data.dtype != torch.int8 or scale.dtype != torch.float32:
@@ -94,6 +100,7 @@ class Int8Weight(torch.Tensor):
         self.row_len = row_len
         self.full_rows = rows if full_rows is None else full_rows
         self.stochastic_rounding = stochastic_rounding
+        self.int8_matmul = int8_matmul
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -102,6 +109,7 @@ class Int8Weight(torch.Tensor):
         weight: torch.Tensor,
         *,
         stochastic_rounding: bool = True,
+        int8_matmul: Int8MatmulConfig | None = None,
         dtype: torch.dtype | None = None,
     ) -> "Int8Weight":
         """Quantize a 2-D floating tensor with round-to-nearest.
@@ -109,6 +117,7 @@ class Int8Weight(torch.Tensor):
         Args:
             weight: ``[out_features, in_features]`` floating tensor (meta allowed).
             stochastic_rounding: Rounding used by later in-place updates.
+            int8_matmul: Which matmuls run as int8 GEMMs (``None``: weight-only).
             dtype: Outer dtype; defaults to ``weight.dtype``.
         """
         if isinstance(weight, Int8Weight):
@@ -121,7 +130,7 @@ class Int8Weight(torch.Tensor):
         int_data, scale = quant.quantize_rowwise(weight.detach(), stochastic=False)
         return cls(
             int_data, scale, dtype=dtype or weight.dtype, row_len=weight.shape[1],
-            stochastic_rounding=stochastic_rounding,
+            stochastic_rounding=stochastic_rounding, int8_matmul=int8_matmul,
         )
 
     def derive(
@@ -135,6 +144,7 @@ class Int8Weight(torch.Tensor):
         return Int8Weight(
             int_data, scale, dtype=dtype or self.dtype, row_len=self.row_len,
             full_rows=self.full_rows, stochastic_rounding=self.stochastic_rounding,
+            int8_matmul=self.int8_matmul,
         )
 
     # ------------------------------------------------------------------ reading
@@ -167,22 +177,25 @@ class Int8Weight(torch.Tensor):
 
     def __repr__(self) -> str:  # never dispatches: safe inside error messages
         rounding = "stochastic" if self.stochastic_rounding else "nearest"
+        matmul = "" if self.int8_matmul is None else ", int8 matmuls"
         return (
             f"Int8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
-            f"int8 rows of {self.row_len} + fp32 scales, rounding={rounding}"
+            f"int8 rows of {self.row_len} + fp32 scales, rounding={rounding}{matmul}"
             + (", requires_grad=True" if self.requires_grad else "") + ")"
         )
 
     # ------------------------------------------------------------------ subclass protocol
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        return ["int_data", "scale"], (self.dtype, self.row_len, self.full_rows, self.stochastic_rounding)
+        return ["int_data", "scale"], (
+            self.dtype, self.row_len, self.full_rows, self.stochastic_rounding, self.int8_matmul
+        )
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size: Any, outer_stride: Any) -> "Int8Weight":
-        dtype, row_len, full_rows, stochastic = ctx
+        dtype, row_len, full_rows, stochastic, int8_matmul = ctx
         return Int8Weight(
             inner["int_data"], inner["scale"], dtype=dtype, row_len=row_len,
-            full_rows=full_rows, stochastic_rounding=stochastic,
+            full_rows=full_rows, stochastic_rounding=stochastic, int8_matmul=int8_matmul,
         )
 
     def __reduce_ex__(self, protocol: int):
@@ -192,7 +205,8 @@ class Int8Weight(torch.Tensor):
             _rebuild_int8_weight,
             (self.int_data.clone(), self.scale.clone(), self.dtype, self.row_len,
              self.full_rows, self.stochastic_rounding, self.requires_grad,
-             getattr(self, "_is_param", False)),
+             getattr(self, "_is_param", False),
+             None if self.int8_matmul is None else dataclasses.astuple(self.int8_matmul)),
         )
 
     # ------------------------------------------------------------------ FSDP2 all-gather
@@ -229,11 +243,13 @@ class Int8Weight(torch.Tensor):
 
 
 def _rebuild_int8_weight(
-    int_data, scale, dtype, row_len, full_rows, stochastic, requires_grad, is_param=False
+    int_data, scale, dtype, row_len, full_rows, stochastic, requires_grad, is_param=False,
+    int8_matmul=None,
 ):
     weight = Int8Weight(
         int_data, scale, dtype=dtype, row_len=row_len, full_rows=full_rows,
         stochastic_rounding=stochastic,
+        int8_matmul=None if int8_matmul is None else Int8MatmulConfig(*int8_matmul),
     )
     if is_param:  # a pickled module's parameter comes back as a parameter
         return torch.nn.Parameter(weight, requires_grad=requires_grad)

@@ -32,7 +32,7 @@ from launch.data import Corpus, load_corpus, sample_batch
 from launch.metrics import MetricsLog, Progress, bits_per_byte, plot_losses, read_metrics
 from launch.model import PRESETS, ModelArgs, Transformer
 
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8", "int8-mm")
 
 
 # ---------------------------------------------------------------- arguments
@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--n-heads", type=int, help="override the preset's attention heads")
     train = parser.add_argument_group("training")
     train.add_argument("--precision", default="int8", choices=PRECISIONS,
-                       help="int8 weights (default), or the fp32 / bf16-mixed FSDP2 baselines")
+                       help="int8 weights (default), int8 weights + int8 GEMMs (int8-mm), "
+                       "or the fp32 / bf16-mixed FSDP2 baselines")
     train.add_argument("--compute-dtype", default="fp32", choices=("fp32", "bf16"),
                        help="matmul dtype of int8 runs (the all-gather is int8 either way)")
     train.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
@@ -134,9 +135,10 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Transformer:
         if args.replicas > 1 else init_device_mesh(device.type, (world,))
     )
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if args.precision == "int8":
+    if args.precision.startswith("int8"):
+        matmuls = fsdp_int8.Int8MatmulConfig() if args.precision == "int8-mm" else None
         fsdp_int8.shard_model(
-            model, mesh=mesh, config=fsdp_int8.Int8TrainingConfig(seed=args.seed),
+            model, mesh=mesh, config=fsdp_int8.Int8TrainingConfig(seed=args.seed, int8_matmul=matmuls),
             mp_policy=bf16 if args.compute_dtype == "bf16" else None,
         )
     else:

@@ -95,13 +95,16 @@ def train_parity(
     reshard_after_forward: bool,
     steps: int,
     mesh=None,
+    int8_matmul=None,
 ) -> dict:
     """Train an FSDP2 int8 model and a single-process int8 model (round-to-nearest) on the
     same data: each rank sees its slice of the batch, the reference the whole batch."""
     torch.manual_seed(0)
     reference = MLPNet(hidden=hidden)
     model = copy.deepcopy(reference)
-    config = Int8TrainingConfig(stochastic_rounding=False, min_features=1)  # tiny rows too
+    config = Int8TrainingConfig(  # tiny rows too
+        stochastic_rounding=False, min_features=1, int8_matmul=int8_matmul
+    )
     fsdp_int8.quantize_(reference, config)
     fsdp_int8.shard_model(
         model, config=config, mp_policy=mp_policy, mesh=mesh,

@@ -282,8 +282,35 @@ def _check_transformer_learns(rank: int, world: int) -> None:
     assert losses[0] > 3.5 and losses[-1] < 1.5, losses
 
 
+def _check_int8_matmuls_under_fsdp(rank: int, world: int) -> None:
+    """Int8 GEMMs combine with int8 storage under FSDP2: they run (counted at the
+    dispatcher) and the sharded run matches one process. Activations are quantized per
+    token row, so splitting the batch over ranks changes nothing; the weight gradient
+    (full precision by default) is summed in another order: the fp32 tolerances hold."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountIntMM(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._int_mm.default:
+                type(self).calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with CountIntMM():
+        result = train_parity(
+            rank, world, hidden=33, mp_policy=None, reshard_after_forward=True, steps=STEPS,
+            int8_matmul=fsdp_int8.Int8MatmulConfig(),
+        )
+    # per step and model (reference, FSDP): 4 forward GEMMs, 3 grad_input GEMMs (the
+    # first layer's input needs no gradient)
+    assert CountIntMM.calls == STEPS * 2 * (4 + 3), CountIntMM.calls
+    assert_parity(result, bf16=False)
+
+
 def _two_rank_body(rank: int, world: int) -> None:
     _parity_matrix(rank, world, hiddens=(32, 33, 31) if FULL_MATRIX else (32, 33))
+    _check_int8_matmuls_under_fsdp(rank, world)
     _check_bytes(rank, world)
     _check_optimizer_step_is_local(rank, world)
     _check_pre_all_gather_hook_runs(rank, world)

@@ -1,0 +1,178 @@
+"""Step time and persistent memory: fp32 / bf16 FSDP2 against int8 weights, with three optimizers.
+
+    python -m benchmarks.speed_memory                  # dim 1024, 2 blocks, 2 ranks
+    python -m benchmarks.speed_memory --preset small   # the launcher's small preset as is
+
+Every row trains the same model on the same data for the same steps, each in fresh
+processes (so each peak RSS is its own), one after another in this one run: read the
+ratios, not the absolute times (these machines are noisy). Columns:
+
+* step: median wall time of a training step (forward, backward, clip, optimizer), rank 0;
+* vs fp32: that median against the fp32 FSDP2 + torch AdamW row of this run;
+* bytes/param: storage of each rank's own parameters + gradients + optimizer states,
+  divided by its parameter count (fp32 + Adam: 16);
+* peak RSS: the largest resident set of any rank, for context (includes torch itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fsdp_int8
+from fsdp_int8.testing import run_distributed
+from launch.model import PRESETS, ModelArgs, Transformer
+
+PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm+compile")
+OPTIMIZERS = ("torch AdamW", "fused AdamW", "8-bit AdamW")
+
+
+def cpu_description() -> str:
+    """The CPU's model and the instruction-set flags that decide matmul speed."""
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and model in ("", "unknown CPU", platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16", "amx_tile")
+    return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no avx512/amx'}]"
+
+
+def bench_model_args(settings: dict) -> ModelArgs:
+    """The preset with the benchmark's overrides and room for its sequence length."""
+    fields = dict(PRESETS[settings["preset"]].__dict__)
+    overrides = {k: settings[k] for k in ("dim", "n_layers", "n_heads") if settings.get(k)}
+    if overrides:
+        fields.update(overrides, hidden_dim=0)
+    fields["max_seq_len"] = max(fields["max_seq_len"], settings["seq_len"])
+    return ModelArgs(**fields)
+
+
+def build(precision: str, preset: ModelArgs) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(preset)
+    model.init_weights()
+    bf16 = fsdp_int8.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision.startswith("int8"):
+        matmuls = (
+            fsdp_int8.Int8MatmulConfig(compile=precision.endswith("+compile"))
+            if precision.startswith("int8-mm") else None
+        )
+        fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig(int8_matmul=matmuls))
+    else:
+        fsdp_int8.shard_model(model, quantize=False, mp_policy=bf16 if precision == "bf16" else None)
+    return model
+
+
+def make_optimizer(name: str, precision: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = model.parameters()
+    if name == "torch AdamW":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    if name == "fused AdamW" and not precision.startswith("int8"):
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True)
+    from fsdp_int8.optim import Int8AdamW  # fused: one requantization per step
+
+    return Int8AdamW(params, lr=1e-3, weight_decay=0.1, state_bits=8 if name.startswith("8-bit") else 32)
+
+
+def local_storage_bytes(tensor: torch.Tensor) -> int:
+    local = getattr(tensor, "_local_tensor", tensor)
+    if isinstance(local, fsdp_int8.Int8Weight):
+        return local.storage_bytes()
+    return local.numel() * local.element_size()
+
+
+def persistent_bytes_per_param(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """This rank's parameters + gradients + optimizer states, per local parameter."""
+    params = list(model.parameters())
+    total = sum(local_storage_bytes(p) for p in params)
+    total += sum(local_storage_bytes(p.grad) for p in params if p.grad is not None)
+    for state in optimizer.state.values():
+        total += sum(local_storage_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    count = sum(getattr(p, "_local_tensor", p).numel() for p in params)
+    return total / count
+
+
+def _row(rank: int, world: int, precision: str, optimizer_name: str, args_dict: dict) -> dict:
+    torch.set_num_threads(args_dict["threads"])
+    preset = bench_model_args(args_dict)
+    model = build(precision, preset)
+    optimizer = make_optimizer(optimizer_name, precision, model)
+    data = torch.Generator().manual_seed(rank)
+    times, bytes_per_param = [], 0.0
+    for step in range(args_dict["warmup"] + args_dict["steps"]):
+        tokens = torch.randint(0, preset.vocab_size, (args_dict["batch_size"], args_dict["seq_len"] + 1), generator=data)
+        began = time.perf_counter()
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step == 0:  # grads and states exist now
+            bytes_per_param = persistent_bytes_per_param(model, optimizer)
+        optimizer.zero_grad()
+        dist.barrier()
+        if step >= args_dict["warmup"]:
+            times.append(time.perf_counter() - began)
+    peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return dict(step_s=statistics.median(times), bytes_per_param=bytes_per_param, peak_rss_mb=peak.item(),
+                loss=loss.item())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="base", choices=list(PRESETS))
+    parser.add_argument("--dim", type=int, default=1024, help="override the preset's width (0: keep)")
+    parser.add_argument("--n-layers", type=int, default=2, help="override the preset's depth (0: keep)")
+    parser.add_argument("--n-heads", type=int, default=16, help="override the preset's heads (0: keep)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="per rank")
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    args = parser.parse_args(argv)
+    settings = {k: getattr(args, k) for k in
+                ("preset", "dim", "n_layers", "n_heads", "batch_size", "seq_len", "steps", "warmup", "threads")}
+    preset = bench_model_args(settings)
+    params = sum(p.numel() for p in Transformer(preset).parameters())
+    print(f"model: launcher Transformer, preset {args.preset!r} with dim {preset.dim}, {preset.n_layers} "
+          f"blocks, {preset.n_heads} heads ({params / 1e6:.2f}M params), batch {args.batch_size} x {args.seq_len} per rank, world size "
+          f"{args.world_size}, {args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup}")
+    print(f"CPU: {cpu_description()}; torch {torch.__version__}")
+    header = f"{'precision':<15} {'optimizer':<12} {'step ms':>8} {'vs fp32':>8} {'bytes/param':>12} {'peak RSS MB':>12}"
+    print(header)
+    print("-" * len(header))
+    baseline = None
+    for precision in args.precisions:
+        for optimizer in args.optimizers:
+            try:
+                row = run_distributed(_row, args.world_size, precision, optimizer, settings)[0]
+            except Exception as error:  # print the failure in its row, keep the table going
+                print(f"{precision:<15} {optimizer:<12} failed: {str(error).strip().splitlines()[-1][:90]}")
+                continue
+            if baseline is None and precision == "fp32" and optimizer == "torch AdamW":
+                baseline = row["step_s"]
+            ratio = f"{baseline / row['step_s']:.2f}x" if baseline else "-"
+            print(f"{precision:<15} {optimizer:<12} {row['step_s'] * 1e3:8.1f} {ratio:>8} "
+                  f"{row['bytes_per_param']:12.2f} {row['peak_rss_mb']:12.0f}", flush=True)
+    print("vs fp32: speed-up over fp32 FSDP2 + torch AdamW (higher is faster)")
+
+
+if __name__ == "__main__":
+    main()
