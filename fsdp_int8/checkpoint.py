@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8 import _rng
+from fsdp_int8._reduce_scatter import installed_quantized_reduce_scatter
 from fsdp_int8.weight import Int8Weight
 
 __all__ = [
@@ -181,18 +182,24 @@ def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -
     return state
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(model: nn.Module) -> dict[str, Any]:
     state: dict[str, Any] = {"rounding": _rng.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    gradients = installed_quantized_reduce_scatter(model)
+    if gradients is not None:
+        state["gradient_rounding"] = gradients.rng_state()
     return state
 
 
-def _restore_rng(state: dict[str, Any]) -> None:
+def _restore_rng(state: dict[str, Any], model: nn.Module) -> None:
     _rng.set_state(state["rounding"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    gradients = installed_quantized_reduce_scatter(model)
+    if gradients is not None and "gradient_rounding" in state:
+        gradients.set_rng_state(state["gradient_rounding"])
 
 
 # ---------------------------------------------------------------- save
@@ -239,7 +246,7 @@ def save_checkpoint(
     with _single_process_is_intended():
         dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
     rng_path = _rng_file(tmp, rank)
-    torch.save(_rng_state(), rng_path)
+    torch.save(_rng_state(model), rng_path)
     with open(rng_path, "rb+") as f:
         os.fsync(f.fileno())
     _barrier()  # every rank's files are written
@@ -452,7 +459,7 @@ def load_checkpoint(
     rng_path = _rng_file(path, _rank())
     rng_restored = saved_world == _world() and rng_path.is_file()
     if rng_restored:
-        _restore_rng(torch.load(rng_path, weights_only=True))
+        _restore_rng(torch.load(rng_path, weights_only=True), model)
     else:  # another world size: rows move between ranks, no stream can be continued
         _rng.manual_seed(step_loaded, _rank())
     return CheckpointInfo(

@@ -70,6 +70,10 @@ class CollectiveCounter:
         """Full-buffer bytes of all calls (of ``name`` only, if given)."""
         return sum(r.bytes for r in self.records if name is None or r.name == name)
 
+    def wire_bytes(self, name: str | None = None) -> float:
+        """Bytes this rank sent in a ring for all calls (of ``name`` only, if given)."""
+        return sum(r.wire_bytes for r in self.records if name is None or r.name == name)
+
     def summary(self) -> dict[str, dict[str, int]]:
         """``{name: {"calls": n, "bytes": b}}``."""
         out: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})

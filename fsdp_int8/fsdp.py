@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_int8 import _rng
+from fsdp_int8._reduce_scatter import enable_quantized_reduce_scatter
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import is_sharded, quantize_
 
@@ -147,7 +148,8 @@ def shard_model(
             keeps them until backward. Integers are refused (see docs/limits.md).
         blocks: Block types or a predicate; default: discovered (see :func:`find_blocks`).
         quantize: ``False`` shards the model in full precision with the same groups: the
-            fp32 / bf16 baseline that int8 runs are compared with.
+            fp32 / bf16 baseline that int8 runs are compared with. ``config`` still
+            applies its ``quantize_gradients`` switch.
 
     Returns:
         ``model``, now an ``FSDPModule``.
@@ -185,5 +187,7 @@ def shard_model(
         fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **options)
     # Backward needs the root's parameters (norm, head) first: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **options)
+    if config is not None and config.quantize_gradients:
+        enable_quantized_reduce_scatter(model, seed=config.seed)
     return model
 

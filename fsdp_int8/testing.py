@@ -149,12 +149,23 @@ def run_distributed(
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-try:
-    from torch.testing._internal.common_distributed import MultiProcessTestCase
-except ImportError:  # expecttest missing: the function front end still works
-    MultiProcessTestCase = None  # type: ignore[assignment,misc]
+def __getattr__(name: str) -> Any:
+    # DistributedTestCase is built on first use: importing torch's internal test utilities
+    # costs every spawned rank about a second, and run_distributed does not need them.
+    if name != "DistributedTestCase":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = _make_distributed_test_case()
+    return globals()[name]
 
-if MultiProcessTestCase is not None:
+
+def _make_distributed_test_case() -> type:
+    try:
+        from torch.testing._internal.common_distributed import MultiProcessTestCase
+    except ImportError as error:  # expecttest missing
+        raise ImportError(
+            "fsdp_int8.testing.DistributedTestCase needs torch's test utilities, which need "
+            "the expecttest package: pip install expecttest"
+        ) from error
 
     class DistributedTestCase(MultiProcessTestCase):
         """A ``MultiProcessTestCase`` whose ranks run on CPU + gloo when GPUs are missing.
@@ -180,3 +191,7 @@ if MultiProcessTestCase is not None:
             self.device_type = _init_process_group(rank, self.world_size, file_name)
             self.run_test(test_name, parent_pipe)  # destroys the process group afterwards
             gc.collect()
+
+    DistributedTestCase.__module__ = __name__
+    DistributedTestCase.__qualname__ = "DistributedTestCase"
+    return DistributedTestCase

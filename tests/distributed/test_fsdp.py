@@ -308,9 +308,36 @@ def _check_int8_matmuls_under_fsdp(rank: int, world: int) -> None:
     assert_parity(result, bf16=False)
 
 
+def _check_quantized_gradients_switch(rank: int, world: int) -> None:
+    """Int8TrainingConfig(quantize_gradients=True) replaces every gradient reduce-scatter
+    with int8 all-to-alls, and checkpoints carry its noise generator for exact resume."""
+    import tempfile
+
+    torch.manual_seed(0)
+    model = fsdp_int8.shard_model(MLPNet(hidden=33), config=Int8TrainingConfig(quantize_gradients=True))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
+    with fsdp_int8.count_collectives() as counter:
+        model(x).sum().backward()
+    assert counter.of("reduce_scatter_single") == [], counter.summary()
+    assert len(counter.of("all_to_all_single")) == 3 and all(
+        r.dtype == torch.int8 for r in counter.of("all_to_all_single")
+    ), counter.summary()  # one per FSDP group with parameters: 2 blocks + root
+    comm = fsdp_int8._reduce_scatter.installed_quantized_reduce_scatter(model)
+    saved = comm.rng_state()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = fsdp_int8.checkpoint._from_rank0(tmp)
+        fsdp_int8.save_checkpoint(root, model, step=1)
+        model(x).sum().backward()  # draws more noise
+        assert any(not torch.equal(saved[k], v) for k, v in comm.rng_state().items())
+        fsdp_int8.load_checkpoint(root, model)
+        assert all(torch.equal(saved[k], v) for k, v in comm.rng_state().items())
+        dist.barrier()  # rank 0 removes the directory when it leaves this block
+
+
 def _two_rank_body(rank: int, world: int) -> None:
     _parity_matrix(rank, world, hiddens=(32, 33, 31) if FULL_MATRIX else (32, 33))
     _check_int8_matmuls_under_fsdp(rank, world)
+    _check_quantized_gradients_switch(rank, world)
     _check_bytes(rank, world)
     _check_optimizer_step_is_local(rank, world)
     _check_pre_all_gather_hook_runs(rank, world)
