@@ -7,6 +7,7 @@ are written back with stochastic rounding; FSDP2 all-gathers the int8 bytes.
 import torch
 
 from fsdp_int8 import _rng
+from fsdp_int8._reduce_scatter import QuantizedReduceScatter, enable_quantized_reduce_scatter
 from fsdp_int8.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -41,6 +42,8 @@ __all__ = [
     "load_full_state_dict",
     "CheckpointError",
     "CheckpointInfo",
+    "enable_quantized_reduce_scatter",
+    "QuantizedReduceScatter",
     "count_collectives",
     "CollectiveCounter",
     "CollectiveRecord",
