@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (registers _wrap_tensor_autograd)
 from torch.utils._pytree import tree_map_only
 
@@ -234,6 +235,21 @@ def _all_gather_into_tensor(func, weight: Int8Weight, group_size: int, group_nam
 )
 def _already_complete(func, weight: Int8Weight) -> Int8Weight:
     return weight  # _all_gather_into_tensor already waited for both inner tensors
+
+
+@_implements(torch.ops.c10d.broadcast_.default)
+def _broadcast(func, tensors, process_group, root_rank, root_tensor, async_op=True, timeout=-1):
+    # Full state dicts broadcast from rank 0 (broadcast_from_rank0=True) arrive where the
+    # other ranks allocated plain tensors of the outer dtype: send the dequantized values,
+    # and round them to nearest where an Int8Weight receives them (an exact round trip).
+    sending = dist.ProcessGroup.unbox(process_group).rank() == root_rank
+    wire = [t.dequantize() if isinstance(t, Int8Weight) else t for t in tensors]
+    _, work = func(wire, process_group, root_rank, root_tensor, async_op, timeout)
+    work.wait()
+    for tensor, values in zip(tensors, wire):
+        if isinstance(tensor, Int8Weight) and not sending:
+            tensor.assign_(values, stochastic=False)
+    return list(tensors), work
 
 
 # ---------------------------------------------------------------- factories

@@ -11,7 +11,12 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_int8
@@ -122,6 +127,20 @@ def _resume_at_two_ranks(rank, world, root, root_from_one):
                 assert torch.equal(a_local.scale, b_local.scale), name
             else:
                 assert torch.equal(a_local, b_local), name
+    with case("a full int8 state dict broadcast from rank 0"):
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        fresh, _ = _model()
+        set_model_state_dict(
+            fresh, full if rank == 0 else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+            a_full, b_full = a.full_tensor(), b.full_tensor()
+            if isinstance(a_full, Int8Weight):  # rank 1 received values: round to nearest is exact
+                assert torch.equal(a_full.int_data, b_full.int_data), name
+                assert torch.equal(a_full.scale, b_full.scale), name
+            else:
+                assert torch.equal(a_full, b_full), name
     return out
 
 
