@@ -18,20 +18,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import platform
 import resource
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_int8
+from fsdp_int8.optim import persistent_bytes_per_param
 from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, ModelArgs, Transformer
 
-PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm+compile")
+# int8-mm: output and grad_input GEMMs in int8 (the default Int8MatmulConfig); int8-mm-all:
+# the weight gradient's GEMM too; +compile: activation quantization fused by torch.compile.
+PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm+compile", "int8-mm-all")
 OPTIMIZERS = ("torch AdamW", "fused AdamW", "8-bit AdamW")
 
 
@@ -68,7 +73,9 @@ def build(precision: str, preset: ModelArgs) -> Transformer:
     bf16 = fsdp_int8.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if precision.startswith("int8"):
         matmuls = (
-            fsdp_int8.Int8MatmulConfig(compile=precision.endswith("+compile"))
+            fsdp_int8.Int8MatmulConfig(
+                compile=precision.endswith("+compile"), grad_weight=precision == "int8-mm-all"
+            )
             if precision.startswith("int8-mm") else None
         )
         fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig(int8_matmul=matmuls))
@@ -88,24 +95,6 @@ def make_optimizer(name: str, precision: str, model: torch.nn.Module) -> torch.o
     return Int8AdamW(params, lr=1e-3, weight_decay=0.1, state_bits=8 if name.startswith("8-bit") else 32)
 
 
-def local_storage_bytes(tensor: torch.Tensor) -> int:
-    local = getattr(tensor, "_local_tensor", tensor)
-    if isinstance(local, fsdp_int8.Int8Weight):
-        return local.storage_bytes()
-    return local.numel() * local.element_size()
-
-
-def persistent_bytes_per_param(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    """This rank's parameters + gradients + optimizer states, per local parameter."""
-    params = list(model.parameters())
-    total = sum(local_storage_bytes(p) for p in params)
-    total += sum(local_storage_bytes(p.grad) for p in params if p.grad is not None)
-    for state in optimizer.state.values():
-        total += sum(local_storage_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    count = sum(getattr(p, "_local_tensor", p).numel() for p in params)
-    return total / count
-
-
 def _row(rank: int, world: int, precision: str, optimizer_name: str, args_dict: dict) -> dict:
     torch.set_num_threads(args_dict["threads"])
     preset = bench_model_args(args_dict)
@@ -120,7 +109,7 @@ def _row(rank: int, world: int, precision: str, optimizer_name: str, args_dict: 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if step == 0:  # grads and states exist now
+        if step == 0:  # grads and states exist now, before zero_grad frees the grads
             bytes_per_param = persistent_bytes_per_param(model, optimizer)
         optimizer.zero_grad()
         dist.barrier()
@@ -146,32 +135,44 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="per rank")
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    parser.add_argument("--write-docs", type=Path, help="also write the output to this docs folder")
     args = parser.parse_args(argv)
+    lines: list[str] = []
+
+    def say(text: str = "") -> None:
+        print(text, flush=True)
+        lines.append(text)
+
     settings = {k: getattr(args, k) for k in
                 ("preset", "dim", "n_layers", "n_heads", "batch_size", "seq_len", "steps", "warmup", "threads")}
     preset = bench_model_args(settings)
     params = sum(p.numel() for p in Transformer(preset).parameters())
-    print(f"model: launcher Transformer, preset {args.preset!r} with dim {preset.dim}, {preset.n_layers} "
+    say(f"model: launcher Transformer, preset {args.preset!r} with dim {preset.dim}, {preset.n_layers} "
           f"blocks, {preset.n_heads} heads ({params / 1e6:.2f}M params), batch {args.batch_size} x {args.seq_len} per rank, world size "
           f"{args.world_size}, {args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup}")
-    print(f"CPU: {cpu_description()}; torch {torch.__version__}")
+    say(f"CPU: {cpu_description()}; torch {torch.__version__}")
     header = f"{'precision':<15} {'optimizer':<12} {'step ms':>8} {'vs fp32':>8} {'bytes/param':>12} {'peak RSS MB':>12}"
-    print(header)
-    print("-" * len(header))
+    say(header)
+    say("-" * len(header))
     baseline = None
     for precision in args.precisions:
         for optimizer in args.optimizers:
             try:
                 row = run_distributed(_row, args.world_size, precision, optimizer, settings)[0]
             except Exception as error:  # print the failure in its row, keep the table going
-                print(f"{precision:<15} {optimizer:<12} failed: {str(error).strip().splitlines()[-1][:90]}")
+                say(f"{precision:<15} {optimizer:<12} failed: {str(error).strip().splitlines()[-1][:90]}")
                 continue
             if baseline is None and precision == "fp32" and optimizer == "torch AdamW":
                 baseline = row["step_s"]
             ratio = f"{baseline / row['step_s']:.2f}x" if baseline else "-"
-            print(f"{precision:<15} {optimizer:<12} {row['step_s'] * 1e3:8.1f} {ratio:>8} "
-                  f"{row['bytes_per_param']:12.2f} {row['peak_rss_mb']:12.0f}", flush=True)
-    print("vs fp32: speed-up over fp32 FSDP2 + torch AdamW (higher is faster)")
+            say(f"{precision:<15} {optimizer:<12} {row['step_s'] * 1e3:8.1f} {ratio:>8} "
+                f"{row['bytes_per_param']:12.2f} {row['peak_rss_mb']:12.0f}")
+    say("vs fp32: speed-up over fp32 FSDP2 + torch AdamW (higher is faster)")
+    if args.write_docs:
+        from benchmarks.report import write_verbatim
+
+        command = "python -m benchmarks.speed_memory " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_verbatim(args.write_docs / "speed_memory.md", "Speed and memory", command, lines)
 
 
 if __name__ == "__main__":

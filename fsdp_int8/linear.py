@@ -33,26 +33,56 @@ __all__ = ["int8_weight_linear", "quantize_rows_fast"]
 _MAX_TOKENS_PER_INT32_SUM = 1 << 17
 
 
-def _quantize_rows_eager(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_eager(values: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     values = values.float()
-    scale = values.abs().amax(dim=-1) / INT8_MAX
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-    return (values / divisor).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    # max and -min are two read-only reductions: cheaper than materialising |values|
+    amax = torch.maximum(values.amax(dim=dim, keepdim=True), values.amin(dim=dim, keepdim=True).neg())
+    inverse = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    # |values * 127 / amax| <= 127 up to rounding, which round() cannot push past 127
+    return torch.mul(values, inverse).round_().to(torch.int8), (amax / INT8_MAX).squeeze(dim)
+
+
+def _dequantize_eager(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor | None) -> torch.Tensor:
+    out = acc.float().mul_(row_scale.unsqueeze(1))
+    return out if col_scale is None else out.mul_(col_scale.unsqueeze(0))
+
+
+def _quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_eager(values, -1)
+
+
+def _quantize_columns(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_eager(values, 0)
 
 
 @functools.cache
-def _quantize_rows_compiled():
-    # One fused pass instead of five; dynamic shapes: one compile serves every batch size.
-    return torch.compile(_quantize_rows_eager, dynamic=True)
+def _compiled(kind: str, dim: int = -1):
+    # One fused pass instead of four or five. A separate function per role (separate
+    # code objects: separate compile caches) with dynamic shapes, and contiguous inputs
+    # (see quantize_rows_fast), so batch sizes and view layouts do not recompile.
+    function = {"quantize": _quantize_rows if dim == -1 else _quantize_columns}.get(kind, _dequantize_eager)
+    return torch.compile(function, dynamic=True)
 
 
-def quantize_rows_fast(values: torch.Tensor, *, compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8 quantization of activations or gradients (round to nearest).
+def quantize_rows_fast(
+    values: torch.Tensor, *, dim: int = -1, compile: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of activations or gradients along ``dim`` (round to nearest).
 
+    ``dim=-1`` gives one scale per row, ``dim=0`` one per column (no transposed copy).
     Unlike :func:`fsdp_int8.quant.quantize_rowwise` it does not check for NaN (a NaN
     activation makes a NaN output anyway) and so never synchronises with the device.
     """
-    return (_quantize_rows_compiled() if compile else _quantize_rows_eager)(values)
+    if compile:
+        if dim not in (0, -1):
+            raise ValueError(f"quantize_rows_fast compiles dim 0 or -1, got {dim}")
+        return _compiled("quantize", dim)(values.contiguous())
+    return _quantize_eager(values, dim)
+
+
+def _dequantize(acc, row_scale, col_scale, *, compile: bool) -> torch.Tensor:
+    """``acc * row_scale[:, None] * col_scale[None, :]`` in fp32 (int32 GEMM results)."""
+    return (_compiled("dequantize") if compile else _dequantize_eager)(acc, row_scale, col_scale)
 
 
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -69,22 +99,24 @@ def _int8_output(x2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig
     # The GEMM runs about twice as fast with a contiguous right operand; the transposed
     # int8 copy costs one byte per weight, transiently (it is not a dequantized copy).
     acc = _int_mm(qx, weight.int_rows().t().contiguous())
-    return acc.float().mul_(sx.unsqueeze(1)).mul_(weight.scale.unsqueeze(0)).to(x2d.dtype)
+    return _dequantize(acc, sx, weight.scale, compile=config.compile).to(x2d.dtype)
 
 
 def _int8_grad_input(g2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig) -> torch.Tensor:
     qg, sg = quantize_rows_fast(g2d.float() * weight.scale.unsqueeze(0), compile=config.compile)
     acc = _int_mm(qg, weight.int_rows().contiguous())  # FSDP2's rows are strided views
-    return acc.float().mul_(sg.unsqueeze(1)).to(g2d.dtype)
+    return _dequantize(acc, sg, None, compile=config.compile).to(g2d.dtype)
 
 
 def _int8_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, config: Int8MatmulConfig) -> torch.Tensor:
-    grad = torch.zeros(g2d.shape[1], x2d.shape[1], dtype=torch.float32, device=g2d.device)
+    grad = None
     for start in range(0, g2d.shape[0], _MAX_TOKENS_PER_INT32_SUM):
         chunk = slice(start, start + _MAX_TOKENS_PER_INT32_SUM)
-        qg, sg = quantize_rows_fast(g2d[chunk].t(), compile=config.compile)  # per output channel
-        qx, sx = quantize_rows_fast(x2d[chunk].t(), compile=config.compile)  # per input channel
-        grad += _int_mm(qg, qx.t()).float() * sg.unsqueeze(1) * sx.unsqueeze(0)
+        # scales per output channel of grad_y and per input channel of x, over the tokens
+        qg, sg = quantize_rows_fast(g2d[chunk], dim=0, compile=config.compile)
+        qx, sx = quantize_rows_fast(x2d[chunk], dim=0, compile=config.compile)
+        part = _dequantize(_int_mm(qg.t().contiguous(), qx), sg, sx, compile=config.compile)
+        grad = part if grad is None else grad.add_(part)
     return grad.to(g2d.dtype)
 
 

@@ -680,8 +680,9 @@ class PersistentBytes:
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
     local = _local(tensor)
-    if isinstance(local, Int8Weight):
-        return local.storage_bytes()
+    if hasattr(local, "__tensor_flatten__"):  # Int8Weight, or another library's subclass
+        names, _ = local.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(local, name)) for name in names)
     return local.numel() * local.element_size()
 
 
