@@ -10,7 +10,8 @@ ratios, not the absolute times (these machines are noisy). Columns:
 * step: median wall time of a training step (forward, backward, clip, optimizer), rank 0;
 * vs fp32: that median against the fp32 FSDP2 + torch AdamW row of this run;
 * bytes/param: storage of each rank's own parameters + gradients + optimizer states,
-  divided by its parameter count (fp32 + Adam: 16);
+  divided by its parameter count (fp32 + Adam: 16); 8-bit AdamW keeps its moments in
+  blocks of 128 values per scale;
 * peak RSS: the largest resident set of any rank, for context (includes torch itself).
 """
 
@@ -35,8 +36,10 @@ from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, ModelArgs, Transformer
 
 # int8-mm: output and grad_input GEMMs in int8 (the default Int8MatmulConfig); int8-mm-all:
-# the weight gradient's GEMM too; +compile: activation quantization fused by torch.compile.
-PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm+compile", "int8-mm-all")
+# the weight gradient's GEMM too; +compile: activation quantization fused by torch.compile;
+# int8-bf16: int8 weights of a bf16 model (bf16 compute, gradients and reduction).
+PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm+compile", "int8-mm-all", "int8-bf16")
+EIGHT_BIT_BLOCK = 128  # values per scale of 8-bit Adam states
 OPTIMIZERS = ("torch AdamW", "fused AdamW", "8-bit AdamW")
 
 
@@ -70,6 +73,8 @@ def build(precision: str, preset: ModelArgs) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(preset)
     model.init_weights()
+    if precision == "int8-bf16":
+        model.to(torch.bfloat16)
     bf16 = fsdp_int8.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if precision.startswith("int8"):
         matmuls = (
@@ -92,7 +97,9 @@ def make_optimizer(name: str, precision: str, model: torch.nn.Module) -> torch.o
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True)
     from fsdp_int8.optim import Int8AdamW  # fused: one requantization per step
 
-    return Int8AdamW(params, lr=1e-3, weight_decay=0.1, state_bits=8 if name.startswith("8-bit") else 32)
+    if name.startswith("8-bit"):
+        return Int8AdamW(params, lr=1e-3, weight_decay=0.1, state_bits=8, block_size=EIGHT_BIT_BLOCK)
+    return Int8AdamW(params, lr=1e-3, weight_decay=0.1)
 
 
 def _row(rank: int, world: int, precision: str, optimizer_name: str, args_dict: dict) -> dict:
