@@ -112,22 +112,6 @@ def _gather_to_rank0(value: Any) -> list[Any]:
     return out or []
 
 
-def _any_rank(flag: bool) -> bool:
-    if not _distributed():
-        return flag
-    votes = [None] * _world()
-    dist.all_gather_object(votes, flag)
-    return any(votes)
-
-
-@contextlib.contextmanager
-def _single_process_is_intended() -> Iterator[None]:
-    """dcp warns that it assumes one process without a process group: so do we."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 # ---------------------------------------------------------------- files
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()

@@ -9,8 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import warnings
-from pathlib import Path
 
 import pytest
 import torch

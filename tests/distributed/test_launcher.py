@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fsdp_int8
 from launch import train
