@@ -112,6 +112,14 @@ def _gather_to_rank0(value: Any) -> list[Any]:
     return out or []
 
 
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """dcp warns that it assumes one process without a process group: so do we."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 # ---------------------------------------------------------------- files
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
