@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     train.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
+    train.add_argument("--optimizer", default="adamw", choices=("adamw", "int8-adamw", "int8-adamw-8bit"),
+                       help="torch AdamW, fsdp_int8's fused AdamW (one requantization per step), "
+                       "or the same with 8-bit Adam states")
     train.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
     train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     train.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
@@ -152,6 +155,14 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Transformer:
     return model
 
 
+def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.Optimizer:
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    state_bits = 8 if args.optimizer.endswith("8bit") else 32
+    return fsdp_int8.Int8AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                               state_bits=state_bits)
+
+
 def learning_rate(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak."""
     if step < args.warmup:
@@ -190,7 +201,7 @@ def train(args: argparse.Namespace, corpus: Corpus) -> None:
     out = Path(args.out)
     checkpoints = out / "checkpoints"
     model = build_model(args, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = make_optimizer(args, model)
 
     start = 0
     if (args.resume or restarted_by_torchrun()) and fsdp_int8.latest_checkpoint(checkpoints):
