@@ -385,10 +385,47 @@ _UPDATE_OPS = (
 )
 
 
+_SCALINGS = {aten.mul_.Scalar, aten.mul_.Tensor, aten.div_.Scalar, aten.div_.Tensor}
+
+
+def _python_scalar(value: Any) -> float | None:
+    """``value`` as a float if it is a scalar known on the host (never a device sync)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if (
+        isinstance(value, torch.Tensor) and not isinstance(value, Int8Weight)
+        and value.device.type == "cpu" and value.numel() == 1 and value.dim() == 0
+    ):
+        return float(value)
+    return None
+
+
+def _rescale(func, target: Int8Weight, factor: float) -> bool:
+    """Scaling every value by a finite scalar scales each row's absmax by the same amount:
+    multiply the scales (negating the int8 values for a negative factor), exactly, with no
+    requantization and no rounding noise. This is AdamW's decoupled weight decay."""
+    if factor != factor or factor in (float("inf"), float("-inf")) or (
+        func in (aten.div_.Scalar, aten.div_.Tensor) and factor == 0
+    ):
+        return False  # the general path raises on the non-finite result
+    if factor < 0:
+        target.int_data.neg_()  # the range is symmetric: -(-127) fits
+    magnitude = abs(factor)
+    if func in (aten.div_.Scalar, aten.div_.Tensor):
+        target.scale.div_(magnitude)
+    else:
+        target.scale.mul_(magnitude)
+    return True
+
+
 @_implements(*_UPDATE_OPS)
 def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if not isinstance(target, Int8Weight):  # plain tensor updated with an Int8Weight operand
         return func(target, *dequantize_all(args), **dequantize_all(kwargs))
+    if func in _SCALINGS and not kwargs:
+        factor = _python_scalar(args[0])
+        if factor is not None and _rescale(func, target, factor):
+            return target
     values = target.dequantize(torch.float32)
     func(values, *_as_fp32(args), **_as_fp32(kwargs))
     return target.assign_(values, stochastic=target.stochastic_rounding)

@@ -439,9 +439,7 @@ UPDATES = {
     "sub_": lambda v, t, pos: v.sub_(t, alpha=2.0),
     "sub_scalar": lambda v, t, pos: v.sub_(0.1),
     "mul_": lambda v, t, pos: v.mul_(pos),
-    "mul_scalar": lambda v, t, pos: v.mul_(0.9),
     "div_": lambda v, t, pos: v.div_(pos),
-    "div_scalar": lambda v, t, pos: v.div_(3.0),
     "addcdiv_": lambda v, t, pos: v.addcdiv_(t, pos, value=-0.2),
     "addcmul_": lambda v, t, pos: v.addcmul_(t, pos, value=0.3),
     "lerp_scalar": lambda v, t, pos: v.lerp_(t, 0.25),
@@ -466,6 +464,37 @@ def test_inplace_update_is_dequantize_fp32_math_requantize(name, dtype):
     assert out is w  # in-place ops return their target
     assert isinstance(w, Int8Weight) and w.dtype == dtype
     assert same_bytes(w, q, s), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaling_by_a_scalar_rescales_exactly(dtype):
+    """mul_ / div_ by a scalar scale every row's absmax by the same factor: the scales
+    change exactly and the int8 values do not (negated for a negative factor), with no
+    requantization and no rounding noise (AdamW's weight decay is such a mul_)."""
+    for stochastic in (False, True):
+        w, _ = make(dtype=dtype, sr=stochastic)
+        q0, s0 = w.int_data.clone(), w.scale.clone()
+        w.mul_(0.9)
+        assert torch.equal(w.int_data, q0) and torch.equal(w.scale, s0 * 0.9)
+        w.div_(3.0)
+        assert torch.equal(w.int_data, q0) and torch.equal(w.scale, s0 * 0.9 / 3.0)
+        w.mul_(-2.0)
+        assert torch.equal(w.int_data, -q0) and torch.equal(w.scale, s0 * 0.9 / 3.0 * 2.0)
+        torch._foreach_mul_([w], 0.5)
+        assert torch.equal(w.int_data, -q0) and torch.equal(w.scale, s0 * 0.9 / 3.0 * 2.0 * 0.5)
+    with pytest.raises(ValueError, match="non-finite"):
+        w.div_(0.0)  # falls to the general path, whose check refuses the Inf
+
+
+def test_zero_gradient_adamw_step_only_decays_the_scales():
+    w, _ = make(sr=True)
+    param = torch.nn.Parameter(w)
+    q0, s0 = param.int_data.clone(), param.scale.clone()
+    opt = torch.optim.AdamW([param], lr=0.1, weight_decay=0.5)
+    param.grad = torch.zeros(param.shape)
+    opt.step()
+    assert torch.equal(param.int_data, q0)
+    assert torch.equal(param.scale, s0 * (1 - 0.1 * 0.5))
 
 
 def test_update_recomputes_each_rows_scale():
