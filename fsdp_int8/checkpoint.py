@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_int8 import _rng
 from fsdp_int8._reduce_scatter import installed_quantized_reduce_scatter
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8.weight import Int8Weight, local_shard
 
 __all__ = [
     "CheckpointError",
@@ -160,11 +160,7 @@ def _files_of_rank(path: Path, rank: int) -> list[Path]:
 
 # ---------------------------------------------------------------- state
 def _int8_keys(model_state: dict[str, Any]) -> list[str]:
-    def is_int8(value: Any) -> bool:
-        local = value._local_tensor if isinstance(value, DTensor) else value
-        return isinstance(local, Int8Weight)
-
-    return sorted(k for k, v in model_state.items() if is_int8(v))
+    return sorted(k for k, v in model_state.items() if isinstance(local_shard(v), Int8Weight))
 
 
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_int8 import _rng
 from fsdp_int8.config import Int8TrainingConfig
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8.weight import Int8Weight, local_shard
 
 __all__ = ["quantize_", "init_int8_weights_", "is_sharded"]
 
@@ -89,8 +89,7 @@ def init_int8_weights_(
         ``model``.
     """
     for name, param in model.named_parameters():
-        local = param._local_tensor if isinstance(param, DTensor) else param
-        if not isinstance(local, Int8Weight):
+        if not isinstance(local_shard(param), Int8Weight):
             continue
         values = torch.zeros_like(param, dtype=torch.float32)  # plain (sharded like param)
         with torch.no_grad():

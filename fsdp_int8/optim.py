@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from fsdp_int8.weight import Int8Weight, contiguous_strides
+from fsdp_int8.weight import Int8Weight, contiguous_strides, local_shard
 
 __all__ = [
     "Int8AdamW",
@@ -126,10 +126,6 @@ def _dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block_size: int) ->
 
 
 # ---------------------------------------------------------------- helpers
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 def _row_len(param: torch.Tensor) -> int | None:
     """Elements per dim-0 row of a parameter with >= 2 dims and >= 1 row (global shape)."""
     if param.dim() < 2 or param.shape[0] == 0:
@@ -227,7 +223,7 @@ class _FusedInt8Optimizer(Optimizer):
             with_grad = [p for p in group["params"] if p.grad is not None]
             by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
             for param in with_grad:
-                by_device[_local(param).device].append(param)
+                by_device[local_shard(param).device].append(param)
             for params in by_device.values():
                 for chunk in _chunks(params):
                     slots = [self._slot(param, group) for param in chunk]
@@ -247,7 +243,7 @@ class _FusedInt8Optimizer(Optimizer):
                 f"placed like its parameter: parameter {_placement_text(param)}, gradient "
                 f"{_placement_text(grad)}"
             )
-        local, local_grad = _local(param), _local(grad)
+        local, local_grad = local_shard(param), local_shard(grad)
         if local_grad.shape != local.shape:
             raise RuntimeError(
                 f"gradient of shape {tuple(local_grad.shape)} for a parameter of shape {tuple(local.shape)}"
@@ -324,7 +320,7 @@ class _FusedInt8Optimizer(Optimizer):
         for param, per_param in self.state.items():
             if not isinstance(per_param, dict):
                 continue
-            device = _local(param).device if isinstance(param, torch.Tensor) else None
+            device = local_shard(param).device if isinstance(param, torch.Tensor) else None
             for name, value in list(per_param.items()):
                 if isinstance(value, _KeepAsLoaded):
                     tensor = value.tensor
@@ -344,7 +340,7 @@ def _chunks(params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     chunk: list[torch.Tensor] = []
     total = 0
     for param in params:
-        size = _local(param).numel()
+        size = local_shard(param).numel()
         if chunk and total + size > _CHUNK_ELEMENTS:
             yield chunk
             chunk, total = [], 0
@@ -512,9 +508,9 @@ class Int8AdamW(_FusedInt8Optimizer):
         """fp32 ``(m, v)`` of the local shape: the states themselves, or dequantized."""
         state = slot.state
         if not self._is_8bit(state):
-            return _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        q_m, s_m = _local(state["exp_avg_int8"]), _local(state["exp_avg_scale"])
-        q_r, s_r = _local(state["exp_avg_sq_sqrt_uint8"]), _local(state["exp_avg_sq_sqrt_scale"])
+            return local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
+        q_m, s_m = local_shard(state["exp_avg_int8"]), local_shard(state["exp_avg_scale"])
+        q_r, s_r = local_shard(state["exp_avg_sq_sqrt_uint8"]), local_shard(state["exp_avg_sq_sqrt_scale"])
         if s_m.shape[1] != -(-q_m.shape[1] // block):
             raise RuntimeError(
                 f"8-bit state with {s_m.shape[1]} blocks per row of {q_m.shape[1]} does not fit "
@@ -560,14 +556,14 @@ class Int8AdamW(_FusedInt8Optimizer):
     @staticmethod
     def _store_8bit(slot: _Slot, m: torch.Tensor, r: torch.Tensor, block: int) -> None:
         state = slot.state
-        q_m = _local(state["exp_avg_int8"])
+        q_m = local_shard(state["exp_avg_int8"])
         rows_shape = q_m.shape
         for (q_key, s_key), values, signed in (
             (("exp_avg_int8", "exp_avg_scale"), m, True),
             (("exp_avg_sq_sqrt_uint8", "exp_avg_sq_sqrt_scale"), r, False),
         ):
             _quantize_blocks_into(
-                values.reshape(rows_shape), _local(state[q_key]), _local(state[s_key]), block,
+                values.reshape(rows_shape), local_shard(state[q_key]), local_shard(state[s_key]), block,
                 signed=signed,
             )
 
@@ -640,10 +636,10 @@ class Int8SGD(_FusedInt8Optimizer):
                 slot.state["momentum_buffer"] = self._fp32_state(slot.param, slot.local, grads[i])
             old = sorted(set(range(len(slots))) - set(fresh))
             if old:
-                bufs = [_local(slots[i].state["momentum_buffer"]) for i in old]
+                bufs = [local_shard(slots[i].state["momentum_buffer"]) for i in old]
                 torch._foreach_mul_(bufs, momentum)
                 torch._foreach_add_(bufs, [grads[i] for i in old], alpha=1.0)
-            bufs = [_local(s.state["momentum_buffer"]) for s in slots]
+            bufs = [local_shard(s.state["momentum_buffer"]) for s in slots]
             grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
         torch._foreach_add_(works, grads, alpha=-lr)
 
@@ -679,7 +675,7 @@ class PersistentBytes:
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
-    local = _local(tensor)
+    local = local_shard(tensor)
     if hasattr(local, "__tensor_flatten__"):  # Int8Weight, or another library's subclass
         names, _ = local.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(local, name)) for name in names)
@@ -712,7 +708,7 @@ def persistent_bytes(
     params = list({id(p): p for p in model.parameters()}.values())
     count = weights = grads = states = 0
     for param in params:
-        local = _local(param)
+        local = local_shard(param)
         count += local.numel()
         weights += _tensor_bytes(param)
         if param.requires_grad:

@@ -256,6 +256,13 @@ def _rebuild_int8_weight(
     return weight.requires_grad_(requires_grad) if requires_grad else weight
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of an FSDP2 (DTensor) parameter, or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def dequantize_all(tree: Any, dtype: torch.dtype | None = None) -> Any:
     """Replace every ``Int8Weight`` in a pytree by its dequantized plain tensor."""
     return tree_map_only(Int8Weight, lambda w: w.dequantize(dtype), tree)

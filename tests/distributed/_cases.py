@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
@@ -165,3 +166,55 @@ def assert_parity(result: dict, *, bf16: bool) -> None:
         assert result["frac"] <= 0.01, result
         assert result["scale_err"] <= 1e-5, result
         assert result["rel_err"] <= 1e-3, result
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Full int8 bytes, scales and optimizer states (gathered: comparable at any world size)."""
+    weights = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        weights[name] = (
+            (full.int_data.clone(), full.scale.clone()) if isinstance(full, Int8Weight)
+            else full.detach().clone()
+        )
+    states = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    moments = {
+        f"{fqn}.{key}": value.detach().clone()
+        for fqn, state in states["state"].items() for key, value in state.items()
+    }
+    return {"weights": weights, "optimizer": moments}
+
+
+def assert_identical(a: dict, b: dict, what: str) -> None:
+    """Two :func:`snapshot` results hold the same bytes (and dtypes) everywhere."""
+    assert a["weights"].keys() == b["weights"].keys(), what
+    assert a["optimizer"].keys() == b["optimizer"].keys(), what
+    for name, x in a["weights"].items():
+        y = b["weights"][name]
+        same = all(map(torch.equal, x, y)) if isinstance(x, tuple) else torch.equal(x, y)
+        assert same, f"{what}: weight {name} differs"
+    for name, x in a["optimizer"].items():
+        y = b["optimizer"][name]
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: optimizer state {name} differs"
+
+
+def train_repeating_pattern(model: nn.Module, rank: int, world: int, steps: int) -> list[float]:
+    """Train ``tiny_transformer`` to continue a 16-token cycle; the mean loss of each step.
+
+    ln(64) = 4.16 at the start; the cycle is learnable to well below 1 nat. The losses are
+    all-reduced once at the end, not per step: each collective costs on 2 shared cores.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    pattern = torch.arange(16) * 5 % 64
+    losses = []
+    for step in range(steps):
+        offsets = torch.randint(0, 16, (4,), generator=torch.Generator().manual_seed(step * world + rank))
+        batch = torch.stack([pattern.roll(-int(o)).repeat(2) for o in offsets])
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    total = torch.stack(losses)
+    dist.all_reduce(total)
+    return (total / world).tolist()

@@ -21,8 +21,7 @@ from fsdp_int8 import Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import device_type_for, run_distributed
 
 from _cases import (
-    BF16_POLICY, FULL_MATRIX, assert_parity, case, int8_params, local_of, mean_over_ranks,
-    train_parity,
+    BF16_POLICY, FULL_MATRIX, assert_parity, case, int8_params, local_of, train_parity, train_repeating_pattern,
 )
 from _nets import MLPNet, tiny_transformer
 
@@ -267,17 +266,7 @@ class _FakeMesh:
 def _check_transformer_learns(rank: int, world: int) -> None:
     """A small Llama-style model with stochastic rounding learns a repeating sequence."""
     model = fsdp_int8.shard_model(tiny_transformer(), config=Int8TrainingConfig(seed=3))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    pattern = torch.arange(16) * 5 % 64
-    losses = []
-    for step in range(40):
-        offsets = torch.randint(0, 16, (4,), generator=torch.Generator().manual_seed(step * world + rank))
-        batch = torch.stack([pattern.roll(-int(o)).repeat(2) for o in offsets])
-        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(mean_over_ranks(loss))
+    losses = train_repeating_pattern(model, rank, world, steps=40)
     # ln(64) = 4.16 at the start; the 16-token cycle is learnable to well below 1 nat.
     assert losses[0] > 3.5 and losses[-1] < 1.5, losses
 

@@ -30,7 +30,9 @@ import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import run_distributed
 
-from _cases import assert_parity, case, compare_shards, local_of, mean_over_ranks
+from _cases import (
+    assert_identical, assert_parity, case, compare_shards, local_of, mean_over_ranks, snapshot,
+)
 from _nets import MLPNet
 
 BATCH = 8  # global batch: divides 1, 2 and 4 ranks
@@ -106,35 +108,6 @@ def _train(model, opt, first_step: int, steps: int) -> None:
         opt.zero_grad()
 
 
-def _snapshot(model, opt) -> dict:
-    """Full int8 bytes, scales and optimizer states (gathered: comparable at any world size)."""
-    weights = {}
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        weights[name] = (
-            (full.int_data.clone(), full.scale.clone()) if isinstance(full, Int8Weight)
-            else full.detach().clone()
-        )
-    states = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    moments = {
-        f"{fqn}.{key}": value.detach().clone()
-        for fqn, state in states["state"].items() for key, value in state.items()
-    }
-    return {"weights": weights, "optimizer": moments}
-
-
-def _assert_identical(a: dict, b: dict, what: str) -> None:
-    assert a["weights"].keys() == b["weights"].keys(), what
-    assert a["optimizer"].keys() == b["optimizer"].keys(), what
-    for name, x in a["weights"].items():
-        y = b["weights"][name]
-        same = all(map(torch.equal, x, y)) if isinstance(x, tuple) else torch.equal(x, y)
-        assert same, f"{what}: weight {name} differs"
-    for name, x in a["optimizer"].items():
-        y = b["optimizer"][name]
-        assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: optimizer state {name} differs"
-
-
 def _check_8bit_layout(snapshot: dict) -> None:
     """The checkpointed states are the 8-bit ones, with global shapes."""
     states = snapshot["optimizer"]
@@ -157,7 +130,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     with case("optimizer state dict APIs: flattened, full, full broadcast from rank 0"):
         model, opt = _model()
         _train(model, opt, 0, 2)
-        expected = _snapshot(model, opt)
+        expected = snapshot(model, opt)
         sharded_model = get_model_state_dict(model)
         on_rank0 = get_optimizer_state_dict(  # a collective: every rank gathers, rank 0 keeps
             model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -180,24 +153,24 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
             fresh, fresh_opt = _model(seed=5)
             set_model_state_dict(fresh, sharded_model)
             set_optimizer_state_dict(fresh, fresh_opt, state, options=options)
-            _assert_identical(expected, _snapshot(fresh, fresh_opt), name)
+            assert_identical(expected, snapshot(fresh, fresh_opt), name)
         del model, opt, fresh, fresh_opt
     with case("save after 3 steps, 3 more"):
         model, opt = _model()
         _train(model, opt, 0, 3)
         fsdp_int8.save_checkpoint(root, model, opt, step=3)
-        out["at_save"] = _snapshot(model, opt)
+        out["at_save"] = snapshot(model, opt)
         _check_8bit_layout(out["at_save"])
         _train(model, opt, 3, 3)
-        out["uninterrupted"] = _snapshot(model, opt)
+        out["uninterrupted"] = snapshot(model, opt)
         del model, opt
     with case("2 -> 2 load, resume"):
         model, opt = _model(seed=123)  # another seed: the checkpoint's generators must win
         info = fsdp_int8.load_checkpoint(root, model, opt)
         assert info.step == 3 and info.rng_restored
-        out["loaded"] = _snapshot(model, opt)
+        out["loaded"] = snapshot(model, opt)
         _train(model, opt, 3, 3)
-        out["resumed"] = _snapshot(model, opt)
+        out["resumed"] = snapshot(model, opt)
         out["bytes"] = fsdp_int8.persistent_bytes(model, opt)  # this rank's shards only
     return out
 
@@ -207,7 +180,7 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
         model, opt = _model(seed=123)
         info = fsdp_int8.load_checkpoint(root, model, opt)
         assert info.world_size == 2 and not info.rng_restored
-        loaded = _snapshot(model, opt)
+        loaded = snapshot(model, opt)
         _train(model, opt, 3, 1)  # and it trains on
     with case("3 rows on 4 ranks: rank 3 holds none"):
         parity = _parity(rank, world, _adamw8, steps=2, hidden=3)
@@ -222,7 +195,7 @@ def _load_unsharded(root: str) -> tuple[dict, fsdp_int8.PersistentBytes]:
     info = fsdp_int8.load_checkpoint(root, model, opt)
     assert info.world_size == 2 and not info.rng_restored
     assert type(opt.state[model.layers[0].up.weight]["exp_avg_int8"]) is torch.Tensor
-    loaded = _snapshot(model, opt)
+    loaded = snapshot(model, opt)
     x, y = _batch(3)
     F.mse_loss(model(x), y).backward()  # and it trains on
     opt.step()
@@ -243,10 +216,10 @@ def test_fused_optimizers_on_fsdp2():
                 # an int8 value (or an 8-bit state) across a rounding boundary.
                 assert_parity(result, bf16=False)
         _check_8bit_layout(two["at_save"])
-        _assert_identical(two["at_save"], two["loaded"], "2 -> 2 load")
-        _assert_identical(two["uninterrupted"], two["resumed"], "save at 3, restart, 3 more == 6 steps")
+        assert_identical(two["at_save"], two["loaded"], "2 -> 2 load")
+        assert_identical(two["uninterrupted"], two["resumed"], "save at 3, restart, 3 more == 6 steps")
         unsharded, unsharded_bytes = _load_unsharded(tmp)
-        _assert_identical(two["at_save"], unsharded, "2 -> 1 unsharded load")
+        assert_identical(two["at_save"], unsharded, "2 -> 1 unsharded load")
         # Rows (with their scales and blocks) are partitioned between the ranks: the ranks'
         # bytes add up to the unsharded model's, but for the step counters, which every
         # rank keeps (4 bytes per parameter tensor and rank).
@@ -257,7 +230,7 @@ def test_fused_optimizers_on_fsdp2():
         assert sum(b.grads for b in ranks) == unsharded_bytes.grads
         assert sum(b.states for b in ranks) == unsharded_bytes.states + 4 * n_tensors
         four = run_distributed(_four_ranks, 4, tmp)[0]
-        _assert_identical(two["at_save"], four["loaded"], "2 -> 4 load")
+        assert_identical(two["at_save"], four["loaded"], "2 -> 4 load")
         with case("3 rows on 4 ranks"):
             assert four["parity"]["step_collectives"] == [(0, 0)] * 2, four["parity"]
             assert_parity(four["parity"], bf16=False)

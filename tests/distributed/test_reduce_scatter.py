@@ -30,7 +30,7 @@ from fsdp_int8._reduce_scatter import (
 )
 from fsdp_int8.testing import device_type_for, run_distributed
 
-from _cases import BF16_POLICY, case, local_of, mean_over_ranks
+from _cases import BF16_POLICY, case, local_of, mean_over_ranks, train_repeating_pattern
 from _nets import MLPNet, tiny_transformer
 
 BLOCK = 256
@@ -420,20 +420,7 @@ def _check_transformer(rank: int, world: int, steps: int = 40) -> dict:
         model = fsdp_int8.shard_model(tiny_transformer(), config=Int8TrainingConfig(seed=3))
         if quantized:
             enable_quantized_reduce_scatter(model, seed=3)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        pattern = torch.arange(16) * 5 % 64
-        losses = []
-        for step in range(steps):
-            offsets = torch.randint(0, 16, (4,), generator=torch.Generator().manual_seed(step * world + rank))
-            batch = torch.stack([pattern.roll(-int(o)).repeat(2) for o in offsets])
-            loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        losses = torch.stack(losses)
-        dist.all_reduce(losses)  # once, not per step: each collective costs on 4 ranks / 2 cores
-        return (losses / world).tolist()
+        return train_repeating_pattern(model, rank, world, steps)
 
     ref = run(False)
     _say(rank, "transformer ref")

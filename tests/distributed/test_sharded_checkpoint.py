@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
@@ -23,7 +22,7 @@ import fsdp_int8
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import run_distributed
 
-from _cases import case
+from _cases import assert_identical, case, snapshot
 from _nets import MLPNet
 
 BATCH = 8  # global batch: divides 1, 2 and 4 ranks
@@ -47,45 +46,21 @@ def _train(model, opt, first_step: int, steps: int) -> None:
         opt.zero_grad()
 
 
-def _snapshot(model, opt) -> dict:
-    """Full int8 bytes, scales and optimizer states (gathered: comparable at any world size)."""
-    weights = {}
-    for name, param in model.named_parameters():
-        full = param.full_tensor()
-        weights[name] = (full.int_data.clone(), full.scale.clone()) if isinstance(full, Int8Weight) else full.detach().clone()
-    states = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    moments = {
-        f"{fqn}.{k}": v.detach().clone()
-        for fqn, state in states["state"].items() for k, v in state.items()
-    }
-    return {"weights": weights, "optimizer": moments}
-
-
-def _assert_identical(a: dict, b: dict, what: str) -> None:
-    assert a["weights"].keys() == b["weights"].keys() and a["optimizer"].keys() == b["optimizer"].keys()
-    for name, x in a["weights"].items():
-        y = b["weights"][name]
-        same = all(map(torch.equal, x, y)) if isinstance(x, tuple) else torch.equal(x, y)
-        assert same, f"{what}: weight {name} differs"
-    for name, x in a["optimizer"].items():
-        assert torch.equal(x, b["optimizer"][name]), f"{what}: optimizer state {name} differs"
-
-
 def _save_then_continue(rank, world, root):
     """3 steps, save, 3 more: the snapshots after 3 and after 6 uninterrupted steps."""
     model, opt = _model()
     _train(model, opt, 0, 3)
     fsdp_int8.save_checkpoint(root, model, opt, step=3, extra={"run": "test"})
-    at_save = _snapshot(model, opt)
+    at_save = snapshot(model, opt)
     _train(model, opt, 3, 3)
-    return at_save, _snapshot(model, opt)
+    return at_save, snapshot(model, opt)
 
 
 def _load_at_one_rank_then_save(rank, world, root, root_from_one):
     model, opt = _model()
     info = fsdp_int8.load_checkpoint(root, model, opt)
     assert info.step == 3 and info.world_size == 2 and not info.rng_restored
-    loaded = _snapshot(model, opt)
+    loaded = snapshot(model, opt)
     fsdp_int8.save_checkpoint(root_from_one, model, opt, step=3)
     return loaded
 
@@ -96,14 +71,14 @@ def _resume_at_two_ranks(rank, world, root, root_from_one):
         model, opt = _model()
         info = fsdp_int8.load_checkpoint(root_from_one, model, opt)
         assert info.world_size == 1 and not info.rng_restored
-        out["from_one"] = _snapshot(model, opt)
+        out["from_one"] = snapshot(model, opt)
     with case("2 -> 2 resume"):
         model, opt = _model()
         info = fsdp_int8.load_checkpoint(root, model, opt)
         assert info.step == 3 and info.rng_restored and info.extra == {"run": "test"}
-        out["loaded"] = _snapshot(model, opt)
+        out["loaded"] = snapshot(model, opt)
         _train(model, opt, info.step, 3)
-        out["resumed"] = _snapshot(model, opt)
+        out["resumed"] = snapshot(model, opt)
     with case("export to full precision, import back"):
         exported = fsdp_int8.export_full_state_dict(model, dtype=torch.float32)
         assert (len(exported) > 0) == (rank == 0)
@@ -147,7 +122,7 @@ def _resume_at_two_ranks(rank, world, root, root_from_one):
 def _load_at_four_ranks(rank, world, root):
     model, opt = _model()
     fsdp_int8.load_checkpoint(root, model, opt)
-    loaded = _snapshot(model, opt)
+    loaded = snapshot(model, opt)
     _train(model, opt, 3, 1)  # and it trains on
     return loaded
 
@@ -157,10 +132,10 @@ def test_checkpoints_across_world_sizes_and_exact_resume():
         root, root_from_one = f"{tmp}/two", f"{tmp}/one"
         at_save, uninterrupted = run_distributed(_save_then_continue, 2, root)[0]
         from_two_at_one = run_distributed(_load_at_one_rank_then_save, 1, root, root_from_one)[0]
-        _assert_identical(at_save, from_two_at_one, "2 -> 1 load")
+        assert_identical(at_save, from_two_at_one, "2 -> 1 load")
         two = run_distributed(_resume_at_two_ranks, 2, root, root_from_one)[0]
-        _assert_identical(at_save, two["from_one"], "1 -> 2 load")
-        _assert_identical(at_save, two["loaded"], "2 -> 2 load")
-        _assert_identical(uninterrupted, two["resumed"], "save at 3, restart, 3 more == 6 steps")
+        assert_identical(at_save, two["from_one"], "1 -> 2 load")
+        assert_identical(at_save, two["loaded"], "2 -> 2 load")
+        assert_identical(uninterrupted, two["resumed"], "save at 3, restart, 3 more == 6 steps")
         from_two_at_four = run_distributed(_load_at_four_ranks, 4, root)[0]
-        _assert_identical(at_save, from_two_at_four, "2 -> 4 load")
+        assert_identical(at_save, from_two_at_four, "2 -> 4 load")
