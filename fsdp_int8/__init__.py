@@ -6,7 +6,6 @@ are written back with stochastic rounding; FSDP2 all-gathers the int8 bytes.
 
 import torch
 
-from fsdp_int8 import _rng
 from fsdp_int8._reduce_scatter import QuantizedReduceScatter, enable_quantized_reduce_scatter
 from fsdp_int8.checkpoint import (
     CheckpointError,
@@ -48,8 +47,6 @@ __all__ = [
     "CollectiveCounter",
     "CollectiveRecord",
     "int8_weight_linear",
-    "rounding_rng_state",
-    "set_rounding_rng_state",
     "__version__",
 ]
 __all__ += ["Int8AdamW", "Int8SGD", "PersistentBytes", "persistent_bytes", "persistent_bytes_per_param"]
@@ -57,12 +54,3 @@ __all__ += ["Int8AdamW", "Int8SGD", "PersistentBytes", "persistent_bytes", "pers
 # torch.load(weights_only=True) rebuilds Int8Weights through these two names only.
 torch.serialization.add_safe_globals([Int8Weight, _rebuild_int8_weight])
 
-
-def rounding_rng_state() -> dict[str, torch.Tensor]:
-    """The stochastic-rounding generators' states of this process, keyed by device."""
-    return _rng.get_state()
-
-
-def set_rounding_rng_state(state: dict[str, torch.Tensor]) -> None:
-    """Restore generator states returned by :func:`rounding_rng_state`."""
-    _rng.set_state(state)

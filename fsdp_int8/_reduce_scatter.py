@@ -47,7 +47,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     ProcessGroupAllocReduceScatter,
 )
 
-from fsdp_int8 import _rng
+from fsdp_int8._generators import seed_for
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -403,7 +403,7 @@ class QuantizedReduceScatter(ReduceScatter):
 
     def _process_seed(self) -> int:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return _rng.seed_for(self.seed ^ _SEED_SALT, rank)
+        return seed_for(self.seed ^ _SEED_SALT, rank)
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         """Copies of the noise generators' states, keyed by device (for exact resumption)."""

@@ -42,7 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from fsdp_int8 import _rng
+from fsdp_int8 import _dist
+from fsdp_int8._generators import WEIGHT_ROUNDING, seed_weight_rounding
 from fsdp_int8._reduce_scatter import installed_quantized_reduce_scatter
 from fsdp_int8.weight import Int8Weight, local_shard
 
@@ -171,7 +172,7 @@ def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -
 
 
 def _rng_state(model: nn.Module) -> dict[str, Any]:
-    state: dict[str, Any] = {"rounding": _rng.get_state(), "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {"rounding": WEIGHT_ROUNDING.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     gradients = installed_quantized_reduce_scatter(model)
@@ -181,7 +182,7 @@ def _rng_state(model: nn.Module) -> dict[str, Any]:
 
 
 def _restore_rng(state: dict[str, Any], model: nn.Module) -> None:
-    _rng.set_state(state["rounding"])
+    WEIGHT_ROUNDING.set_state(state["rounding"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -449,7 +450,7 @@ def load_checkpoint(
     if rng_restored:
         _restore_rng(torch.load(rng_path, weights_only=True), model)
     else:  # another world size: rows move between ranks, no stream can be continued
-        _rng.manual_seed(step_loaded, _rank())
+        seed_weight_rounding(step_loaded, _dist.mesh_of(model))
     return CheckpointInfo(
         path=path, step=step_loaded, world_size=saved_world,
         extra=manifest["extra"] if manifest is not None else {},

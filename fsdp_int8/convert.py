@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_int8 import _rng
+from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.weight import Int8Weight, local_shard
 
@@ -66,8 +65,8 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
             swapped[id(weight)] = nn.Parameter(int8_weight, requires_grad=weight.requires_grad)
         module.weight = swapped[id(weight)]
     if swapped:  # a repeated call changes nothing, not even the generator
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        _rng.manual_seed(config.seed, rank)
+        # Not sharded yet: every process holds every row, one shard (mesh=None).
+        seed_weight_rounding(config.seed)
     return model
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from fsdp_int8 import _rng
+from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8._reduce_scatter import enable_quantized_reduce_scatter
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import is_sharded, quantize_
@@ -174,8 +174,7 @@ def shard_model(
     if quantize:
         config = config or Int8TrainingConfig()
         quantize_(model, config)
-        # Replicas (HSDP) must round identically: seed by the rank within the shard dim only.
-        _rng.manual_seed(config.seed, mesh.get_local_rank(mesh.ndim - 1))
+        seed_weight_rounding(config.seed, mesh)
 
     options = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     in_blocks = {id(m) for block in found for m in block.modules()}

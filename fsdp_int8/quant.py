@@ -1,76 +1,241 @@
-"""Row-wise symmetric int8 quantization: pure functions on plain tensors.
+"""Symmetric absmax quantization: the one quantizer every part of fsdp_int8 uses.
 
-A weight of shape ``[rows, K]`` is stored as ``int8`` values in ``[-127, 127]`` and one
-fp32 scale per row, ``scale = amax(|row|) / 127``. All arithmetic runs in fp32 whatever
-the input dtype, so the range stays symmetric (no -128) for bf16 and fp16 inputs too.
+A tensor is cut into blocks (a whole row by default, or ``block_size`` consecutive
+elements of a row, or a whole column with ``dim=0``); each block keeps one fp32 scale,
+``scale = amax(|block|) / levels``, and its values become ``round(x / scale)`` in
+``[-127, 127]`` (int8, ``signed=True``) or ``[0, 255]`` (uint8, for non-negative values).
+All arithmetic runs in fp32 whatever the input dtype, so the int8 range stays symmetric
+(never -128) for bf16 and fp16 inputs too. An all-zero block has scale 0 and stays 0.
+
+Users of this module and their choices:
+
+========================  ==========  ==========  =================  ==============
+caller                    blocks      rounding    signed             non-finite
+========================  ==========  ==========  =================  ==============
+weights (``Int8Weight``)  rows        both        int8               ``"raise"``
+activations (int8 GEMMs)  rows, cols  nearest     int8               ``"unchecked"``
+8-bit optimizer states    in rows     nearest     int8 and uint8     ``"raise"``
+gradient reduce-scatter   in rows     stochastic  int8               ``"propagate"``
+========================  ==========  ==========  =================  ==============
+
+Stochastic rounding is ``floor(x / scale + u)``, ``u ~ U[0, 1)``: unbiased, so updates
+smaller than one step survive on average. The caller passes the generator (see
+:mod:`fsdp_int8._generators`).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from fsdp_int8 import _rng
+__all__ = ["INT8_MAX", "UINT8_MAX", "ceil_div", "absmax_quantize", "absmax_dequantize"]
 
-__all__ = ["INT8_MAX", "quantize_rowwise", "dequantize_rowwise"]
+INT8_MAX = 127  # symmetric: -127..127, so negation never overflows
+UINT8_MAX = 255
 
-INT8_MAX = 127
+Rounding = Literal["nearest", "stochastic"]
+# "raise": a ValueError naming the count (weights, optimizer states: a NaN scale would
+#   silently corrupt them). "propagate": a block holding NaN or Inf gets a non-finite
+#   scale and in-range values (a collective must not raise on one rank only).
+#   "unchecked": no check and no device sync (activations: NaN in, NaN out anyway).
+NonFinite = Literal["raise", "propagate", "unchecked"]
 
 
-def _raise_if_not_finite(values: torch.Tensor, row_amax: torch.Tensor) -> None:
-    # One reduction over the row maxima (NaN and Inf propagate into them) keeps the
-    # check cheap; the full count is only computed for the error message.
-    if values.is_meta or bool(torch.isfinite(row_amax).all()):
+def ceil_div(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` for non-negative integers."""
+    return -(-numerator // denominator)
+
+
+def _block_parts(length: int, block_size: int) -> list[tuple[slice, slice, int, int]]:
+    """``(columns, scale columns, blocks, width)`` of a row's full blocks and its short tail.
+
+    Splitting full blocks from the tail avoids padding (a copy of the whole tensor).
+    """
+    full, tail = divmod(length, block_size)
+    parts = []
+    if full:
+        parts.append((slice(0, full * block_size), slice(0, full), full, block_size))
+    if tail:
+        parts.append((slice(full * block_size, length), slice(full, full + 1), 1, tail))
+    return parts
+
+
+def _check_block_size(block_size: int | None, dim: int) -> None:
+    if block_size is None:
         return
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int or None, got {block_size!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if dim == 0:
+        raise ValueError("blocks along columns (dim=0) are not supported: use block_size=None")
+
+
+def _raise_non_finite(values: torch.Tensor, what: str, bits: str) -> None:
     bad = int((~torch.isfinite(values)).sum())
     raise ValueError(
-        f"cannot quantize a tensor of shape {tuple(values.shape)} to int8: it holds {bad} "
-        "non-finite values (NaN or Inf). Check the loss, gradients and learning rate; "
-        "a NaN scale would silently corrupt the weight."
+        f"cannot quantize {what} of shape {tuple(values.shape)} to {bits}: it holds {bad} "
+        "non-finite values (NaN or Inf). Check the loss, gradients and learning rate; a NaN "
+        "scale would silently corrupt it."
     )
 
 
-def quantize_rowwise(
-    values: torch.Tensor, *, stochastic: bool = False
+def _round_into(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    levels: int,
+    *,
+    signed: bool,
+    rounding: Rounding,
+    nonfinite: NonFinite,
+    generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D floating tensor row by row.
+    """``(rounded fp32 values, scale)`` of fp32 blocks ``x``; ``amax`` broadcasts against ``x``."""
+    scale = amax / levels
+    usable = scale > 0
+    if nonfinite == "propagate":
+        usable = usable & torch.isfinite(scale)
+    # Zero (and, when propagating, non-finite) blocks divide by 1: their values stay
+    # finite; a zero block rounds to 0, a non-finite one is carried by its scale.
+    scaled = x / torch.where(usable, scale, torch.ones_like(scale))
+    if rounding == "stochastic":
+        noise = torch.rand(scaled.shape, dtype=torch.float32, device=scaled.device, generator=generator)
+        scaled.add_(noise).floor_()
+    elif rounding == "nearest":
+        scaled.round_()
+    else:
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if nonfinite == "propagate":
+        scaled.nan_to_num_(0.0)
+    # |x / scale| <= levels up to one ulp of the division: the clamp keeps the range exact.
+    return scaled.clamp_(-levels if signed else 0, levels), scale
+
+
+def absmax_quantize(
+    values: torch.Tensor,
+    *,
+    dim: int = -1,
+    block_size: int | None = None,
+    signed: bool = True,
+    rounding: Rounding = "nearest",
+    generator: torch.Generator | None = None,
+    nonfinite: NonFinite = "raise",
+    out: torch.Tensor | None = None,
+    what: str = "a tensor",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D floating tensor with one absmax scale per block.
 
     Args:
-        values: ``[rows, K]`` tensor of any floating dtype.
-        stochastic: Round with ``floor(x / scale + u)``, ``u ~ U[0, 1)`` drawn from the
-            process's stochastic-rounding generator (unbiased); otherwise round to nearest.
+        values: ``[rows, K]``, any floating dtype (the arithmetic runs in fp32); may be
+            strided.
+        dim: ``-1`` (or ``1``): blocks run along rows; ``0``: one scale per column
+            (no transposed copy is made).
+        block_size: Elements per block along a row; ``None``: the whole row (or column).
+            The last block of a row holds ``K % block_size`` elements when that is not 0.
+        signed: ``int8`` in ``[-127, 127]``; otherwise ``uint8`` in ``[0, 255]`` (for
+            non-negative values).
+        rounding: ``"nearest"`` or ``"stochastic"`` (``floor(x / scale + u)``).
+        generator: Source of the stochastic-rounding noise.
+        nonfinite: What a NaN or Inf does (see :data:`NonFinite`).
+        out: Optional destination of the 8-bit values (``values``' shape, may be strided).
+        what: How an error message names ``values``.
 
     Returns:
-        ``(int_data, scale)``: ``int8 [rows, K]`` in ``[-127, 127]`` and ``fp32 [rows]``.
+        ``(q, scale)``: ``q`` of ``values``' shape; ``scale`` fp32 ``[rows]`` (whole rows),
+        ``[K]`` (``dim=0``) or ``[rows, ceil(K / block_size)]`` (blocks).
 
     Raises:
-        ValueError: if ``values`` holds NaN or Inf.
+        ValueError: with ``nonfinite="raise"``, if ``values`` holds NaN or Inf.
     """
     if values.dim() != 2:
-        raise ValueError(f"quantize_rowwise expects a 2-D tensor, got shape {tuple(values.shape)}")
+        raise ValueError(f"absmax_quantize expects a 2-D tensor, got shape {tuple(values.shape)}")
     if not values.is_floating_point():
-        raise TypeError(f"quantize_rowwise expects a floating tensor, got {values.dtype}")
-    values = values.float()
-    row_amax = values.abs().amax(dim=1) if values.shape[1] else values.new_zeros(values.shape[0])
-    _raise_if_not_finite(values, row_amax)
-    scale = row_amax / INT8_MAX
-    # An all-zero row keeps scale 0 (it dequantizes to zeros); divide it by 1 instead of 0.
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scaled = values / divisor.unsqueeze(1)
-    if stochastic:
-        noise = torch.rand(
-            scaled.shape, dtype=torch.float32, device=scaled.device,
-            generator=_rng.generator(scaled.device),
-        )
-        scaled = scaled.add_(noise).floor_()
-    else:
-        scaled = scaled.round_()
-    # |scaled| <= 127 up to one ulp of the division; the clamp keeps the range exact.
-    return scaled.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+        raise TypeError(f"absmax_quantize expects a floating tensor, got {values.dtype}")
+    if dim not in (-1, 0, 1):
+        raise ValueError(f"dim must be -1, 0 or 1, got {dim}")
+    _check_block_size(block_size, dim)
+    dim = -1 if dim == 1 else dim
+    levels = INT8_MAX if signed else UINT8_MAX
+    q_dtype = torch.int8 if signed else torch.uint8
+    rows, length = values.shape
+    if out is None:
+        out = torch.empty(rows, length, dtype=q_dtype, device=values.device)
+    elif out.shape != values.shape or out.dtype != q_dtype:
+        raise ValueError(f"out must be {q_dtype} of shape {tuple(values.shape)}, got {out.dtype} {tuple(out.shape)}")
+    options = dict(signed=signed, rounding=rounding, nonfinite=nonfinite, generator=generator)
+    values32 = values.float()
+
+    if block_size is None:  # one block per row (dim=-1) or per column (dim=0)
+        reduced = length if dim == -1 else rows
+        if reduced == 0:
+            amax = values32.new_zeros(rows if dim == -1 else length)
+        elif signed:
+            low, high = torch.aminmax(values32, dim=dim)  # no |x| temporary; NaN propagates
+            amax = torch.maximum(high, low.neg())
+        else:
+            amax = values32.amax(dim=dim)
+        if nonfinite == "raise" and not values.is_meta and not bool(torch.isfinite(amax).all()):
+            _raise_non_finite(values, what, "int8" if signed else "uint8")
+        rounded, scale = _round_into(values32, amax.unsqueeze(dim), levels, **options)
+        out.copy_(rounded)
+        return out, scale.squeeze(dim)
+
+    scales = torch.empty(rows, ceil_div(length, block_size), dtype=torch.float32, device=values.device)
+    parts = []
+    for columns, scale_columns, blocks, width in _block_parts(length, block_size):
+        x = values32[:, columns].reshape(rows, blocks, width)
+        if signed:
+            low, high = torch.aminmax(x, dim=2)
+            amax = torch.maximum(high, low.neg())
+        else:
+            amax = x.amax(dim=2)
+        parts.append((x, amax, columns, scale_columns, blocks, width))
+    if nonfinite == "raise" and not values.is_meta and not all(
+        bool(torch.isfinite(part[1]).all()) for part in parts
+    ):
+        _raise_non_finite(values, what, "int8" if signed else "uint8")
+    for x, amax, columns, scale_columns, blocks, width in parts:
+        rounded, scale = _round_into(x, amax.unsqueeze(2), levels, **options)
+        scales[:, scale_columns] = scale.squeeze(2)
+        out[:, columns].view(rows, blocks, width).copy_(rounded)
+    return out, scales
 
 
-def dequantize_rowwise(
-    int_data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+def absmax_dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    dim: int = -1,
+    block_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_rowwise`: ``int_data * scale[:, None]`` in ``dtype``."""
-    # int8 * fp32 promotes to fp32 inside one kernel: no separate cast pass
-    return torch.mul(int_data, scale.unsqueeze(1)).to(dtype)
+    """Inverse of :func:`absmax_quantize`: ``q * scale`` per block, in ``dtype``.
+
+    Args:
+        q: ``[rows, K]`` int8 or uint8.
+        scale: As returned by :func:`absmax_quantize` for the same ``dim`` / ``block_size``.
+        dim: ``-1`` (per row or blocks in rows) or ``0`` (per column).
+        block_size: As given to :func:`absmax_quantize`.
+        dtype: Result dtype.
+    """
+    if q.dim() != 2:
+        raise ValueError(f"absmax_dequantize expects a 2-D tensor, got shape {tuple(q.shape)}")
+    _check_block_size(block_size, dim)
+    rows, length = q.shape
+    if block_size is None:
+        expected = (length,) if dim == 0 else (rows,)
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"scales of shape {expected} expected for {tuple(q.shape)}, got {tuple(scale.shape)}")
+        # 8-bit x fp32 promotes to fp32 inside one kernel: no separate cast pass
+        return torch.mul(q, scale.unsqueeze(0 if dim == 0 else 1)).to(dtype)
+    if tuple(scale.shape) != (rows, ceil_div(length, block_size)):
+        raise ValueError(
+            f"{rows} rows of {length} values in blocks of {block_size} need scales of shape "
+            f"{(rows, ceil_div(length, block_size))}, got {tuple(scale.shape)}"
+        )
+    result = torch.empty(rows, length, dtype=dtype, device=q.device)
+    for columns, scale_columns, blocks, width in _block_parts(length, block_size):
+        values = torch.mul(q[:, columns].reshape(rows, blocks, width), scale[:, scale_columns].unsqueeze(2))
+        result[:, columns].view(rows, blocks, width).copy_(values)
+    return result

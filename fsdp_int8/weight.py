@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
-from fsdp_int8 import quant
+from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 from fsdp_int8.config import Int8MatmulConfig
 
 __all__ = ["Int8Weight"]
@@ -127,7 +128,7 @@ class Int8Weight(torch.Tensor):
                 f"Int8Weight quantizes 2-D [out_features, in_features] weights, got shape "
                 f"{tuple(weight.shape)}"
             )
-        int_data, scale = quant.quantize_rowwise(weight.detach(), stochastic=False)
+        int_data, scale = absmax_quantize(weight.detach(), what="a weight")
         return cls(
             int_data, scale, dtype=dtype or weight.dtype, row_len=weight.shape[1],
             stochastic_rounding=stochastic_rounding, int8_matmul=int8_matmul,
@@ -159,13 +160,16 @@ class Int8Weight(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A plain tensor of this shape: ``int_data * scale`` in ``dtype`` (default: outer)."""
-        values = quant.dequantize_rowwise(self.int_rows(), self.scale, dtype or self.dtype)
+        values = absmax_dequantize(self.int_rows(), self.scale, dtype=dtype or self.dtype)
         return values.view(self.shape)
 
     def assign_(self, values: torch.Tensor, *, stochastic: bool) -> "Int8Weight":
         """Requantize ``values`` (this shape, any float dtype) into this tensor's storage."""
-        int_data, scale = quant.quantize_rowwise(
-            values.reshape(self.rows, self.row_len), stochastic=stochastic
+        int_data, scale = absmax_quantize(
+            values.reshape(self.rows, self.row_len),
+            rounding="stochastic" if stochastic else "nearest",
+            generator=WEIGHT_ROUNDING.generator(values.device) if stochastic else None,
+            what="a weight",
         )
         self.int_rows().copy_(int_data)
         self.scale.copy_(scale)

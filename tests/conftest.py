@@ -13,7 +13,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from fsdp_int8 import _rng  # noqa: E402
+from fsdp_int8._generators import WEIGHT_ROUNDING  # noqa: E402
 
 # Under pytest-xdist every worker is its own process: one intra-op thread each keeps
 # `-n <cores>` from oversubscribing the CPU (the tests use small tensors anyway).
@@ -34,5 +34,5 @@ def _deterministic_rngs(request):
     """
     if os.path.dirname(str(request.node.path)) == _HERE:
         torch.manual_seed(0)
-        _rng.manual_seed(0, 0)
+        WEIGHT_ROUNDING.manual_seed(0, 0)
     yield

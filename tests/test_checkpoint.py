@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import fsdp_int8
 from fsdp_int8 import CheckpointError, Int8Weight, load_checkpoint, save_checkpoint
+from fsdp_int8._generators import WEIGHT_ROUNDING
 
 
 def _mlp(seed: int = 0, hidden: int = 64) -> nn.Module:
@@ -47,7 +48,7 @@ def test_round_trip_is_bit_exact_with_optimizer_and_generator(tmp_path):
     model, opt = _trained()
     path = save_checkpoint(tmp_path, model, opt, step=2, extra={"note": "x"})
     assert path.name == "step_00000002" and (tmp_path / "latest").read_text().strip() == path.name
-    expected_draw = torch.rand(8, generator=fsdp_int8._rng.generator("cpu"))
+    expected_draw = torch.rand(8, generator=WEIGHT_ROUNDING.generator("cpu"))
 
     fresh, fresh_opt = _trained(seed=1)
     info = load_checkpoint(tmp_path, fresh, fresh_opt)
@@ -57,7 +58,7 @@ def test_round_trip_is_bit_exact_with_optimizer_and_generator(tmp_path):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), key
     # the stochastic-rounding stream continues where the saver's was
-    assert torch.equal(torch.rand(8, generator=fsdp_int8._rng.generator("cpu")), expected_draw)
+    assert torch.equal(torch.rand(8, generator=WEIGHT_ROUNDING.generator("cpu")), expected_draw)
 
 
 def test_layout_on_disk_and_keep(tmp_path):

@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_int8 import Int8TrainingConfig, Int8Weight, quantize_
-from fsdp_int8 import _rng
-from fsdp_int8.quant import quantize_rowwise
+from fsdp_int8._generators import WEIGHT_ROUNDING, seed_for
+from _quant import quantize_rowwise
 
 
 class Mixed(nn.Module):
@@ -138,7 +138,7 @@ def test_quantize_seeds_the_rounding_stream_from_config():
     x = torch.randn(8, 64)
     quantize_(nn.Linear(32, 32), Int8TrainingConfig(seed=42))
     a = quantize_rowwise(x, stochastic=True)[0]
-    _rng.manual_seed(42, 0)
+    WEIGHT_ROUNDING.manual_seed(42, 0)
     assert torch.equal(quantize_rowwise(x, stochastic=True)[0], a)
     quantize_(nn.Linear(32, 32), Int8TrainingConfig(seed=43))
     assert not torch.equal(quantize_rowwise(x, stochastic=True)[0], a)

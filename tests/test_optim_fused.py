@@ -22,7 +22,8 @@ from fsdp_int8 import (
     persistent_bytes_per_param, quantize_,
 )
 from fsdp_int8.optim import _dequantize_blocks, _quantize_blocks
-from fsdp_int8.quant import quantize_rowwise
+from fsdp_int8._generators import WEIGHT_ROUNDING
+from _quant import quantize_rowwise
 
 from _models import MLP, regression_task
 
@@ -215,14 +216,14 @@ def test_zero_learning_rate_leaves_int8_weights_and_rounding_stream_untouched():
     model = _net(stochastic_rounding=True)
     before = [(w.int_data.clone(), w.scale.clone()) for w in (model[0].weight, model[2].weight)]
     opt = Int8AdamW(model.parameters(), lr=0.0, state_bits=8, block_size=16)
-    rng = fsdp_int8.rounding_rng_state()
+    rng = WEIGHT_ROUNDING.get_state()
     _backward(model, 0)
     with spy_assign() as calls:
         opt.step()
     assert calls == []
     for (data, scale), w in zip(before, (model[0].weight, model[2].weight)):
         assert torch.equal(data, w.int_data) and torch.equal(scale, w.scale)
-    assert all(torch.equal(v, fsdp_int8.rounding_rng_state()[k]) for k, v in rng.items())
+    assert all(torch.equal(v, WEIGHT_ROUNDING.get_state()[k]) for k, v in rng.items())
     assert float(opt.state[model[0].weight]["step"]) == 1.0  # the moments did update
 
 

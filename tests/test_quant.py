@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import fsdp_int8
-from fsdp_int8 import _rng
-from fsdp_int8.quant import INT8_MAX, dequantize_rowwise, quantize_rowwise
+from fsdp_int8._generators import WEIGHT_ROUNDING, seed_for
+from _quant import dequantize_rowwise, quantize_rowwise
+from fsdp_int8.quant import INT8_MAX
 
 FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23
 
@@ -147,7 +148,7 @@ def _between_grid_points(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tens
 
 
 def test_stochastic_rounding_is_unbiased():
-    _rng.manual_seed(1234, 0)
+    WEIGHT_ROUNDING.manual_seed(1234, 0)
     x, _ = _between_grid_points(torch.Generator().manual_seed(3))
     n = 4000
     total = torch.zeros_like(x, dtype=torch.float64)
@@ -171,7 +172,7 @@ def test_stochastic_rounding_is_unbiased():
 
 
 def test_stochastic_rounding_rounds_up_with_probability_of_the_fraction():
-    _rng.manual_seed(99, 0)
+    WEIGHT_ROUNDING.manual_seed(99, 0)
     scale = 0.01
     x = torch.full((1, 64), 10.3 * scale)
     x[0, 0] = 127 * scale  # absmax: scale is 0.01 up to fp32 rounding
@@ -195,25 +196,25 @@ def _draw(x: torch.Tensor) -> torch.Tensor:
 
 def test_sr_stream_reproducible_per_seed_and_rank():
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
-    _rng.manual_seed(7, 0)
+    WEIGHT_ROUNDING.manual_seed(7, 0)
     a1, a2 = _draw(x), _draw(x)
-    _rng.manual_seed(7, 0)
+    WEIGHT_ROUNDING.manual_seed(7, 0)
     b1, b2 = _draw(x), _draw(x)
     assert torch.equal(a1, b1) and torch.equal(a2, b2)
     assert not torch.equal(a1, a2)  # the stream advances between draws
-    _rng.manual_seed(7, 1)
+    WEIGHT_ROUNDING.manual_seed(7, 1)
     assert not torch.equal(_draw(x), a1)  # another shard rank draws other noise
-    _rng.manual_seed(8, 0)
+    WEIGHT_ROUNDING.manual_seed(8, 0)
     assert not torch.equal(_draw(x), a1)  # another seed too
-    assert _rng.seed_for(7, 0) != _rng.seed_for(7, 1) != _rng.seed_for(8, 0)
+    assert seed_for(7, 0) != seed_for(7, 1) != seed_for(8, 0)
 
 
 def test_sr_stream_is_independent_of_torch_global_rng():
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
-    _rng.manual_seed(3, 0)
+    WEIGHT_ROUNDING.manual_seed(3, 0)
     torch.manual_seed(100)
     a = _draw(x)
-    _rng.manual_seed(3, 0)
+    WEIGHT_ROUNDING.manual_seed(3, 0)
     torch.manual_seed(200)
     assert torch.equal(_draw(x), a)
     # ... and SR draws do not consume the global stream (dropout etc. stay reproducible).
@@ -224,14 +225,14 @@ def test_sr_stream_is_independent_of_torch_global_rng():
 
 def test_rounding_rng_state_roundtrip():
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
-    _rng.manual_seed(11, 0)
+    WEIGHT_ROUNDING.manual_seed(11, 0)
     _draw(x)  # make sure the cpu generator exists and has advanced
-    state = fsdp_int8.rounding_rng_state()
+    state = WEIGHT_ROUNDING.get_state()
     assert "cpu" in state and state["cpu"].dtype == torch.uint8
     first, second = _draw(x), _draw(x)
-    fsdp_int8.set_rounding_rng_state(state)
+    WEIGHT_ROUNDING.set_state(state)
     assert torch.equal(_draw(x), first)
     assert torch.equal(_draw(x), second)
     # The returned state is a copy: drawing did not change it, so restoring twice works.
-    fsdp_int8.set_rounding_rng_state(state)
+    WEIGHT_ROUNDING.set_state(state)
     assert torch.equal(_draw(x), first)

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_int8 import Int8TrainingConfig, Int8Weight, quantize_
-from fsdp_int8.quant import quantize_rowwise
+from _quant import quantize_rowwise
 
 ROWS, K = 6, 8
 

@@ -1,0 +1,79 @@
+"""Small process-group helpers that also work without one (a single process).
+
+Every module that asks "which rank am I", waits for the others, or ships a Python object
+between ranks does it through here, so single-process use never needs special cases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def is_distributed() -> bool:
+    """Whether a default process group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of processes (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a single process)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a picklable object)."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_rank0(value: Any) -> list[Any]:
+    """Every rank's ``value`` on rank 0, in rank order; ``[]`` on the other ranks."""
+    if not is_distributed():
+        return [value]
+    out = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out or []
+
+
+def all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` on every rank, in rank order."""
+    if not is_distributed():
+        return [value]
+    out = [None] * world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def mesh_of(model: nn.Module) -> DeviceMesh | None:
+    """The device mesh ``model``'s parameters are sharded over (``None`` if not sharded)."""
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            return param.device_mesh
+    return None
+
+
+def shard_coordinate(mesh: DeviceMesh | None) -> int:
+    """This rank's index along ``mesh``'s shard dimension (its last), 0 without a mesh.
+
+    HSDP replicas of one shard share this index; an unsharded model (every rank holds every
+    row, as with DDP) is one shard, index 0.
+    """
+    return 0 if mesh is None else mesh.get_local_rank(mesh.ndim - 1)

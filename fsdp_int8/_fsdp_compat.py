@@ -1,0 +1,73 @@
+"""Every use of FSDP2's private internals, in one place.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes the custom reduce-scatter hook
+(``FSDPModule.set_custom_reduce_scatter``) but not a way to read back which one is
+installed, nor the ``ReduceScatter`` base class from a public module. What fsdp_int8 reads
+of FSDP2's internals is listed here, with the torch versions it was checked on; an
+unknown layout fails with a message naming what is missing instead of an ``AttributeError``
+deep inside a training step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+# torch releases whose FSDP2 internals match what this module reads.
+CHECKED_TORCH_VERSIONS = ("2.13",)
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultReduceScatter,
+        ProcessGroupAllocReduceScatter,
+    )
+except ImportError as error:  # pragma: no cover - depends on the installed torch
+    raise ImportError(
+        f"fsdp_int8 needs FSDP2's ReduceScatter API (torch.distributed.fsdp._fully_shard), which "
+        f"torch {torch.__version__} does not have in the expected place; fsdp_int8 was checked "
+        f"on torch {', '.join(CHECKED_TORCH_VERSIONS)}"
+    ) from error
+
+# FSDP2's own reduce-scatter implementations (what a module uses unless customised).
+BUILTIN_REDUCE_SCATTERS: tuple[type, ...] = (DefaultReduceScatter, ProcessGroupAllocReduceScatter)
+
+__all__ = [
+    "CHECKED_TORCH_VERSIONS",
+    "ReduceScatter",
+    "BUILTIN_REDUCE_SCATTERS",
+    "fsdp_modules",
+    "param_groups",
+    "reduce_scatter_of",
+]
+
+
+def _unknown_layout(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"FSDP2's internals changed: {what}. fsdp_int8 reads them to manage custom "
+        f"reduce-scatters and was checked on torch {', '.join(CHECKED_TORCH_VERSIONS)}; "
+        f"this is torch {torch.__version__}. Please report it."
+    )
+
+
+def fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
+    """``(qualified name, module)`` of every ``FSDPModule`` in ``model``, root first."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def param_groups(module: FSDPModule) -> list[Any]:
+    """The FSDP parameter groups of one FSDP module (empty when it manages no parameter)."""
+    state = module._get_fsdp_state()
+    if not hasattr(state, "_fsdp_param_groups"):
+        raise _unknown_layout("FSDPState has no _fsdp_param_groups")
+    return list(state._fsdp_param_groups or ())
+
+
+def reduce_scatter_of(group: Any) -> Any:
+    """The reduce-scatter object a parameter group calls (FSDP2's default or a custom one)."""
+    if not hasattr(group, "_reduce_scatter_comm"):
+        raise _unknown_layout("FSDPParamGroup has no _reduce_scatter_comm")
+    return group._reduce_scatter_comm

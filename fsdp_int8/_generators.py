@@ -1,0 +1,86 @@
+"""Generators of stochastic-rounding noise: one bank per purpose, a generator per device.
+
+Two banks exist. :data:`WEIGHT_ROUNDING` rounds the weights' optimizer updates: it is
+seeded from the configured seed and the *shard coordinate* (see
+:func:`seed_weight_rounding`), because FSDP shards must draw different noise while HSDP or
+DDP replicas of one shard must draw the same, or they would drift apart. Each
+:class:`~fsdp_int8.gradients.QuantizedReduceScatter` owns a bank of its own, seeded by
+global rank. Both save and restore their states for exact resumption.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_int8 import _dist
+
+_GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive ranks apart
+_MASK63 = (1 << 63) - 1
+
+
+def seed_for(seed: int, coordinate: int) -> int:
+    """The generator seed of ``coordinate`` (a shard index or a rank) for ``seed``."""
+    return (seed * _GOLDEN + coordinate * (_GOLDEN >> 1) + coordinate) & _MASK63
+
+
+def _device_key(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+    return str(device)
+
+
+class GeneratorBank:
+    """One ``torch.Generator`` per device, all seeded alike, created on first use.
+
+    Args:
+        salt: Mixed into every seed, so banks with the same ``(seed, coordinate)`` never
+            draw the same stream.
+    """
+
+    def __init__(self, salt: int = 0) -> None:
+        self._salt = salt
+        self._seed = seed_for(salt, 0)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def manual_seed(self, seed: int, coordinate: int = 0) -> None:
+        """Reset every device's generator to the stream of ``(seed, coordinate)``."""
+        self._seed = seed_for(seed ^ self._salt, coordinate)
+        for gen in self._generators.values():
+            gen.manual_seed(self._seed)
+
+    def generator(self, device: torch.device | str) -> torch.Generator | None:
+        """The generator for ``device`` (``None`` on meta: nothing is drawn there)."""
+        if torch.device(device).type == "meta":
+            return None
+        key = _device_key(device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=key)
+            gen.manual_seed(self._seed)
+            self._generators[key] = gen
+        return gen
+
+    def get_state(self) -> dict[str, torch.Tensor]:
+        """A copy of every device generator's state, keyed by device."""
+        return {key: gen.get_state().clone() for key, gen in self._generators.items()}
+
+    def set_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore states returned by :meth:`get_state`."""
+        for key, value in state.items():
+            self.generator(key).set_state(value.clone())
+
+
+WEIGHT_ROUNDING = GeneratorBank()
+
+
+def seed_weight_rounding(seed: int, mesh: DeviceMesh | None = None) -> None:
+    """Seed the weights' stochastic rounding from ``seed`` and this rank's shard coordinate.
+
+    The one place that seeds :data:`WEIGHT_ROUNDING` (``quantize_``, ``shard_model`` and
+    ``load_checkpoint`` call it). Only the shard coordinate is mixed in: replicas of one
+    shard (HSDP's replicate dimension, DDP, an unsharded model: ``mesh=None``) draw the
+    same noise and so stay bit-identical.
+    """
+    WEIGHT_ROUNDING.manual_seed(seed, _dist.shard_coordinate(mesh))

@@ -1,0 +1,20 @@
+"""The weights' row-wise quantization as the tests spell it: one scale per row, the
+weights' own rounding generator for stochastic rounding (what ``Int8Weight`` does)."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8.quant import absmax_dequantize, absmax_quantize
+
+
+def quantize_rowwise(values: torch.Tensor, stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return absmax_quantize(
+        values, rounding="stochastic" if stochastic else "nearest",
+        generator=WEIGHT_ROUNDING.generator(values.device), what="a tensor",
+    )
+
+
+def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return absmax_dequantize(q, scale, dtype=dtype)
