@@ -75,7 +75,7 @@ def build(precision: str, preset: ModelArgs) -> Transformer:
     model.init_weights()
     if precision == "int8-bf16":
         model.to(torch.bfloat16)
-    bf16 = fsdp_int8.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    bf16 = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if precision.startswith("int8"):
         matmuls = (
             fsdp_int8.Int8MatmulConfig(

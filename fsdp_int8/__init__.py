@@ -2,10 +2,14 @@
 
 Linear weights live as int8 with one fp32 absmax scale per output row; optimizer updates
 are written back with stochastic rounding; FSDP2 all-gathers the int8 bytes.
+
+The public API is the names below; every other module is internal (the ``_``-prefixed
+ones, and the internals of the public modules that are not re-exported here).
 """
 
-import torch
-
+# The op table and F.linear register themselves into Int8Weight when imported: importing
+# the package loads the whole table (so Int8Weight.supported_ops() is complete).
+from fsdp_int8 import _ops, linear  # noqa: F401  (registration side effects)
 from fsdp_int8._reduce_scatter import QuantizedReduceScatter, enable_quantized_reduce_scatter
 from fsdp_int8.checkpoint import (
     CheckpointError,
@@ -16,24 +20,34 @@ from fsdp_int8.checkpoint import (
     load_full_state_dict,
     save_checkpoint,
 )
-from fsdp_int8.comm import CollectiveCounter, CollectiveRecord, count_collectives
-from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
+from fsdp_int8.collectives import CollectiveCounter, CollectiveRecord, count_collectives
+from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, ModuleFilter
 from fsdp_int8.convert import init_int8_weights_, quantize_
-from fsdp_int8.fsdp import find_blocks, shard_model
-from fsdp_int8.linear import int8_weight_linear
 from fsdp_int8.optim import Int8AdamW, Int8SGD, PersistentBytes, persistent_bytes, persistent_bytes_per_param
-from fsdp_int8.weight import Int8Weight, _rebuild_int8_weight
+from fsdp_int8.sharding import BlockSpec, find_blocks, shard_model
+from fsdp_int8.weight import Int8Weight
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # configuration
     "Int8TrainingConfig",
     "Int8MatmulConfig",
+    "ModuleFilter",
+    # the weight and model conversion
     "Int8Weight",
     "quantize_",
     "init_int8_weights_",
+    # sharding
     "shard_model",
     "find_blocks",
+    "BlockSpec",
+    # optimizers and memory
+    "Int8AdamW",
+    "Int8SGD",
+    "PersistentBytes",
+    "persistent_bytes",
+    # checkpoints
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
@@ -41,16 +55,11 @@ __all__ = [
     "load_full_state_dict",
     "CheckpointError",
     "CheckpointInfo",
+    # communication
     "enable_quantized_reduce_scatter",
     "QuantizedReduceScatter",
     "count_collectives",
     "CollectiveCounter",
     "CollectiveRecord",
-    "int8_weight_linear",
     "__version__",
 ]
-__all__ += ["Int8AdamW", "Int8SGD", "PersistentBytes", "persistent_bytes", "persistent_bytes_per_param"]
-
-# torch.load(weights_only=True) rebuilds Int8Weights through these two names only.
-torch.serialization.add_safe_globals([Int8Weight, _rebuild_int8_weight])
-

@@ -1,4 +1,4 @@
-"""The FSDP2 all-gather wire format of :class:`~fsdp_int8.Int8Weight`.
+"""The FSDP2 all-gather wire format of an int8 weight (pure functions on plain tensors).
 
 Each rank sends ONE int8 buffer of shape ``[padded_rows, K + 4]``: its rows' int8 values
 followed by the 4 bytes of each row's fp32 scale, zero-padded to
@@ -14,60 +14,35 @@ followed by the 4 bytes of each row's fp32 scale, zero-padded to
   gives every rank but the last non-empty one a full shard), so the unsharded data is a
   zero-copy strided view of the gathered buffer; only the scales (4 bytes a row) are
   copied out, into a tensor FSDP2 frees and refills with the buffer.
+
+The hooks themselves are methods of :class:`~fsdp_int8.Int8Weight`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8.quant import ceil_div
 
 SCALE_BYTES = 4  # one fp32 scale per row
 
 
 def padded_rows(full_rows: int, shard_world_size: int) -> int:
     """Rows every rank sends: ``ceil(full_rows / shard_world_size)`` (torch.chunk's size)."""
-    return -(-full_rows // shard_world_size)
+    return ceil_div(full_rows, shard_world_size)
 
 
-def pre_all_gather(shard: Int8Weight, mesh: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
-    """Pack this rank's rows and scales into the padded wire buffer."""
-    width = shard.row_len + SCALE_BYTES
-    rows = padded_rows(shard.full_rows, mesh.size())
-    if shard.rows > rows:
-        raise RuntimeError(
-            f"Int8Weight shard holds {shard.rows} rows but a {mesh.size()}-way shard of "
-            f"{shard.full_rows} rows has at most {rows}: full_rows was lost by an op"
-        )
-    wire = torch.zeros(rows, width, dtype=torch.int8, device=shard.device)
-    wire[: shard.rows, : shard.row_len] = shard.int_rows()
-    wire[: shard.rows, shard.row_len :] = shard.scale.view(torch.int8).view(shard.rows, SCALE_BYTES)
-    return (wire,), shard.full_rows
+def pack_rows(int_rows: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """``int8 [rows, K + 4]``: each row's values, then its scale's bytes; zero rows after."""
+    held, row_len = int_rows.shape
+    wire = torch.zeros(rows, row_len + SCALE_BYTES, dtype=torch.int8, device=int_rows.device)
+    wire[:held, :row_len] = int_rows
+    wire[:held, row_len:] = scale.view(torch.int8).view(held, SCALE_BYTES)
+    return wire
 
 
-def _scales_from(gathered: torch.Tensor, full_rows: int, row_len: int) -> torch.Tensor:
-    return gathered[:full_rows, row_len:].contiguous().view(torch.float32).view(full_rows)
-
-
-def post_all_gather(
-    shard: Int8Weight,
-    outputs: tuple[torch.Tensor, ...],
-    full_rows: int,
-    param_dtype: torch.dtype,
-    *,
-    out: Int8Weight | None = None,
-) -> tuple[Int8Weight, tuple[torch.Tensor, ...]] | None:
-    """Unpack the gathered buffer into the unsharded weight (in place when ``out`` is given)."""
-    (gathered,) = outputs
-    data = gathered[:full_rows, : shard.row_len]
-    if out is not None:
-        if out.int_data.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
-            out.int_data.copy_(data)  # FSDP2 gave a new buffer: keep `out` current anyway
-        out.scale.copy_(_scales_from(gathered, full_rows, shard.row_len))
-        return None
-    scale = _scales_from(gathered, full_rows, shard.row_len)
-    unsharded = shard.derive(data, scale, dtype=param_dtype)
-    # `data` views FSDP2's own output buffer, which it frees; `scale` is ours to hand over.
-    return unsharded, (scale,)
+def unpack_rows(gathered: torch.Tensor, full_rows: int, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int8 rows, fp32 scales)`` of the whole weight: a view of ``gathered`` and a copy."""
+    data = gathered[:full_rows, :row_len]
+    scale = gathered[:full_rows, row_len:].contiguous().view(torch.float32).view(full_rows)
+    return data, scale

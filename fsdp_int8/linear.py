@@ -22,24 +22,28 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from fsdp_int8.config import Int8MatmulConfig
-from fsdp_int8.quant import INT8_MAX
+from fsdp_int8.quant import absmax_quantize
 from fsdp_int8.weight import Int8Weight
-
-__all__ = ["int8_weight_linear", "quantize_rows_fast"]
 
 # |int32 sum| <= tokens * 127 * 127 < 2**31 holds for up to 133,144 tokens: chunk below it.
 _MAX_TOKENS_PER_INT32_SUM = 1 << 17
 
 
-def _quantize_eager(values: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    values = values.float()
-    # max and -min are two read-only reductions: cheaper than materialising |values|
-    amax = torch.maximum(values.amax(dim=dim, keepdim=True), values.amin(dim=dim, keepdim=True).neg())
-    inverse = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
-    # |values * 127 / amax| <= 127 up to rounding, which round() cannot push past 127
-    return torch.mul(values, inverse).round_().to(torch.int8), (amax / INT8_MAX).squeeze(dim)
+def _quantize_eager(values: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # No NaN check: it would synchronise with the device, and a NaN activation makes a NaN
+    # output anyway.
+    return absmax_quantize(values, dim=dim, nonfinite="unchecked")
+
+
+def _quantize_each_row(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_eager(values, -1)
+
+
+def _quantize_each_column(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_eager(values, 0)
 
 
 def _dequantize_eager(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor | None) -> torch.Tensor:
@@ -47,36 +51,24 @@ def _dequantize_eager(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: tor
     return out if col_scale is None else out.mul_(col_scale.unsqueeze(0))
 
 
-def _quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_eager(values, -1)
-
-
-def _quantize_columns(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_eager(values, 0)
-
-
 @functools.cache
-def _compiled(kind: str, dim: int = -1):
-    # One fused pass instead of four or five. A separate function per role (separate
-    # code objects: separate compile caches) with dynamic shapes, and contiguous inputs
-    # (see quantize_rows_fast), so batch sizes and view layouts do not recompile.
-    function = {"quantize": _quantize_rows if dim == -1 else _quantize_columns}.get(kind, _dequantize_eager)
+def _compiled(role: str):
+    # One fused pass instead of several. A separate function per role (separate code
+    # objects: separate compile caches) with dynamic shapes, and contiguous inputs (see
+    # _quantize_activations), so batch sizes and view layouts do not recompile.
+    function = {
+        "rows": _quantize_each_row, "columns": _quantize_each_column, "dequantize": _dequantize_eager,
+    }[role]
     return torch.compile(function, dynamic=True)
 
 
-def quantize_rows_fast(
+def _quantize_activations(
     values: torch.Tensor, *, dim: int = -1, compile: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 quantization of activations or gradients along ``dim`` (round to nearest).
-
-    ``dim=-1`` gives one scale per row, ``dim=0`` one per column (no transposed copy).
-    Unlike :func:`fsdp_int8.quant.quantize_rowwise` it does not check for NaN (a NaN
-    activation makes a NaN output anyway) and so never synchronises with the device.
-    """
+    """Int8 activations or gradients with one scale per row (``dim=-1``) or per column
+    (``dim=0``, no transposed copy), rounded to nearest."""
     if compile:
-        if dim not in (0, -1):
-            raise ValueError(f"quantize_rows_fast compiles dim 0 or -1, got {dim}")
-        return _compiled("quantize", dim)(values.contiguous())
+        return _compiled("rows" if dim == -1 else "columns")(values.contiguous())
     return _quantize_eager(values, dim)
 
 
@@ -95,7 +87,7 @@ def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_output(x2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig) -> torch.Tensor:
-    qx, sx = quantize_rows_fast(x2d, compile=config.compile)
+    qx, sx = _quantize_activations(x2d, compile=config.compile)
     # The GEMM runs about twice as fast with a contiguous right operand; the transposed
     # int8 copy costs one byte per weight, transiently (it is not a dequantized copy).
     acc = _int_mm(qx, weight.int_rows().t().contiguous())
@@ -103,7 +95,7 @@ def _int8_output(x2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig
 
 
 def _int8_grad_input(g2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig) -> torch.Tensor:
-    qg, sg = quantize_rows_fast(g2d.float() * weight.scale.unsqueeze(0), compile=config.compile)
+    qg, sg = _quantize_activations(g2d.float() * weight.scale.unsqueeze(0), compile=config.compile)
     acc = _int_mm(qg, weight.int_rows().contiguous())  # FSDP2's rows are strided views
     return _dequantize(acc, sg, None, compile=config.compile).to(g2d.dtype)
 
@@ -113,8 +105,8 @@ def _int8_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, config: Int8MatmulCo
     for start in range(0, g2d.shape[0], _MAX_TOKENS_PER_INT32_SUM):
         chunk = slice(start, start + _MAX_TOKENS_PER_INT32_SUM)
         # scales per output channel of grad_y and per input channel of x, over the tokens
-        qg, sg = quantize_rows_fast(g2d[chunk], dim=0, compile=config.compile)
-        qx, sx = quantize_rows_fast(x2d[chunk], dim=0, compile=config.compile)
+        qg, sg = _quantize_activations(g2d[chunk], dim=0, compile=config.compile)
+        qx, sx = _quantize_activations(x2d[chunk], dim=0, compile=config.compile)
         part = _dequantize(_int_mm(qg.t().contiguous(), qx), sg, sx, compile=config.compile)
         grad = part if grad is None else grad.add_(part)
     return grad.to(g2d.dtype)
@@ -158,13 +150,12 @@ class _Int8WeightLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def int8_weight_linear(
-    input: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
+@Int8Weight.implements_function(F.linear)
+def _int8_weight_linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(input, weight, bias)`` for an int8 weight (what ``F.linear`` routes to)."""
-    if not isinstance(weight, Int8Weight):
-        raise TypeError(f"int8_weight_linear needs an Int8Weight, got {type(weight).__name__}")
-    if isinstance(input, Int8Weight) or isinstance(bias, Int8Weight):
+    """``F.linear(input, weight, bias)`` when any of them is an ``Int8Weight``."""
+    if not isinstance(weight, Int8Weight) or isinstance(input, Int8Weight) or isinstance(bias, Int8Weight):
         raise NotImplementedError("F.linear with an Int8Weight as input or bias is not supported")
     if not input.is_floating_point():
         raise TypeError(f"F.linear with an Int8Weight needs a floating input, got {input.dtype}")

@@ -6,25 +6,30 @@ need a floating parameter; gradients arrive in that dtype). Underneath it holds 
 * ``int_data``: ``int8``, ``[rows, K]``, or ``[rows * K]`` for the flat view FSDP2 takes;
 * ``scale``: ``fp32``, ``[rows]``.
 
-Every aten op that reaches it is looked up in :mod:`fsdp_int8._ops`; an op that is not
-there raises ``NotImplementedError`` naming itself. ``F.linear`` is routed to the
-autograd function in :mod:`fsdp_int8.linear`.
+Every aten op that reaches it is looked up in the class's op table, which
+:mod:`fsdp_int8._ops` fills through :meth:`Int8Weight.implements` (``import fsdp_int8``
+loads it); an op that is not there raises ``NotImplementedError`` naming itself.
+``F.linear`` is routed, through :meth:`Int8Weight.implements_function`, to the autograd
+function in :mod:`fsdp_int8.linear`. This module imports neither: the dependency is one-way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, ClassVar, Union
 
 import torch
-import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
+from fsdp_int8._all_gather import pack_rows, padded_rows, unpack_rows
 from fsdp_int8._generators import WEIGHT_ROUNDING
-from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 from fsdp_int8.config import Int8MatmulConfig
+from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
 __all__ = ["Int8Weight"]
+
+OpKey = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket]
+Handler = Callable[..., Any]
 
 
 class Int8Weight(torch.Tensor):
@@ -51,6 +56,13 @@ class Int8Weight(torch.Tensor):
     stochastic_rounding: bool
     int8_matmul: Int8MatmulConfig | None
 
+    # aten op -> handler(func, *args, **kwargs); filled by fsdp_int8._ops through implements()
+    _OP_TABLE: ClassVar[dict[OpKey, Handler]] = {}
+    # ops refused with a reason (they would separate rows from their scales)
+    _REFUSED: ClassVar[dict[OpKey, str]] = {}
+    # torch-level functions handled above dispatch (F.linear); filled by fsdp_int8.linear
+    _FUNCTION_TABLE: ClassVar[dict[Callable, Handler]] = {}
+
     @staticmethod
     def __new__(
         cls,
@@ -64,22 +76,6 @@ class Int8Weight(torch.Tensor):
         int8_matmul: Int8MatmulConfig | None = None,
         requires_grad: bool = False,
     ) -> "Int8Weight":
-        return torch.Tensor._make_wrapper_subclass(
-            cls, int_data.shape, dtype=dtype, device=int_data.device, requires_grad=requires_grad
-        )
-
-    def __init__(
-        self,
-        int_data: torch.Tensor,
-        scale: torch.Tensor,
-        *,
-        dtype: torch.dtype,
-        row_len: int,
-        full_rows: int | None = None,
-        stochastic_rounding: bool = True,
-        int8_matmul: Int8MatmulConfig | None = None,
-        requires_grad: bool = False,
-    ) -> None:
         if int_data.dtype != torch.int8 or scale.dtype != torch.float32:
             raise TypeError(
                 f"Int8Weight needs int8 data and fp32 scales, got {int_data.dtype} and {scale.dtype}"
@@ -96,12 +92,63 @@ class Int8Weight(torch.Tensor):
                 f"Int8Weight data {tuple(int_data.shape)} does not hold whole rows of {row_len} "
                 f"matching {tuple(scale.shape)} scales"
             )
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, int_data.shape, dtype=dtype, device=int_data.device, requires_grad=requires_grad
+        )
         self.int_data = int_data
         self.scale = scale
         self.row_len = row_len
         self.full_rows = rows if full_rows is None else full_rows
         self.stochastic_rounding = stochastic_rounding
         self.int8_matmul = int8_matmul
+        return self
+
+    # ------------------------------------------------------------------ the op table
+    @classmethod
+    def implements(cls, *ops: OpKey) -> Callable[[Handler], Handler]:
+        """Register the handler of aten ops (overloads, or whole packets such as ``aten._foreach_add_``).
+
+        Raises:
+            ValueError: if an op already has a handler (two rules for one op would make
+                the table depend on import order).
+        """
+
+        def register(handler: Handler) -> Handler:
+            for op in ops:
+                if op in cls._OP_TABLE or op in cls._REFUSED:
+                    raise ValueError(f"Int8Weight already has a rule for {op}")
+                cls._OP_TABLE[op] = handler
+            return handler
+
+        return register
+
+    @classmethod
+    def refuses(cls, *packets: OpKey, reason: str) -> None:
+        """Refuse aten ops with ``reason`` (in the ``NotImplementedError`` they raise)."""
+        for op in packets:
+            if op in cls._OP_TABLE or op in cls._REFUSED:
+                raise ValueError(f"Int8Weight already has a rule for {op}")
+            cls._REFUSED[op] = reason
+
+    @classmethod
+    def implements_function(cls, *functions: Callable) -> Callable[[Handler], Handler]:
+        """Register the handler of torch-level functions (``F.linear``), seen before dispatch."""
+
+        def register(handler: Handler) -> Handler:
+            for function in functions:
+                if function in cls._FUNCTION_TABLE:
+                    raise ValueError(f"Int8Weight already handles {function.__name__}")
+                cls._FUNCTION_TABLE[function] = handler
+            return handler
+
+        return register
+
+    @classmethod
+    def supported_ops(cls) -> list[str]:
+        """Names of the aten ops and torch functions ``Int8Weight`` implements, sorted."""
+        names = [str(op) for op in cls._OP_TABLE]
+        names += [f"{f.__module__}.{f.__name__}" for f in cls._FUNCTION_TABLE]
+        return sorted(names)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -215,35 +262,61 @@ class Int8Weight(torch.Tensor):
 
     # ------------------------------------------------------------------ FSDP2 all-gather
     # The 1-argument form: FSDP2 skips its padded-size check for it, which a per-row scale
-    # could never pass on an uneven shard (see fsdp_int8/_all_gather.py and
-    # tests/distributed, which fail loudly if torch stops calling it).
-    def fsdp_pre_all_gather(self, mesh):
-        from fsdp_int8 import _all_gather
+    # could never pass on an uneven shard (the wire format and why: fsdp_int8/_all_gather.py;
+    # tests/distributed fail loudly if torch stops calling it).
+    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], int]:
+        """FSDP2 hook: this shard's rows and scales packed into one padded int8 buffer."""
+        rows = padded_rows(self.full_rows, mesh.size())
+        if self.rows > rows:
+            raise RuntimeError(
+                f"Int8Weight shard holds {self.rows} rows but a {mesh.size()}-way shard of "
+                f"{self.full_rows} rows has at most {rows}: full_rows was lost by an op"
+            )
+        return (pack_rows(self.int_rows(), self.scale, rows),), self.full_rows
 
-        return _all_gather.pre_all_gather(self, mesh)
+    def fsdp_post_all_gather(
+        self,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: int,
+        param_dtype: torch.dtype,
+        *,
+        out: "Int8Weight | None" = None,
+    ) -> "tuple[Int8Weight, tuple[torch.Tensor, ...]] | None":
+        """FSDP2 hook: the unsharded weight over the gathered buffer (in place into ``out``)."""
+        (gathered,) = outputs
+        data, scale = unpack_rows(gathered, metadata, self.row_len)
+        if out is not None:
+            if out.int_data.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
+                out.int_data.copy_(data)  # FSDP2 gave a new buffer: keep `out` current anyway
+            out.scale.copy_(scale)
+            return None
+        # `data` views FSDP2's own output buffer, which it frees; `scale` is ours to hand over.
+        return self.derive(data, scale, dtype=param_dtype), (scale,)
 
-    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        from fsdp_int8 import _all_gather
-
-        return _all_gather.post_all_gather(self, outputs, metadata, param_dtype, out=out)
-
+    # ------------------------------------------------------------------ dispatch
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            from fsdp_int8.linear import int8_weight_linear
-
-            return int8_weight_linear(*args, **kwargs)
+        handler = cls._FUNCTION_TABLE.get(func)
+        if handler is not None:
+            return handler(*args, **(kwargs or {}))
         # Everything else goes straight to __torch_dispatch__; skipping the default
         # __torch_function__ keeps plain results plain (it would rewrap them).
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            return func(*args, **(kwargs or {}))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from fsdp_int8 import _ops
-
-        return _ops.dispatch(func, args, kwargs or {})
+        handler = cls._OP_TABLE.get(func) or cls._OP_TABLE.get(func.overloadpacket)
+        if handler is not None:
+            return handler(func, *args, **(kwargs or {}))
+        reason = cls._REFUSED.get(func) or cls._REFUSED.get(func.overloadpacket)
+        if reason is not None:
+            raise NotImplementedError(f"Int8Weight does not support {func}: {reason}")
+        raise NotImplementedError(
+            f"Int8Weight does not support {func} (int8 data + fp32 row scales). Call "
+            ".dequantize() to work on a plain tensor; if FSDP2, an optimizer or a checkpoint "
+            "API sent this op, please report it."
+        )
 
 
 def _rebuild_int8_weight(
@@ -258,6 +331,10 @@ def _rebuild_int8_weight(
     if is_param:  # a pickled module's parameter comes back as a parameter
         return torch.nn.Parameter(weight, requires_grad=requires_grad)
     return weight.requires_grad_(requires_grad) if requires_grad else weight
+
+
+# torch.load(weights_only=True) rebuilds Int8Weights through these two names only.
+torch.serialization.add_safe_globals([Int8Weight, _rebuild_int8_weight])
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""Updates requantize once, with the weight's own rounding (stochastic in training).
+
+``add_``, ``mul_``, ``addcdiv_``, ``lerp_``, ... dequantize, compute in fp32, recompute each
+row's scale and requantize; ``mul_`` / ``div_`` by a finite scalar (AdamW's weight decay)
+only rescale the row scales, exactly. The fused optimizer kernels run on fp32 copies and
+requantize each weight once; ``_foreach_`` forms run element by element, so each element
+takes its own path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from fsdp_int8.weight import Int8Weight, dequantize_all
+
+aten = torch.ops.aten
+_implements = Int8Weight.implements
+
+
+_UPDATE_OPS = (
+    aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar,
+    aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar,
+    aten.addcdiv_.default, aten.addcmul_.default, aten.lerp_.Scalar, aten.lerp_.Tensor,
+    aten.clamp_.default, aten.neg_.default,
+)
+
+
+_SCALINGS = {aten.mul_.Scalar, aten.mul_.Tensor, aten.div_.Scalar, aten.div_.Tensor}
+
+
+def _python_scalar(value: Any) -> float | None:
+    """``value`` as a float if it is a scalar known on the host (never a device sync)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if (
+        isinstance(value, torch.Tensor) and not isinstance(value, Int8Weight)
+        and value.device.type == "cpu" and value.numel() == 1 and value.dim() == 0
+    ):
+        return float(value)
+    return None
+
+
+def _rescale(func, target: Int8Weight, factor: float) -> bool:
+    """Scaling every value by a finite scalar scales each row's absmax by the same amount:
+    multiply the scales (negating the int8 values for a negative factor), exactly, with no
+    requantization and no rounding noise. This is AdamW's decoupled weight decay."""
+    if factor != factor or factor in (float("inf"), float("-inf")) or (
+        func in (aten.div_.Scalar, aten.div_.Tensor) and factor == 0
+    ):
+        return False  # the general path raises on the non-finite result
+    if factor < 0:
+        target.int_data.neg_()  # the range is symmetric: -(-127) fits
+    magnitude = abs(factor)
+    if func in (aten.div_.Scalar, aten.div_.Tensor):
+        target.scale.div_(magnitude)
+    else:
+        target.scale.mul_(magnitude)
+    return True
+
+
+@_implements(*_UPDATE_OPS)
+def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if not isinstance(target, Int8Weight):  # plain tensor updated with an Int8Weight operand
+        return func(target, *dequantize_all(args), **dequantize_all(kwargs))
+    if func in _SCALINGS and not kwargs:
+        factor = _python_scalar(args[0])
+        if factor is not None and _rescale(func, target, factor):
+            return target
+    values = target.dequantize(torch.float32)
+    func(values, *_as_fp32(args), **_as_fp32(kwargs))
+    return target.assign_(values, stochastic=target.stochastic_rounding)
+
+
+def _as_fp32(tree: Any) -> Any:
+    """Operands of an update in fp32 (ops such as lerp_ refuse mixed dtypes)."""
+    tree = dequantize_all(tree, torch.float32)
+    return tree_map_only(
+        torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, tree
+    )
+
+
+_FUSED_OPTIMIZER_OPS = tuple(
+    overload
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_")
+    if hasattr(aten, name)
+    for overload in (getattr(getattr(aten, name), o) for o in getattr(aten, name).overloads())
+)
+
+
+@_implements(*_FUSED_OPTIMIZER_OPS)
+def _fused_optimizer_step(func, params, *args, **kwargs) -> None:
+    # The fused kernels update every parameter in one call: run them on fp32 copies, then
+    # requantize each Int8Weight once. A kernel call holds one dtype, so when an int8
+    # weight's outer dtype is not fp32 (e.g. bf16) every list goes through fp32 copies.
+    count = len(params)
+    widen = any(isinstance(p, Int8Weight) and p.dtype != torch.float32 for p in params)
+
+    def is_list(arg) -> bool:
+        return isinstance(arg, (list, tuple)) and len(arg) == count and count > 0 and all(
+            isinstance(t, torch.Tensor) for t in arg
+        )
+
+    work_params = [
+        p.dequantize(torch.float32) if isinstance(p, Int8Weight) else (p.float() if widen else p)
+        for p in params
+    ]
+    work_args = [
+        [t.float() for t in arg] if widen and is_list(arg) else arg for arg in args
+    ]
+    func(work_params, *work_args, **kwargs)
+    for param, values in zip(params, work_params):
+        if isinstance(param, Int8Weight):
+            param.assign_(values, stochastic=param.stochastic_rounding)
+        elif values is not param:
+            param.copy_(values)
+    for arg, work in zip(args, work_args):
+        if work is not arg:  # optimizer states and grads updated in fp32: write them back
+            for original, updated in zip(arg, work):
+                if updated is not original:
+                    original.copy_(updated)
+
+
+_FOREACH_PACKETS = tuple(
+    getattr(aten, name) for name in dir(aten)
+    if name.startswith("_foreach_") and hasattr(aten, name[len("_foreach_"):])
+)
+
+
+@_implements(*_FOREACH_PACKETS)
+def _foreach(func: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+    """Run a ``_foreach_`` op element by element, so each element takes its own path."""
+    single = getattr(aten, func.__name__.split(".")[0][len("_foreach_"):])
+    count = len(args[0])
+    args = list(args)
+    if func._overloadname == "Tensor" and len(args) == 4:  # addcdiv_/addcmul_ scalars tensor
+        args[3] = args[3].tolist()
+
+    def element(value: Any, index: int) -> Any:
+        if isinstance(value, (list, tuple)) and len(value) == count:
+            return value[index]
+        return value
+
+    # Foreach schemas pass scalars positionally where the single op takes them by keyword
+    # (addcdiv_'s ``value``): move the extras onto the single op's keyword-only names.
+    schema = next(
+        getattr(single, name)._schema for name in single.overloads()
+        if len(getattr(single, name)._schema.arguments) >= len(args)
+    )
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    keyword_only = [a.name for a in schema.arguments if a.kwarg_only]
+    moved = dict(zip(keyword_only, args[len(positional):]))
+    args = args[: len(positional)]
+    results = [
+        single(
+            *(element(a, i) for a in args),
+            **{k: element(v, i) for k, v in {**moved, **kwargs}.items()},
+        )
+        for i in range(count)
+    ]
+    return None if func.__name__.split(".")[0].endswith("_") else results

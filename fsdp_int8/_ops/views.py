@@ -1,0 +1,177 @@
+"""Views and shard ops: keep whole rows (a row's int8 values with its scale) and share storage.
+
+What FSDP2 and DCP send to carve shards out of a weight and reassemble it: ``view(-1)``,
+``as_strided``, ``split`` / ``chunk``, ``slice`` / ``narrow``, ``cat``, padding of uneven
+shards. Ops that would separate rows from their scales (``t``, ``transpose``, ...) are
+refused with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from fsdp_int8._ops.factories import zeros_in_rows
+from fsdp_int8.weight import Int8Weight, contiguous_strides
+
+aten = torch.ops.aten
+_implements = Int8Weight.implements
+
+
+Int8Weight.refuses(
+    aten.t, aten.transpose, aten.permute, aten.expand, aten.select, aten.unsqueeze,
+    aten.squeeze, aten.unfold, aten.diagonal, aten.movedim, aten.index,
+    reason=(
+        "it would not keep whole int8 rows with their per-row scales. Supported views keep "
+        "rows intact (view/reshape to [rows, K] or flat, slicing and splitting along dim 0). "
+        "Call .dequantize() for a plain tensor."
+    ),
+)
+
+
+def _as_rows(weight: Int8Weight, start: int, stop: int, *, flat: bool) -> Int8Weight:
+    """Rows ``[start, stop)`` of ``weight`` as a view, 2-D or flat."""
+    data = weight.int_rows()[start:stop]
+    if flat:
+        data = data.view(-1)
+    return weight.derive(data, weight.scale[start:stop])
+
+
+def _rows_of(weight: Int8Weight, count: int, what: str) -> int:
+    """Convert ``count`` units of dim 0 to rows; flat tensors must cut between rows."""
+    if weight.dim() == 2:
+        return count
+    if count % weight.row_len:
+        raise NotImplementedError(
+            f"{what} of a flat Int8Weight must cut between rows of {weight.row_len} elements "
+            f"(scales are per row), got an offset or length of {count}"
+        )
+    return count // weight.row_len
+
+
+def _check_dim0(dim: int, ndim: int, op: str) -> None:
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    if dim % ndim != 0:
+        raise NotImplementedError(
+            f"Int8Weight supports {op} along dim 0 only (whole rows: each row has its own "
+            f"scale), got dim={dim}"
+        )
+
+
+def _view_as_shape(weight: Int8Weight, size: Sequence[int]) -> Int8Weight:
+    size = list(torch._prims_common.infer_size(size, weight.numel()))
+    if size == list(weight.shape):
+        return weight.derive(weight.int_data, weight.scale)
+    if len(size) == 2 and size[1] == weight.row_len:
+        return _as_rows(weight, 0, weight.rows, flat=False)
+    if len(size) == 1:
+        if not weight.int_rows().is_contiguous():
+            raise NotImplementedError(
+                "cannot view this Int8Weight as flat: its int8 rows are strided views of an "
+                "all-gather buffer. Call .clone() first for a contiguous copy."
+            )
+        return _as_rows(weight, 0, weight.rows, flat=True)
+    raise NotImplementedError(
+        f"cannot view an Int8Weight of shape {tuple(weight.shape)} as {size}: a view must keep "
+        f"whole rows of {weight.row_len} elements with their scales ([rows, {weight.row_len}] "
+        "or flat). Call .dequantize() for a plain tensor."
+    )
+
+
+@_implements(aten.detach.default, aten.alias.default)
+def _alias(func, weight: Int8Weight) -> Int8Weight:
+    return weight.derive(weight.int_data, weight.scale)
+
+
+@_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, weight: Int8Weight, size: Sequence[int]) -> Int8Weight:
+    return _view_as_shape(weight, size)
+
+
+@_implements(aten.as_strided.default)
+def _as_strided(func, weight: Int8Weight, size, stride, storage_offset=None) -> Int8Weight:
+    # FSDP2 calls as_strided(t, t.shape, contiguous strides, 0) on the unsharded weight:
+    # that must alias the inner tensors as they are, whatever their strides (they may be
+    # views into the all-gather buffer). Other requests are read as a contiguous window
+    # over this tensor's elements, which must cover whole rows.
+    offset = storage_offset or 0
+    numel = torch.Size(size).numel()
+    if tuple(stride) != contiguous_strides(size) and numel > 1:
+        raise NotImplementedError(
+            f"Int8Weight supports as_strided with contiguous strides only, got size={list(size)} "
+            f"stride={list(stride)}"
+        )
+    if offset % weight.row_len or numel % weight.row_len or offset + numel > weight.numel():
+        raise NotImplementedError(
+            f"as_strided(size={list(size)}, offset={offset}) on an Int8Weight of shape "
+            f"{tuple(weight.shape)} does not cover whole rows of {weight.row_len} elements"
+        )
+    first = offset // weight.row_len
+    window = _as_rows(weight, first, first + numel // weight.row_len, flat=weight.dim() == 1)
+    return _view_as_shape(window, size)
+
+
+def _split_rows(weight: Int8Weight, sizes: Sequence[int]) -> list[Int8Weight]:
+    pieces, start = [], 0
+    flat = weight.dim() == 1
+    for size in sizes:
+        rows = _rows_of(weight, size, "split")
+        pieces.append(_as_rows(weight, start, start + rows, flat=flat))
+        start += rows
+    return pieces
+
+
+@_implements(aten.split.Tensor)
+def _split(func, weight: Int8Weight, split_size: int, dim: int = 0) -> list[Int8Weight]:
+    _check_dim0(dim, weight.dim(), "split")
+    length = weight.shape[0]
+    sizes = [min(split_size, length - start) for start in range(0, length, split_size)] or [0]
+    return _split_rows(weight, sizes)
+
+
+@_implements(aten.split_with_sizes.default)
+def _split_with_sizes(func, weight: Int8Weight, split_sizes, dim: int = 0) -> list[Int8Weight]:
+    _check_dim0(dim, weight.dim(), "split_with_sizes")
+    return _split_rows(weight, split_sizes)
+
+
+@_implements(aten.slice.Tensor)
+def _slice(func, weight: Int8Weight, dim: int = 0, start=None, end=None, step: int = 1):
+    _check_dim0(dim, weight.dim(), "slicing")
+    if step != 1:
+        raise NotImplementedError(f"Int8Weight supports slicing with step 1 only, got step={step}")
+    start, end, _ = slice(start, end).indices(weight.shape[0])
+    end = max(start, end)
+    first = _rows_of(weight, start, "a slice")
+    last = first + _rows_of(weight, end - start, "a slice")
+    return _as_rows(weight, first, last, flat=weight.dim() == 1)
+
+
+@_implements(aten.cat.default)
+def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> Int8Weight:
+    if not all(isinstance(t, Int8Weight) for t in tensors):
+        raise NotImplementedError("cat of an Int8Weight with plain tensors is not supported")
+    first = tensors[0]
+    _check_dim0(dim, first.dim(), "cat")
+    if any(t.row_len != first.row_len or t.dim() != first.dim() for t in tensors):
+        raise NotImplementedError("cat needs Int8Weights of one row length and one rank")
+    joined = first.derive(
+        torch.cat([t.int_data for t in tensors]), torch.cat([t.scale for t in tensors])
+    )
+    joined.full_rows = max(first.full_rows, joined.rows)
+    return joined
+
+
+@_implements(aten.constant_pad_nd.default)
+def _pad_rows(func, weight: Int8Weight, pad: Sequence[int], value: float = 0.0) -> Int8Weight:
+    # DTensor pads uneven shards with zero rows at the end before gathering them.
+    extra = pad[-1] if len(pad) == 2 * weight.dim() else None
+    if extra is None or value != 0 or any(pad[:-1]) or extra < 0:
+        raise NotImplementedError(
+            f"Int8Weight can only be padded with zero rows at the end of dim 0, got pad={list(pad)}"
+        )
+    rows = _rows_of(weight, extra, "padding")
+    zeros = zeros_in_rows(weight, [rows, weight.row_len], None, None)
+    return _cat(func, [weight, zeros if weight.dim() == 2 else zeros.view(-1)])
