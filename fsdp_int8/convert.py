@@ -49,7 +49,10 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
             "quantize_ got a model that is already sharded (fully_shard or DTensor parameters). "
             "Quantize first, then shard: use fsdp_int8.shard_model(model), which does both."
         )
+    # Build every int8 weight first, then swap: a layer that cannot be quantized raises
+    # before the model has changed.
     swapped: dict[int, nn.Parameter] = {}  # tied weights stay tied
+    targets: list[tuple[nn.Module, int]] = []
     for name, module in model.named_modules(remove_duplicate=False):
         if not config.should_quantize(module, name):
             continue
@@ -63,7 +66,9 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
                     int8_matmul=config.int8_matmul,
                 )
             swapped[id(weight)] = nn.Parameter(int8_weight, requires_grad=weight.requires_grad)
-        module.weight = swapped[id(weight)]
+        targets.append((module, id(weight)))
+    for module, key in targets:
+        module.weight = swapped[key]
     if swapped:  # a repeated call changes nothing, not even the generator
         # Not sharded yet: every process holds every row, one shard (mesh=None).
         seed_weight_rounding(config.seed)

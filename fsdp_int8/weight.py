@@ -175,6 +175,12 @@ class Int8Weight(torch.Tensor):
                 f"Int8Weight quantizes 2-D [out_features, in_features] weights, got shape "
                 f"{tuple(weight.shape)}"
             )
+        if weight.shape[1] == 0:
+            raise ValueError(
+                f"cannot quantize a weight of shape {tuple(weight.shape)}: a layer with 0 input "
+                "features has rows of length 0, which carry no scale. Leave it in full "
+                "precision (exclude it in Int8TrainingConfig.module_filter)."
+            )
         int_data, scale = absmax_quantize(weight.detach(), what="a weight")
         return cls(
             int_data, scale, dtype=dtype or weight.dtype, row_len=weight.shape[1],
@@ -221,6 +227,23 @@ class Int8Weight(torch.Tensor):
         self.int_rows().copy_(int_data)
         self.scale.copy_(scale)
         return self
+
+    def data_ptr(self) -> int:
+        """The address of the int8 data: frameworks key parameters by it (a wrapper tensor
+        has no storage of its own, and 0 for every weight would make them collide)."""
+        return self.int_data.data_ptr()
+
+    def numpy(self, *, force: bool = False):
+        """Refused: an ``Int8Weight`` holds int8 values and per-row scales, not floats."""
+        raise TypeError(
+            "Int8Weight holds int8 values with per-row fp32 scales: call "
+            "w.dequantize().numpy() for the float values, or w.int_data.numpy() and "
+            "w.scale.numpy() for the stored ones"
+        )
+
+    def tolist(self):
+        """Refused, as :meth:`numpy`: use ``w.dequantize().tolist()``."""
+        raise TypeError("Int8Weight holds int8 values with per-row fp32 scales: call w.dequantize().tolist()")
 
     def storage_bytes(self) -> int:
         """Bytes of int8 data plus scales held by this tensor's own elements."""

@@ -765,3 +765,51 @@ def test_int8_state_dict_loads_into_fp32_model_as_dequantized_values():
     plain.load_state_dict(model.state_dict())
     assert type(plain[0].weight.data) is torch.Tensor
     assert torch.equal(plain[0].weight.detach(), model[0].weight.dequantize())
+
+
+# ---------------------------------------------------------------- edges (clear errors, no noise)
+def test_data_ptr_is_the_int8_datas_so_frameworks_can_key_parameters_by_it():
+    a, b = Int8Weight.from_float(torch.randn(4, 8)), Int8Weight.from_float(torch.randn(4, 8))
+    assert a.data_ptr() == a.int_data.data_ptr() != 0
+    assert a.data_ptr() != b.data_ptr()
+    assert torch.nn.Parameter(a).data_ptr() == a.data_ptr()
+
+
+def test_numpy_and_tolist_say_what_to_call_instead():
+    w = Int8Weight.from_float(torch.randn(4, 8))
+    with pytest.raises(TypeError, match=r"dequantize\(\)\.numpy\(\)"):
+        w.numpy()
+    with pytest.raises(TypeError, match=r"dequantize\(\)\.tolist\(\)"):
+        w.tolist()
+
+
+def test_div_by_zero_is_refused_and_leaves_the_weight_unchanged():
+    w = Int8Weight.from_float(torch.randn(4, 8))
+    before = (w.int_data.clone(), w.scale.clone())
+    for zero in (0, 0.0, torch.tensor(0.0)):
+        with pytest.raises(ValueError, match="by zero"):
+            w.div_(zero)
+    assert torch.equal(w.int_data, before[0]) and torch.equal(w.scale, before[1])
+
+
+def test_zero_input_features_are_refused_before_the_model_changes():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(0, 8))
+    with pytest.raises(ValueError, match="0 input features"):
+        quantize_(model, Int8TrainingConfig(module_filter=lambda m, n: True))
+    assert not isinstance(model[0].weight, Int8Weight)  # nothing was swapped
+
+
+def test_clamp_adds_no_rounding_noise():
+    torch.manual_seed(0)
+    w = Int8Weight.from_float(torch.randn(16, 64), stochastic_rounding=True)
+    untouched = w.clone()
+    untouched.clamp_(-100.0, 100.0)  # bounds outside the range: nothing moves
+    assert torch.equal(untouched.int_data, w.int_data) and torch.equal(untouched.scale, w.scale)
+    # Bounds inside the range: deterministic (two clamps agree), values clamped to the
+    # bound to within half an int8 step of the new scale.
+    first, second = w.clone(), w.clone()
+    first.clamp_(-0.5, 0.5)
+    second.clamp_(-0.5, 0.5)
+    assert torch.equal(first.int_data, second.int_data)
+    expected = w.dequantize(torch.float32).clamp(-0.5, 0.5)
+    assert ((first.dequantize(torch.float32) - expected).abs() <= first.scale.unsqueeze(1) / 2 + 1e-7).all()

@@ -24,8 +24,11 @@ _UPDATE_OPS = (
     aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar,
     aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar,
     aten.addcdiv_.default, aten.addcmul_.default, aten.lerp_.Scalar, aten.lerp_.Tensor,
-    aten.clamp_.default, aten.neg_.default,
+    aten.clamp_.default, aten.clamp_.Tensor, aten.neg_.default,
 )
+# Ops that only move values onto bounds or flip signs: requantized with round to nearest,
+# never with stochastic noise (a value the op leaves alone must come back unchanged).
+_DETERMINISTIC = {aten.clamp_.default, aten.clamp_.Tensor, aten.neg_.default}
 
 
 _SCALINGS = {aten.mul_.Scalar, aten.mul_.Tensor, aten.div_.Scalar, aten.div_.Tensor}
@@ -47,9 +50,7 @@ def _rescale(func, target: Int8Weight, factor: float) -> bool:
     """Scaling every value by a finite scalar scales each row's absmax by the same amount:
     multiply the scales (negating the int8 values for a negative factor), exactly, with no
     requantization and no rounding noise. This is AdamW's decoupled weight decay."""
-    if factor != factor or factor in (float("inf"), float("-inf")) or (
-        func in (aten.div_.Scalar, aten.div_.Tensor) and factor == 0
-    ):
+    if factor != factor or factor in (float("inf"), float("-inf")):
         return False  # the general path raises on the non-finite result
     if factor < 0:
         target.int_data.neg_()  # the range is symmetric: -(-127) fits
@@ -67,11 +68,17 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return func(target, *dequantize_all(args), **dequantize_all(kwargs))
     if func in _SCALINGS and not kwargs:
         factor = _python_scalar(args[0])
+        if factor == 0 and func in (aten.div_.Scalar, aten.div_.Tensor):
+            raise ValueError(
+                f"{func} by zero on an Int8Weight would make its values non-finite (Inf or "
+                "NaN), which int8 cannot hold; the weight is left unchanged"
+            )
         if factor is not None and _rescale(func, target, factor):
             return target
     values = target.dequantize(torch.float32)
     func(values, *_as_fp32(args), **_as_fp32(kwargs))
-    return target.assign_(values, stochastic=target.stochastic_rounding)
+    stochastic = target.stochastic_rounding and func not in _DETERMINISTIC
+    return target.assign_(values, stochastic=stochastic)
 
 
 def _as_fp32(tree: Any) -> Any:

@@ -149,6 +149,12 @@ def _slice(func, weight: Int8Weight, dim: int = 0, start=None, end=None, step: i
     return _as_rows(weight, first, last, flat=weight.dim() == 1)
 
 
+@_implements(aten.narrow.default)
+def _narrow(func, weight: Int8Weight, dim: int, start: int, length: int) -> Int8Weight:
+    # DTensor narrows a gathered, padded tensor back to its true length.
+    return _slice(func, weight, dim, start, start + length)
+
+
 @_implements(aten.cat.default)
 def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> Int8Weight:
     if not all(isinstance(t, Int8Weight) for t in tensors):
@@ -164,14 +170,28 @@ def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> Int8Weight:
     return joined
 
 
-@_implements(aten.constant_pad_nd.default)
-def _pad_rows(func, weight: Int8Weight, pad: Sequence[int], value: float = 0.0) -> Int8Weight:
-    # DTensor pads uneven shards with zero rows at the end before gathering them.
-    extra = pad[-1] if len(pad) == 2 * weight.dim() else None
-    if extra is None or value != 0 or any(pad[:-1]) or extra < 0:
+def _pad_rows(weight: Int8Weight, pad: Sequence[int], value: float) -> Int8Weight:
+    """``weight`` with zero rows appended: how DTensor pads an uneven shard before gathering
+    it (every rank with a short shard pads; refusing here would leave the others waiting)."""
+    pad = list(pad) + [0] * (2 * weight.dim() - len(pad))
+    extra = pad[-1]
+    if value != 0 or any(pad[:-1]) or extra < 0:
         raise NotImplementedError(
-            f"Int8Weight can only be padded with zero rows at the end of dim 0, got pad={list(pad)}"
+            f"Int8Weight can only be padded with zero rows at the end of dim 0, got pad={pad} "
+            f"and value={value}"
         )
     rows = _rows_of(weight, extra, "padding")
     zeros = zeros_in_rows(weight, [rows, weight.row_len], None, None)
-    return _cat(func, [weight, zeros if weight.dim() == 2 else zeros.view(-1)])
+    return _cat(aten.cat.default, [weight, zeros if weight.dim() == 2 else zeros.view(-1)])
+
+
+@_implements(aten.constant_pad_nd.default)
+def _constant_pad(func, weight: Int8Weight, pad: Sequence[int], value: float = 0.0) -> Int8Weight:
+    return _pad_rows(weight, pad, value)
+
+
+@_implements(aten.pad.default)
+def _pad(func, weight: Int8Weight, pad: Sequence[int], mode: str = "constant", value=None) -> Int8Weight:
+    if mode != "constant":
+        raise NotImplementedError(f"Int8Weight can only be padded with zeros, got mode={mode!r}")
+    return _pad_rows(weight, pad, value or 0.0)

@@ -323,7 +323,27 @@ def _check_quantized_gradients_switch(rank: int, world: int) -> None:
         dist.barrier()  # rank 0 removes the directory when it leaves this block
 
 
+def _check_dtensor_ops_on_uneven_shards(rank: int, world: int, rows: int) -> None:
+    """DTensor gathers uneven shards by padding the short ones (aten.pad) and narrowing the
+    result: an op refused on the short-shard ranks only would leave the others waiting."""
+    with case(f"DTensor ops on {rows} rows over {world} ranks"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, rows), nn.Linear(rows, 32))
+        fsdp_int8.quantize_(model, Int8TrainingConfig(min_features=1))
+        full = model[0].weight.dequantize(torch.float32)
+        fully_shard(model)
+        weight = model[0].weight
+        assert isinstance(local_of(weight), Int8Weight)
+        # Means of the same dequantized values: only the summation order differs (fp32).
+        torch.testing.assert_close(weight.mean().full_tensor().float(), full.mean(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(weight[1:4].full_tensor().dequantize(torch.float32), full[1:4])
+        for piece, expected in zip(weight.chunk(2), full.chunk(2)):
+            assert torch.equal(piece.full_tensor().dequantize(torch.float32), expected)
+        assert torch.equal(weight.full_tensor().dequantize(torch.float32), full)
+
+
 def _two_rank_body(rank: int, world: int) -> None:
+    _check_dtensor_ops_on_uneven_shards(rank, world, rows=21)
     _parity_matrix(rank, world, hiddens=(32, 33, 31) if FULL_MATRIX else (32, 33))
     _check_int8_matmuls_under_fsdp(rank, world)
     _check_quantized_gradients_switch(rank, world)
@@ -338,6 +358,8 @@ def _two_rank_body(rank: int, world: int) -> None:
 def _four_rank_body(rank: int, world: int) -> None:
     # 7 rows: shards of 2, 2, 2, 1; 5 rows: 2, 2, 1 and one empty rank.
     _parity_matrix(rank, world, hiddens=(7, 5, 32) if FULL_MATRIX else (7, 5))
+    _check_dtensor_ops_on_uneven_shards(rank, world, rows=21)  # shards of 6, 6, 6, 3
+    _check_dtensor_ops_on_uneven_shards(rank, world, rows=3)  # one rank holds no row
     mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("replicate", "shard"))
     _parity_matrix(rank, world, hiddens=(7,), mesh=mesh)
     with case("HSDP replicas round identically under stochastic rounding"):

@@ -1,0 +1,157 @@
+"""docs/api.md documents every public name with the signature the code has.
+
+Each public name of ``fsdp_int8`` and ``fsdp_int8.testing`` has a ``### `name` `` section;
+for a function or class, the first ``python`` block of that section declares it, and its
+parameters (names, kinds, annotations, defaults) and return annotation must match
+``inspect.signature``. Methods declared in a class block are checked the same way.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fsdp_int8
+import fsdp_int8.testing
+
+API_MD = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+PUBLIC = [(fsdp_int8, name) for name in fsdp_int8.__all__] + [
+    (fsdp_int8.testing, name) for name in fsdp_int8.testing.__all__
+]
+
+
+def _sections() -> dict[str, str]:
+    text = API_MD.read_text()
+    parts = re.split(r"^#{2,3} `([^`]+)`[^\n]*$", text, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def _python_block(section: str) -> ast.Module | None:
+    match = re.search(r"```python\n(.*?)```", section, flags=re.S)
+    return ast.parse(match.group(1)) if match else None
+
+
+def _norm(annotation: object) -> str | None:
+    """An annotation as normalised source text (the modules use postponed annotations)."""
+    if annotation is inspect.Parameter.empty or annotation is None:
+        return None
+    text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+    return ast.unparse(ast.parse(text, mode="eval"))
+
+
+def _namespace() -> dict:
+    return {"torch": torch, "inf": float("inf"), **{n: getattr(fsdp_int8, n) for n in fsdp_int8.__all__}}
+
+
+def _doc_params(node: ast.FunctionDef) -> list[tuple[str, object, str | None, str | None]]:
+    """``(name, kind, annotation, default source)`` of a documented ``def``."""
+    args = node.args
+    out = []
+    positional = args.posonlyargs + args.args
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    for arg, default in zip(positional, defaults):
+        kind = "POSITIONAL_ONLY" if arg in args.posonlyargs else "POSITIONAL_OR_KEYWORD"
+        out.append((arg.arg, kind, arg.annotation, default))
+    if args.vararg:
+        out.append((args.vararg.arg, "VAR_POSITIONAL", args.vararg.annotation, None))
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults):
+        out.append((arg.arg, "KEYWORD_ONLY", arg.annotation, default))
+    if args.kwarg:
+        out.append((args.kwarg.arg, "VAR_KEYWORD", args.kwarg.annotation, None))
+    return [
+        (name, kind, None if ann is None else ast.unparse(ann), None if d is None else ast.unparse(d))
+        for name, kind, ann, d in out
+    ]
+
+
+def _compare(where: str, documented: list, signature: inspect.Signature) -> list[str]:
+    problems = []
+    actual = list(signature.parameters.values())
+    if [d[0] for d in documented] != [p.name for p in actual]:
+        return [f"{where}: parameters {[d[0] for d in documented]} documented, code has {[p.name for p in actual]}"]
+    for (name, kind, annotation, default), param in zip(documented, actual):
+        if kind != param.kind.name:
+            problems.append(f"{where}: {name} documented {kind}, code {param.kind.name}")
+        if annotation != _norm(param.annotation) and not (annotation is None and name in ("self", "cls")):
+            problems.append(f"{where}: {name} annotated {annotation!r}, code {_norm(param.annotation)!r}")
+        if (default is None) != (param.default is inspect.Parameter.empty):
+            problems.append(f"{where}: {name} default {default!r} documented, code {param.default!r}")
+        elif default is not None and eval(default, _namespace()) != param.default:
+            problems.append(f"{where}: {name} default {default} documented, code {param.default!r}")
+    return problems
+
+
+def _own_constructor(cls: type) -> bool:
+    """Whether ``cls`` (or a base in this package) defines its constructor's signature."""
+    for klass in cls.__mro__:
+        if "__new__" in vars(klass) or "__init__" in vars(klass):
+            return klass.__module__.startswith("fsdp_int8") and klass is not object
+    return False
+
+
+def _check_class(name: str, cls: type, node: ast.ClassDef) -> list[str]:
+    problems = []
+    methods = {n.name: n for n in node.body if isinstance(n, ast.FunctionDef)}
+    constructor = methods.pop("__init__", None) or methods.pop("__new__", None)
+    if dataclasses.is_dataclass(cls):
+        fields = [
+            (n.target.id, "POSITIONAL_OR_KEYWORD", ast.unparse(n.annotation),
+             None if n.value is None else ast.unparse(n.value))
+            for n in node.body if isinstance(n, ast.AnnAssign)
+        ]
+        problems += _compare(name, fields, inspect.signature(cls))
+    elif _own_constructor(cls):
+        if constructor is None:
+            return [f"{name}: document its constructor (def __init__ / __new__) in the python block"]
+        documented = _doc_params(constructor)[1:]  # without self / cls
+        problems += _compare(name, documented, inspect.signature(cls))
+    for method_name, method in methods.items():
+        code = inspect.getattr_static(cls, method_name, None)
+        if code is None:
+            problems.append(f"{name}.{method_name}: documented, but the class has no such method")
+            continue
+        function = code.__func__ if isinstance(code, (staticmethod, classmethod)) else code
+        function = function.fget if isinstance(function, property) else function
+        problems += _compare(f"{name}.{method_name}", _doc_params(method), inspect.signature(function))
+        if not isinstance(code, property):
+            documented_return = None if method.returns is None else ast.unparse(method.returns)
+            if documented_return != _norm(inspect.signature(function).return_annotation):
+                problems.append(f"{name}.{method_name}: returns {documented_return!r} documented, "
+                                f"code {_norm(inspect.signature(function).return_annotation)!r}")
+    return problems
+
+
+@pytest.mark.parametrize("module, name", PUBLIC, ids=[n for _, n in PUBLIC])
+def test_public_name_is_documented_with_its_signature(module, name):
+    sections = _sections()
+    assert name in sections, f"docs/api.md has no '### `{name}`' section"
+    obj = getattr(module, name)
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        return  # a type alias or a constant: the section is enough
+    block = _python_block(sections[name])
+    assert block is not None, f"docs/api.md: the section of {name} has no python block"
+    node = next(
+        (n for n in block.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name), None
+    )
+    assert node is not None, f"docs/api.md: the python block of {name} does not declare it"
+    if inspect.isclass(obj):
+        problems = _check_class(name, obj, node)
+    else:
+        signature = inspect.signature(obj)
+        problems = _compare(name, _doc_params(node), signature)
+        documented_return = None if node.returns is None else ast.unparse(node.returns)
+        if documented_return != _norm(signature.return_annotation):
+            problems.append(f"{name}: returns {documented_return!r} documented, code {_norm(signature.return_annotation)!r}")
+    assert not problems, "docs/api.md does not match the code:\n" + "\n".join(problems)
+
+
+def test_every_documented_name_is_public():
+    public = {name for _, name in PUBLIC}
+    stale = [name for name in _sections() if name.isidentifier() and name not in public]
+    assert not stale, f"docs/api.md documents names that are not public: {stale}"
