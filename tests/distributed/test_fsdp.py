@@ -314,7 +314,7 @@ def _check_quantized_gradients_switch(rank: int, world: int) -> None:
     comm = fsdp_int8._reduce_scatter.installed_quantized_reduce_scatter(model)
     saved = comm.rng_state()
     with tempfile.TemporaryDirectory() as tmp:
-        root = fsdp_int8.checkpoint._from_rank0(tmp)
+        root = fsdp_int8._dist.broadcast_from_rank0(tmp)
         fsdp_int8.save_checkpoint(root, model, step=1)
         model(x).sum().backward()  # draws more noise
         assert any(not torch.equal(saved[k], v) for k, v in comm.rng_state().items())

@@ -1,0 +1,37 @@
+"""Checkpoints of (sharded) int8 models: bit-exact, reshardable, atomic, verified, resumable.
+
+Layout of a checkpoint root (see docs/checkpoints.md)::
+
+    root/
+      latest                  name of the newest complete checkpoint (replaced atomically)
+      step_00000100/          one complete checkpoint
+        manifest.json         written last: step, world size, format, int8 keys, file sizes + sha256
+        .metadata             torch.distributed.checkpoint's index
+        __0_0.distcp ...      each rank's shards (int8 data + scales, optimizer states)
+        rng/rank_00000.pt     each rank's stochastic-rounding and torch generator states
+      .tmp-step_00000200-*/   a save in progress (or killed): never read, removed by the next save
+
+A save writes everything into a temporary directory and renames it into place only when
+every rank has finished and the manifest is on disk, so a process killed mid-save leaves
+the previous checkpoint as ``latest``.
+
+Modules: :mod:`.save` and :mod:`.load` (the public functions), :mod:`.export` (plain
+full-precision state dicts), :mod:`.errors`; privately ``_files`` (the layout, atomic
+writes, the manifest), ``_dcp`` (what goes through torch.distributed.checkpoint) and
+``_generator_states`` (the noise generators saved per rank).
+"""
+
+from fsdp_int8.checkpoint.errors import CheckpointError
+from fsdp_int8.checkpoint.export import export_full_state_dict, load_full_state_dict
+from fsdp_int8.checkpoint.load import CheckpointInfo, latest_checkpoint, load_checkpoint
+from fsdp_int8.checkpoint.save import save_checkpoint
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "export_full_state_dict",
+    "load_full_state_dict",
+]

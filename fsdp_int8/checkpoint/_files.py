@@ -1,0 +1,182 @@
+"""A checkpoint's files: where each goes, atomic and durable writes, and the manifest that
+lists every file with its size and sha256 (the layout is in the package docstring)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from fsdp_int8 import _dist
+from fsdp_int8.checkpoint.errors import CheckpointError
+
+FORMAT = "fsdp_int8.checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_HASH_CHUNK = 1 << 22
+
+
+# ---------------------------------------------------------------- durable writes
+def sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a written file to disk."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (creations, renames) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: readers see the old file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------- names
+def step_dir(root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives under ``root``."""
+    return root / f"step_{step:08d}"
+
+
+def rng_file(path: Path, rank: int) -> Path:
+    """The file holding ``rank``'s generator states in checkpoint ``path``."""
+    return path / "rng" / f"rank_{rank:05d}.pt"
+
+
+def _files_of_rank(path: Path, rank: int) -> list[Path]:
+    mine = sorted(path.glob(f"__{rank}_*.distcp")) + [rng_file(path, rank)]
+    if rank == 0:
+        mine.append(path / ".metadata")
+    return [p for p in mine if p.exists()]
+
+
+def describe_files(path: Path, rank: int) -> dict[str, dict]:
+    """Size and sha256 of each file ``rank`` wrote into ``path``, keyed by relative name."""
+    return {
+        str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": sha256(p)}
+        for p in _files_of_rank(path, rank)
+    }
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` holds a manifest: the last thing a save writes."""
+    return (path / MANIFEST).is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    return sorted((p for p in root.glob("step_*") if is_complete(p)), key=lambda p: p.name)
+
+
+def looks_like_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint's directory (ours, or plain dcp's) rather than a root."""
+    return is_complete(path) or (path / ".metadata").is_file() or any(path.glob("__*.distcp"))
+
+
+# ---------------------------------------------------------------- saving
+def temporary_dir(final: Path, token: str) -> Path:
+    """The directory a save of ``final`` writes into (``token`` must be the same on every rank)."""
+    return final.parent / f".tmp-{final.name}-{token}"
+
+
+def create_temporary_dir(tmp: Path) -> None:
+    """Create ``tmp`` and its root (on one rank), first removing what killed saves left."""
+    root = tmp.parent
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a killed save: never complete
+        shutil.rmtree(stale, ignore_errors=True)
+    rng_file(tmp, 0).parent.mkdir(parents=True)
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """Write the manifest of checkpoint ``path``: after it, the checkpoint is complete."""
+    write_atomically(path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` to ``final`` (replacing an older save of that step) and
+    point ``latest`` at it."""
+    fsync_dir(tmp)
+    if final.exists():  # re-saving a step: move the old one aside first
+        old = final.parent / f".tmp-old-{final.name}-{uuid.uuid4().hex}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    write_atomically(final.parent / LATEST, final.name + "\n")
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints under ``root``."""
+    for stale in complete_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- loading
+def read_manifest(path: Path) -> dict | None:
+    """Checkpoint ``path``'s manifest; ``None`` for a plain dcp checkpoint (no manifest).
+
+    Raises:
+        CheckpointError: no manifest and no dcp index (an interrupted save), an unreadable
+            manifest, or an unknown format.
+    """
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        if (path / ".metadata").is_file():
+            return None  # written by plain torch.distributed.checkpoint: load, unverified
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {MANIFEST}: the save was interrupted?)"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{manifest_path} is corrupted: {error}") from error
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+    return manifest
+
+
+def verify(path: Path, manifest: dict) -> None:
+    """Each rank checks a share of the files (size, then sha256); any failure fails all.
+
+    Raises:
+        CheckpointError: naming every missing, truncated or corrupted file.
+    """
+    problems = []
+    for index, (name, expected) in enumerate(sorted(manifest["files"].items())):
+        if index % _dist.world_size() != _dist.rank():
+            continue
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name}: missing")
+        elif file.stat().st_size != expected["bytes"]:
+            problems.append(f"{name}: {file.stat().st_size} bytes, expected {expected['bytes']} (truncated?)")
+        elif sha256(file) != expected["sha256"]:
+            problems.append(f"{name}: checksum mismatch (corrupted)")
+    everyone = [p for per_rank in _dist.all_gather(problems) for p in per_rank]
+    if everyone:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(everyone))
