@@ -6,7 +6,6 @@ are written back with stochastic rounding; FSDP2 all-gathers the int8 bytes.
 
 import torch
 
-from fsdp_int8._reduce_scatter import QuantizedReduceScatter, enable_quantized_reduce_scatter
 from fsdp_int8.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -20,6 +19,7 @@ from fsdp_int8.comm import CollectiveCounter, CollectiveRecord, count_collective
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
 from fsdp_int8.convert import init_int8_weights_, quantize_
 from fsdp_int8.fsdp import find_blocks, shard_model
+from fsdp_int8.gradients import QuantizedReduceScatter, enable_quantized_reduce_scatter
 from fsdp_int8.linear import int8_weight_linear
 from fsdp_int8.optim import Int8AdamW, Int8SGD, PersistentBytes, persistent_bytes, persistent_bytes_per_param
 from fsdp_int8.weight import Int8Weight, _rebuild_int8_weight

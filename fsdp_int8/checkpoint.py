@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_int8 import _dist
 from fsdp_int8._generators import WEIGHT_ROUNDING, seed_weight_rounding
-from fsdp_int8._reduce_scatter import installed_quantized_reduce_scatter
+from fsdp_int8.gradients.install import installed_quantized_reduce_scatter
 from fsdp_int8.weight import Int8Weight, local_shard
 
 __all__ = [
