@@ -10,7 +10,6 @@ ones, and the internals of the public modules that are not re-exported here).
 # The op table and F.linear register themselves into Int8Weight when imported: importing
 # the package loads the whole table (so Int8Weight.supported_ops() is complete).
 from fsdp_int8 import _ops, linear  # noqa: F401  (registration side effects)
-from fsdp_int8._reduce_scatter import QuantizedReduceScatter, enable_quantized_reduce_scatter
 from fsdp_int8.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -23,6 +22,7 @@ from fsdp_int8.checkpoint import (
 from fsdp_int8.collectives import CollectiveCounter, CollectiveRecord, count_collectives
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, ModuleFilter
 from fsdp_int8.convert import init_int8_weights_, quantize_
+from fsdp_int8.gradients import QuantizedReduceScatter, enable_quantized_reduce_scatter
 from fsdp_int8.optim import Int8AdamW, Int8SGD, PersistentBytes, persistent_bytes, persistent_bytes_per_param
 from fsdp_int8.sharding import BlockSpec, find_blocks, shard_model
 from fsdp_int8.weight import Int8Weight

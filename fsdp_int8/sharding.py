@@ -11,9 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_int8._generators import seed_weight_rounding
-from fsdp_int8._reduce_scatter import enable_quantized_reduce_scatter
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import is_sharded, quantize_
+from fsdp_int8.gradients import enable_quantized_reduce_scatter
 
 __all__ = ["shard_model", "find_blocks", "BlockSpec"]
 

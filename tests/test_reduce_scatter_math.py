@@ -12,16 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_int8._reduce_scatter import (
-    QuantizedReduceScatter,
-    dequantize_blocks,
-    enable_quantized_reduce_scatter,
-    op_multiplier,
-    pack_segments,
-    quantize_blocks,
-    segment_bytes,
-    unpack_and_sum,
-)
+from fsdp_int8.gradients import QuantizedReduceScatter, enable_quantized_reduce_scatter
+from fsdp_int8.gradients._reduce_op import op_multiplier
+from fsdp_int8.gradients._wire import pack_segments, segment_bytes, unpack_and_sum
+from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
 
 def _simulated_reduce_scatter(
@@ -54,12 +48,12 @@ def _block_scales(values: torch.Tensor, block_size: int) -> torch.Tensor:
 def test_round_to_nearest_roundtrip(numel: int, dtype: torch.dtype) -> None:
     block = 256
     values = (torch.randn(3, numel) * torch.logspace(-3, 2, numel)).to(dtype)
-    q, scales = quantize_blocks(values, block, stochastic=False)
+    q, scales = absmax_quantize(values, block_size=block, nonfinite="propagate")
     assert q.dtype == torch.int8 and q.shape == values.shape
     assert scales.dtype == torch.float32 and scales.shape == (3, math.ceil(numel / block))
     torch.testing.assert_close(scales, _block_scales(values, block), rtol=0, atol=0)
     assert int(q.abs().max()) == 127 and int(q.min()) >= -127  # symmetric: never -128
-    restored = dequantize_blocks(q, scales, block)
+    restored = absmax_dequantize(q, scales, block_size=block)
     step = scales.repeat_interleave(block, dim=1)[:, :numel]
     # round to nearest: at most half a step, plus the fp32 rounding of the division
     assert ((restored - values.float()).abs() <= step * (0.5 + 1e-5)).all()
@@ -69,14 +63,14 @@ def test_partial_last_block_has_its_own_scale() -> None:
     """600 = 2 full blocks of 256 + 88: the tail's scale is the absmax of those 88 only."""
     values = torch.randn(2, 600)
     values[:, :512] *= 1000.0  # the full blocks are much larger than the tail
-    q, scales = quantize_blocks(values, 256, stochastic=False)
+    q, scales = absmax_quantize(values, block_size=256, nonfinite="propagate")
     assert scales.shape == (2, 3)
     torch.testing.assert_close(scales[:, 2], values[:, 512:].abs().amax(dim=1) / 127, rtol=0, atol=0)
     assert (q[:, 512:].abs().amax(dim=1) == 127).all()  # the tail uses its full int8 range
-    restored = dequantize_blocks(q, scales, 256)
+    restored = absmax_dequantize(q, scales, block_size=256)
     assert ((restored[:, 512:] - values[:, 512:]).abs() <= scales[:, 2:] * 0.5001).all()
     # a block size larger than the slice: one partial block
-    q, scales = quantize_blocks(values[:, :7], 256, stochastic=False)
+    q, scales = absmax_quantize(values[:, :7], block_size=256, nonfinite="propagate")
     assert scales.shape == (2, 1) and (q.abs().amax(dim=1) == 127).all()
 
 
@@ -84,11 +78,13 @@ def test_all_zero_blocks() -> None:
     values = torch.zeros(2, 700)
     values[0, 300:400] = torch.randn(100)  # block 1 of row 0 only (columns 256..511)
     for stochastic in (False, True):
-        q, scales = quantize_blocks(values, 256, stochastic=stochastic)
+        q, scales = absmax_quantize(
+            values, block_size=256, rounding="stochastic" if stochastic else "nearest", nonfinite="propagate"
+        )
         assert scales[0, 1] > 0
         assert (scales[0, [0, 2]] == 0).all() and (scales[1] == 0).all()
         assert (q[0, :256] == 0).all() and (q[0, 512:] == 0).all() and (q[1] == 0).all()
-        restored = dequantize_blocks(q, scales, 256)
+        restored = absmax_dequantize(q, scales, block_size=256)
         assert torch.isfinite(restored).all()
         assert (restored[values == 0][: 300] == 0).all() and (restored[1] == 0).all()
     # a whole simulated reduce-scatter of zeros is exactly zero
@@ -99,7 +95,10 @@ def test_all_zero_blocks() -> None:
 
 def test_stochastic_rounding_picks_a_neighbour() -> None:
     values = torch.randn(4, 1000)
-    q, scales = quantize_blocks(values, 128, generator=torch.Generator().manual_seed(0))
+    q, scales = absmax_quantize(
+        values, block_size=128, rounding="stochastic", generator=torch.Generator().manual_seed(0),
+        nonfinite="propagate",
+    )
     scaled = values / scales.repeat_interleave(128, dim=1)[:, :1000]
     # floor or floor + 1 of x / scale (one ulp of slack for the division)
     assert ((q.float() - scaled) > -1 - 1e-5).all() and ((q.float() - scaled) < 1 + 1e-5).all()
@@ -111,24 +110,24 @@ def test_non_finite_values_arrive_non_finite() -> None:
     values = torch.randn(1, 512)
     values[0, 10] = float("inf")
     values[0, 300] = float("nan")
-    q, scales = quantize_blocks(values, 256)
+    q, scales = absmax_quantize(values, block_size=256, rounding="stochastic", nonfinite="propagate")
     assert int(q.abs().max()) <= 127 and int(q.min()) >= -127
-    restored = dequantize_blocks(q, scales, 256)
+    restored = absmax_dequantize(q, scales, block_size=256)
     assert not torch.isfinite(restored[0, 0]) and not torch.isfinite(restored[0, 256])
     assert (~torch.isfinite(restored)).sum() >= 2
 
 
 def test_errors() -> None:
     with pytest.raises(ValueError, match="block_size must be >= 1"):
-        quantize_blocks(torch.ones(1, 4), 0)
+        absmax_quantize(torch.ones(1, 4), block_size=0)
     with pytest.raises(TypeError, match="block_size must be an int"):
         QuantizedReduceScatter(2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="2-D"):
-        quantize_blocks(torch.ones(4), 2)
+        absmax_quantize(torch.ones(4), block_size=2)
     with pytest.raises(TypeError, match="floating"):
-        quantize_blocks(torch.ones(1, 4, dtype=torch.int32), 2)
+        absmax_quantize(torch.ones(1, 4, dtype=torch.int32), block_size=2)
     with pytest.raises(ValueError, match="need scales of shape"):
-        dequantize_blocks(torch.zeros(1, 10, dtype=torch.int8), torch.zeros(1, 1), 4)
+        absmax_dequantize(torch.zeros(1, 10, dtype=torch.int8), torch.zeros(1, 1), block_size=4)
     with pytest.raises(ValueError, match="async_op=False"):
         QuantizedReduceScatter()(torch.empty(2), torch.empty(4), None, dist.ReduceOp.SUM, async_op=True)
     with pytest.raises(ValueError, match="holds no FSDP module"):
@@ -219,8 +218,10 @@ def test_stochastic_rounding_reduction_is_unbiased() -> None:
     for receiver in range(world):
         peers = torch.cat([inputs[:receiver, receiver], inputs[receiver + 1:, receiver]])  # [W-1, S]
         repeated = peers.repeat(trials, 1)  # [T * (W-1), S]: T independent reductions at once
-        q, scales = quantize_blocks(repeated, block, generator=gen)
-        peer_sums = dequantize_blocks(q, scales, block).view(trials, world - 1, numel).sum(dim=1)
+        q, scales = absmax_quantize(
+            repeated, block_size=block, rounding="stochastic", generator=gen, nonfinite="propagate"
+        )
+        peer_sums = absmax_dequantize(q, scales, block_size=block).view(trials, world - 1, numel).sum(dim=1)
         mean[receiver] = (peer_sums.double() + inputs[receiver, receiver].double()).mean(dim=0)
 
     def scale_sum_sq(values: torch.Tensor) -> torch.Tensor:
@@ -241,8 +242,8 @@ def test_stochastic_rounding_reduction_is_unbiased() -> None:
     rtn = torch.zeros(world, numel, dtype=torch.float64)
     for receiver in range(world):
         peers = torch.cat([inputs[:receiver, receiver], inputs[receiver + 1:, receiver]])
-        q, scales = quantize_blocks(peers, block, stochastic=False)
-        rtn[receiver] = dequantize_blocks(q, scales, block).double().sum(dim=0) + inputs[receiver, receiver]
+        q, scales = absmax_quantize(peers, block_size=block, nonfinite="propagate")
+        rtn[receiver] = absmax_dequantize(q, scales, block_size=block).double().sum(dim=0) + inputs[receiver, receiver]
     assert ((rtn - exact).abs()[:, 1:50] > 6 * sigma[:, 1:50]).all()
 
 

@@ -311,7 +311,7 @@ def _check_quantized_gradients_switch(rank: int, world: int) -> None:
     assert len(counter.of("all_to_all_single")) == 3 and all(
         r.dtype == torch.int8 for r in counter.of("all_to_all_single")
     ), counter.summary()  # one per FSDP group with parameters: 2 blocks + root
-    comm = fsdp_int8._reduce_scatter.installed_quantized_reduce_scatter(model)
+    comm = fsdp_int8.gradients.install.installed_quantized_reduce_scatter(model)
     saved = comm.rng_state()
     with tempfile.TemporaryDirectory() as tmp:
         root = fsdp_int8._dist.broadcast_from_rank0(tmp)

@@ -18,16 +18,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import fsdp_int8
 from fsdp_int8 import Int8TrainingConfig
-from fsdp_int8._reduce_scatter import (
-    QuantizedReduceScatter,
-    enable_quantized_reduce_scatter,
-    op_multiplier,
-    segment_bytes,
-)
+from fsdp_int8._fsdp_compat import ReduceScatter, fsdp_modules, param_groups, reduce_scatter_of
+from fsdp_int8.gradients import QuantizedReduceScatter, enable_quantized_reduce_scatter
+from fsdp_int8.gradients._reduce_op import op_multiplier
+from fsdp_int8.gradients._wire import segment_bytes
 from fsdp_int8.testing import device_type_for, run_distributed
 
 from _cases import BF16_POLICY, case, local_of, mean_over_ranks, train_repeating_pattern
@@ -359,8 +356,7 @@ def _check_enable(rank: int, world: int) -> None:
         model = fsdp_int8.shard_model(MLPNet(hidden=33))
         assert enable_quantized_reduce_scatter(model) == 3
         assert enable_quantized_reduce_scatter(model, block_size=64, seed=1) == 3  # replaces
-        comms = {id(g._reduce_scatter_comm) for m in model.modules() if isinstance(m, FSDPModule)
-                 for g in m._get_fsdp_state()._fsdp_param_groups}
+        comms = {id(reduce_scatter_of(g)) for _, m in fsdp_modules(model) for g in param_groups(m)}
         assert len(comms) == 1  # one instance (one generator) serves every module
     with case("enable: several parameter groups"):
         from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult

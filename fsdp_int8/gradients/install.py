@@ -1,0 +1,85 @@
+"""Putting a :class:`QuantizedReduceScatter` on every FSDP module of a model, and finding it.
+
+FSDP2 offers the setter (``FSDPModule.set_custom_reduce_scatter``) but no getter: what is
+installed is read through :mod:`fsdp_int8._fsdp_compat`.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from fsdp_int8._fsdp_compat import BUILTIN_REDUCE_SCATTERS, fsdp_modules, param_groups, reduce_scatter_of
+from fsdp_int8.gradients._wire import DEFAULT_BLOCK_SIZE
+from fsdp_int8.gradients.reduce_scatter import QuantizedReduceScatter
+
+__all__ = ["enable_quantized_reduce_scatter", "installed_quantized_reduce_scatter"]
+
+# What enable_quantized_reduce_scatter may replace without asking (a foreign custom
+# reduce-scatter is refused: silently dropping it would change the user's training).
+_REPLACEABLE = (*BUILTIN_REDUCE_SCATTERS, QuantizedReduceScatter)
+
+
+def enable_quantized_reduce_scatter(
+    model: nn.Module, *, block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0
+) -> int:
+    """Install a :class:`QuantizedReduceScatter` on every ``FSDPModule`` of ``model``.
+
+    Call it after ``fully_shard`` / :func:`fsdp_int8.shard_model` and before the first
+    backward. Only the reduce-scatter over the shard dimension changes: with HSDP, FSDP2's
+    all-reduce over the replicate dimension still runs in full precision (reduce dtype),
+    and a shard dimension of size 1 calls no reduce-scatter at all.
+
+    Args:
+        model: A model sharded with ``fully_shard`` (the root or any module containing
+            FSDP modules).
+        block_size: Values per fp32 scale (see :class:`QuantizedReduceScatter`).
+        seed: Seed of the rounding noise (each process mixes in its global rank).
+
+    Returns:
+        How many FSDP modules (with parameters) now use the quantized reduce-scatter.
+
+    Raises:
+        ValueError: ``model`` holds no FSDP module; or a module has several parameter
+            groups (per-parameter meshes from ``shard_placement_fn``), which FSDP2's
+            hook cannot serve; or a module already uses another custom reduce-scatter.
+    """
+    comm = QuantizedReduceScatter(block_size, seed=seed)
+    modules = fsdp_modules(model)
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} holds no FSDP module: shard it first "
+            "(fsdp_int8.shard_model or torch.distributed.fsdp.fully_shard), then enable "
+            "the quantized reduce-scatter"
+        )
+    installed = 0
+    for name, module in modules:
+        groups = param_groups(module)
+        for group in groups:
+            current = reduce_scatter_of(group)
+            if current is not None and not isinstance(current, _REPLACEABLE):
+                raise ValueError(
+                    f"FSDP module {name or '<root>'!r} already uses a custom reduce-scatter "
+                    f"({type(current).__name__}); the quantized reduce-scatter would replace it"
+                )
+        try:
+            module.set_custom_reduce_scatter(comm)
+        except ValueError as error:
+            raise ValueError(
+                f"cannot install the quantized reduce-scatter on FSDP module "
+                f"{name or '<root>'!r}: it has {len(groups)} parameter groups "
+                "(per-parameter meshes from fully_shard's shard_placement_fn), and FSDP2 "
+                "takes one custom reduce-scatter per module only. Shard those parameters "
+                f"in a module of their own. (FSDP2: {error})"
+            ) from error
+        installed += bool(groups)
+    return installed
+
+
+def installed_quantized_reduce_scatter(model: nn.Module) -> QuantizedReduceScatter | None:
+    """The :class:`QuantizedReduceScatter` serving ``model``'s FSDP modules, if any."""
+    for _, module in fsdp_modules(model):
+        for group in param_groups(module):
+            comm = reduce_scatter_of(group)
+            if isinstance(comm, QuantizedReduceScatter):
+                return comm
+    return None
