@@ -21,7 +21,8 @@ from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
 from fsdp_int8.convert import init_int8_weights_, quantize_
 from fsdp_int8.fsdp import find_blocks, shard_model
 from fsdp_int8.linear import int8_weight_linear
-from fsdp_int8.optim import Int8AdamW, Int8SGD, PersistentBytes, persistent_bytes, persistent_bytes_per_param
+from fsdp_int8.memory import PersistentBytes, persistent_bytes
+from fsdp_int8.optim import Int8AdamW, Int8SGD
 from fsdp_int8.weight import Int8Weight, _rebuild_int8_weight
 
 __version__ = "0.1.0"
@@ -47,9 +48,12 @@ __all__ = [
     "CollectiveCounter",
     "CollectiveRecord",
     "int8_weight_linear",
+    "Int8AdamW",
+    "Int8SGD",
+    "PersistentBytes",
+    "persistent_bytes",
     "__version__",
 ]
-__all__ += ["Int8AdamW", "Int8SGD", "PersistentBytes", "persistent_bytes", "persistent_bytes_per_param"]
 
 # torch.load(weights_only=True) rebuilds Int8Weights through these two names only.
 torch.serialization.add_safe_globals([Int8Weight, _rebuild_int8_weight])
