@@ -39,7 +39,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_int8
 from benchmarks.speed_memory import cpu_description
-from fsdp_int8.optim import persistent_bytes_per_param
 from fsdp_int8.testing import device_type_for, run_distributed
 from launch.data import load_corpus, sample_batch
 from launch.model import PRESETS, ModelArgs, Transformer
@@ -113,7 +112,7 @@ def _train_row(rank: int, world: int, kind: str, weight_decay: float, settings: 
             loss.backward()
         optimizer.step()
         if step == 1:
-            bytes_per_param = persistent_bytes_per_param(model, optimizer)
+            bytes_per_param = fsdp_int8.persistent_bytes(model, optimizer).per_param
             gathered, collective = counter.total_bytes("all_gather_single"), counter.total_bytes()
             sent = counter.wire_bytes()
         optimizer.zero_grad()

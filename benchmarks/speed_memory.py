@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_int8
-from fsdp_int8.optim import persistent_bytes_per_param
 from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, ModelArgs, Transformer
 
@@ -117,7 +116,7 @@ def _row(rank: int, world: int, precision: str, optimizer_name: str, args_dict: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step == 0:  # grads and states exist now, before zero_grad frees the grads
-            bytes_per_param = persistent_bytes_per_param(model, optimizer)
+            bytes_per_param = fsdp_int8.persistent_bytes(model, optimizer).per_param
         optimizer.zero_grad()
         dist.barrier()
         if step >= args_dict["warmup"]:

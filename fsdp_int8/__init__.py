@@ -23,7 +23,8 @@ from fsdp_int8.collectives import CollectiveCounter, CollectiveRecord, count_col
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, ModuleFilter
 from fsdp_int8.convert import init_int8_weights_, quantize_
 from fsdp_int8.gradients import QuantizedReduceScatter, enable_quantized_reduce_scatter
-from fsdp_int8.optim import Int8AdamW, Int8SGD, PersistentBytes, persistent_bytes, persistent_bytes_per_param
+from fsdp_int8.memory import PersistentBytes, persistent_bytes
+from fsdp_int8.optim import Int8AdamW, Int8SGD
 from fsdp_int8.sharding import BlockSpec, find_blocks, shard_model
 from fsdp_int8.weight import Int8Weight
 

@@ -228,11 +228,6 @@ class Int8Weight(torch.Tensor):
         self.scale.copy_(scale)
         return self
 
-    def data_ptr(self) -> int:
-        """The address of the int8 data: frameworks key parameters by it (a wrapper tensor
-        has no storage of its own, and 0 for every weight would make them collide)."""
-        return self.int_data.data_ptr()
-
     def numpy(self, *, force: bool = False):
         """Refused: an ``Int8Weight`` holds int8 values and per-row scales, not floats."""
         raise TypeError(

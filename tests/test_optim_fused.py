@@ -1,5 +1,5 @@
 """The fused optimizers (fsdp_int8.optim) in one process: parity with torch.optim, one
-requantization per step, 8-bit states, memory accounting, state dicts, errors.
+requantization per step, 8-bit states, state dicts, errors.
 
 Multi-process cases (DTensor parameters, no collectives, resharded checkpoints):
 tests/distributed/test_optim_distributed.py.
@@ -16,12 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fsdp_int8
-from fsdp_int8 import (
-    Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight, persistent_bytes,
-    persistent_bytes_per_param, quantize_,
-)
-from fsdp_int8.optim import _dequantize_blocks, _quantize_blocks
+from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight, quantize_
+from fsdp_int8.optim._state_codec import dequantize_state_blocks, quantize_state_blocks
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from _quant import quantize_rowwise
 
@@ -74,8 +70,8 @@ def _sync_reference_state(ref_opt, ref_params, opt, params) -> None:
     for ref, param in zip(ref_params, params):
         state, ref_state = opt.state[param], ref_opt.state[ref]
         if "exp_avg_int8" in state:
-            m = _dequantize_blocks(state["exp_avg_int8"], state["exp_avg_scale"], opt.defaults["block_size"])
-            r = _dequantize_blocks(
+            m = dequantize_state_blocks(state["exp_avg_int8"], state["exp_avg_scale"], opt.defaults["block_size"])
+            r = dequantize_state_blocks(
                 state["exp_avg_sq_sqrt_uint8"], state["exp_avg_sq_sqrt_scale"], opt.defaults["block_size"]
             )
             ref_state["exp_avg"].copy_(m.view_as(ref))
@@ -264,15 +260,15 @@ def test_blocks_never_cross_rows():
     values = torch.randn(rows, row_len, generator=gen) * magnitudes[:, None]
     for signed in (True, False):
         data = values if signed else values.abs()
-        q, scale = _quantize_blocks(data, block, signed=signed)
+        q, scale = quantize_state_blocks(data, block, signed=signed)
         assert q.shape == (rows, row_len) and scale.shape == (rows, 3)
         assert q.dtype == (torch.int8 if signed else torch.uint8)
         for start, stop in ((0, 1), (0, 5), (5, 9), (3, 4), (8, 9)):  # uneven "shards"
-            q_part, scale_part = _quantize_blocks(data[start:stop], block, signed=signed)
+            q_part, scale_part = quantize_state_blocks(data[start:stop], block, signed=signed)
             assert torch.equal(q_part, q[start:stop]) and torch.equal(scale_part, scale[start:stop])
         # The error of each element is at most half a level of its own block (unsigned:
         # a positive value below half a level rounds up to level 1, an error < 1 level).
-        error = (_dequantize_blocks(q, scale, block) - data).abs()
+        error = (dequantize_state_blocks(q, scale, block) - data).abs()
         level = scale.repeat_interleave(block, dim=1)[:, :row_len]
         bound = 0.5 * level if signed else torch.where(data >= 0.5 * level, 0.5 * level, level)
         assert bool((error <= bound * (1 + 1e-5)).all())
@@ -292,7 +288,7 @@ def test_second_moment_never_rounds_to_zero_so_steps_stay_bounded():
     here; rounded up to level 1 its steps stay below Adam's own bound (~3 * lr).
     """
     r = torch.tensor([[1000.0, 1e-3, 0.0, 5.0]])
-    q, scale = _quantize_blocks(r, 4, signed=False)
+    q, scale = quantize_state_blocks(r, 4, signed=False)
     assert q.tolist() == [[255, 1, 0, 1]]  # 1e-3 and 5 (< half a level of 3.9) -> level 1
     lr = 1e-3
     param = nn.Parameter(torch.zeros(1, 4))
@@ -306,47 +302,6 @@ def test_second_moment_never_rounds_to_zero_so_steps_stay_bounded():
         largest = max(largest, float((param.detach() - before).abs().max()))
     assert opt.state[param]["exp_avg_sq_sqrt_uint8"][0, 1] == 1
     assert largest <= 4 * lr, largest / lr  # observed: 1.0 lr (the first step)
-
-
-# ---------------------------------------------------------------- bytes per parameter
-def test_persistent_bytes_against_a_hand_count():
-    model = _net()  # int8 [64, 40] and [48, 64]; fp32 biases 64, 48, 4; fp32 head [4, 48]
-    opt = Int8AdamW(model.parameters(), state_bits=8, block_size=16)
-    _backward(model, 0)
-    opt.step()
-    n_params = 64 * 40 + 64 + 48 * 64 + 48 + 4 * 48 + 4
-    weights = (64 * 40 + 4 * 64) + (48 * 64 + 4 * 48) + 4 * (64 + 48 + 4 * 48 + 4)
-    grads = 4 * n_params
-    blocks = 64 * 3 + 48 * 4 + 4 * 3  # rows x ceil(K / 16): K = 40, 64, 48
-    states = (
-        2 * (64 * 40 + 48 * 64 + 4 * 48)  # int8 exp_avg + uint8 sqrt(exp_avg_sq), 1 byte each
-        + 2 * 4 * blocks  # two fp32 scales per block
-        + 2 * 4 * (64 + 48 + 4)  # fp32 moments of the biases
-        + 4 * 6  # one fp32 step per parameter
-    )
-    counted = persistent_bytes(model, opt)
-    assert (counted.params, counted.weights, counted.grads, counted.states) == (n_params, weights, grads, states)
-    assert persistent_bytes_per_param(model, opt) == (weights + grads + states) / n_params
-    bf16 = persistent_bytes(model, opt, grad_dtype=torch.bfloat16)
-    assert bf16.grads == 2 * n_params and bf16.states == states
-    opt.zero_grad()  # no .grad: counted at the parameters' dtype (fp32)
-    assert persistent_bytes(model, opt).grads == grads
-    assert persistent_bytes(model).states == 0
-
-
-def test_bytes_per_param_of_a_wide_layer():
-    """The numbers of docs/optim.md for K = 1024: 1 + 4/K (weight), 2 + 8/64 (8-bit
-    moments), 4 or 2 (fp32 or bf16 gradient); the one step counter is negligible."""
-    lin = quantize_(nn.Linear(1024, 128, bias=False), Int8TrainingConfig())
-    opt = Int8AdamW(lin.parameters(), state_bits=8)
-    lin.weight.grad = torch.randn(128, 1024)
-    opt.step()
-    n = 128 * 1024
-    step = 4 / n
-    assert persistent_bytes_per_param(lin, opt) == pytest.approx(1 + 4 / 1024 + 2 + 8 / 64 + 4 + step, rel=1e-12)
-    assert persistent_bytes_per_param(lin, opt, grad_dtype=torch.bfloat16) == pytest.approx(
-        1 + 4 / 1024 + 2 + 8 / 64 + 2 + step, rel=1e-12
-    )
 
 
 # ---------------------------------------------------------------- state dicts, dtypes

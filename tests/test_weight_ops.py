@@ -768,13 +768,6 @@ def test_int8_state_dict_loads_into_fp32_model_as_dequantized_values():
 
 
 # ---------------------------------------------------------------- edges (clear errors, no noise)
-def test_data_ptr_is_the_int8_datas_so_frameworks_can_key_parameters_by_it():
-    a, b = Int8Weight.from_float(torch.randn(4, 8)), Int8Weight.from_float(torch.randn(4, 8))
-    assert a.data_ptr() == a.int_data.data_ptr() != 0
-    assert a.data_ptr() != b.data_ptr()
-    assert torch.nn.Parameter(a).data_ptr() == a.data_ptr()
-
-
 def test_numpy_and_tolist_say_what_to_call_instead():
     w = Int8Weight.from_float(torch.randn(4, 8))
     with pytest.raises(TypeError, match=r"dequantize\(\)\.numpy\(\)"):

@@ -1,0 +1,241 @@
+"""``Int8AdamW``: AdamW with one requantization per int8 weight and step, and optional
+block-wise 8-bit moments (:mod:`fsdp_int8.optim._state_codec`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.optimizer import ParamsT
+
+from fsdp_int8.optim._base import FusedInt8Optimizer, Slot, keeps_whole_rows, like_param
+from fsdp_int8.optim._checks import check_number
+from fsdp_int8.optim._state_codec import dequantize_state_blocks, quantize_state_blocks
+from fsdp_int8.quant import ceil_div
+from fsdp_int8.weight import local_shard
+
+__all__ = ["Int8AdamW"]
+
+
+def _row_len(param: torch.Tensor) -> int | None:
+    """Elements per dim-0 row of a parameter with >= 2 dims and >= 1 row (global shape)."""
+    if param.dim() < 2 or param.shape[0] == 0:
+        return None
+    return param.numel() // param.shape[0]
+
+
+class Int8AdamW(FusedInt8Optimizer):
+    r"""AdamW for int8 weights: one dequantization and one requantization per step.
+
+    The same update as ``torch.optim.AdamW`` (decoupled weight decay, bias correction),
+    with the same fp32 operations in the same order (``torch._foreach_*`` over many
+    parameters at a time)::
+
+        step += 1
+        w  = w * (1 - lr * weight_decay)
+        m  = m.lerp(g, 1 - beta1)
+        v  = v * beta2 + (1 - beta2) * g * g
+        w  = w - lr / (1 - beta1**step) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
+
+    For an :class:`~fsdp_int8.Int8Weight` (plain, or the local tensor of an FSDP2 DTensor)
+    ``w`` is the weight dequantized once to fp32, and the result is requantized once with
+    the weight's own rounding (``weight.assign_(w, stochastic=weight.stochastic_rounding)``).
+    So with round-to-nearest weights the values before requantization are bit-identical to
+    ``torch.optim.AdamW``'s on the dequantized weight (tested). Other parameters are
+    updated in place with the same math (in fp32 for bf16 / fp16 parameters, then cast
+    back). DTensor parameters are updated through their local tensors: no collective.
+    A step with ``lr == 0`` leaves int8 weights untouched (their values cannot change).
+
+    **8-bit states** (``state_bits=8``) are used for every parameter with at least 2
+    dims whose rows (``numel // shape[0]`` elements) are at least ``block_size`` long;
+    1-D parameters (biases, norms) and short rows keep fp32 states. Each row is cut into
+    blocks of ``block_size`` elements (the last one may be shorter): a block never spans
+    two rows, so a checkpoint reshards bit-exactly at any world size (rows move between
+    ranks whole). Per block:
+
+    - ``m`` (``exp_avg_int8``: int8 ``[rows, K]``, ``exp_avg_scale``: fp32
+      ``[rows, ceil(K / block_size)]``): symmetric absmax, ``m ~ q * absmax / 127``.
+    - ``v`` is stored as its square root ``r = sqrt(v)`` (``exp_avg_sq_sqrt_uint8``:
+      uint8 ``[rows, K]``, ``exp_avg_sq_sqrt_scale``: fp32 per block), ``r ~ q * max / 255``,
+      ``v = r**2``. Why the square root: the update divides by ``sqrt(v)``, so linear
+      steps in ``r`` give every element of a block the same absolute error on the
+      denominator (at most ``max(r) / 510``, half a level), and ``r`` spans the square root of ``v``'s
+      dynamic range; linear steps in ``v`` itself would zero every element below
+      ``max(v) / 510``, i.e. with ``r`` below 4.4% of the block's largest.
+      A positive ``r`` is never rounded to level 0 (it rounds up to level 1): a zero
+      would make the denominator ``eps`` and the step ``m / eps``, huge. Small
+      second moments are thus overestimated, which only shortens their steps.
+
+    Each step dequantizes the states to fp32, updates them with the formulas above, uses
+    the fp32 values for this step's update, and requantizes them with **round to nearest**.
+    Stochastic rounding, unbiased per step, would make a slow moving average a random
+    walk: each step adds rounding noise (standard deviation ~0.4 level) that ``v``
+    forgets only at rate ``1 - beta2``, so it accumulates to ~``0.4 / sqrt(1 - beta2)``,
+    about 13 levels for ``beta2 = 0.999``. Round to nearest errs by at most half a level
+    per step, is deterministic (exact resume; no draws from the weights' rounding
+    generator), and the absmax scale, recomputed every step, follows a block's common
+    decay; its cost is that an element drifting relative to its block's largest by less
+    than half a level per step keeps its level.
+
+    Checkpoints: state tensors of DTensor parameters are DTensors placed like the
+    parameter (the scales ``[rows, nblocks]`` sharded on rows like it), so
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and
+    :func:`fsdp_int8.save_checkpoint` / :func:`~fsdp_int8.load_checkpoint` save and
+    reshard them; ``step`` is a 0-d fp32 tensor as in ``torch.optim``. With
+    ``state_bits=32`` the state (``step``, ``exp_avg``, ``exp_avg_sq``) has the layout of
+    ``torch.optim.AdamW``'s, in fp32. A checkpoint loads only into an optimizer with the
+    same ``state_bits`` and ``block_size``.
+
+    Args:
+        params: Parameters or parameter groups (as for any ``torch.optim`` optimizer).
+        lr: Learning rate, >= 0.
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``.
+        eps: Added to the denominator, >= 0.
+        weight_decay: Decoupled weight decay, >= 0.
+        state_bits: ``32`` (fp32 moments) or ``8`` (block-wise 8-bit moments, see above).
+        block_size: Elements per 8-bit block (>= 1). Also the minimum row length for
+            8-bit states.
+
+    Raises:
+        ValueError: a hyperparameter out of range, ``state_bits`` not 8 or 32,
+            ``block_size < 1``, or a complex or non-floating parameter.
+        TypeError: a hyperparameter of the wrong type.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        state_bits: int = 32,
+        block_size: int = 64,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
+            weight_decay=weight_decay, state_bits=state_bits, block_size=block_size,
+        )
+        self._check_group(defaults)
+        super().__init__(params, defaults)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_number("lr", group["lr"], 0.0)
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        check_number("beta1", betas[0], 0.0, 1.0)
+        check_number("beta2", betas[1], 0.0, 1.0)
+        check_number("eps", group["eps"], 0.0)
+        check_number("weight_decay", group["weight_decay"], 0.0)
+        bits, block = group["state_bits"], group["block_size"]
+        if isinstance(bits, bool) or bits not in (8, 32):
+            raise ValueError(f"state_bits must be 8 or 32, got {bits!r}")
+        if isinstance(block, bool) or not isinstance(block, int):
+            raise TypeError(f"block_size must be an int, got {block!r}")
+        if block < 1:
+            raise ValueError(f"block_size must be >= 1, got {block}")
+
+    @staticmethod
+    def uses_8bit_state(param: torch.Tensor, state_bits: int, block_size: int) -> bool:
+        """Whether a parameter gets 8-bit moments: ``state_bits == 8``, at least 2 dims,
+        and rows (``numel // shape[0]`` elements, global shape) of at least ``block_size``."""
+        row_len = _row_len(param)
+        return state_bits == 8 and row_len is not None and row_len >= block_size
+
+    def _init_state(self, param, local, group) -> dict:
+        state: dict[str, torch.Tensor] = {}
+        # A 0-d fp32 step on the CPU, as torch.optim.AdamW keeps it (no device sync to read).
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        block = group["block_size"]
+        if not self.uses_8bit_state(param, group["state_bits"], block):
+            state["exp_avg"] = self._fp32_state(param, local)
+            state["exp_avg_sq"] = self._fp32_state(param, local)
+            return state
+        if not keeps_whole_rows(param):
+            raise ValueError(
+                "8-bit optimizer states need whole rows on each rank (Shard(0) or Replicate "
+                f"placements), got a parameter placed as {tuple(param.placements)}; use "
+                "state_bits=32 for it (a separate parameter group)"
+            )
+        rows, row_len = param.shape[0], _row_len(param)
+        local_rows = local.numel() // row_len
+        nblocks = ceil_div(row_len, block)
+
+        def zeros(cols: int, dtype: torch.dtype, global_cols: int) -> torch.Tensor:
+            tensor = torch.zeros(local_rows, cols, dtype=dtype, device=local.device)
+            return like_param(param, tensor, (rows, global_cols))
+
+        state["exp_avg_int8"] = zeros(row_len, torch.int8, row_len)
+        state["exp_avg_scale"] = zeros(nblocks, torch.float32, nblocks)
+        state["exp_avg_sq_sqrt_uint8"] = zeros(row_len, torch.uint8, row_len)
+        state["exp_avg_sq_sqrt_scale"] = zeros(nblocks, torch.float32, nblocks)
+        return state
+
+    @staticmethod
+    def _is_8bit(state: dict) -> bool:
+        return "exp_avg_int8" in state
+
+    def _moments(self, slot: Slot, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(m, v)`` of the local shape: the states themselves, or dequantized."""
+        state = slot.state
+        if not self._is_8bit(state):
+            return local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
+        q_m, s_m = local_shard(state["exp_avg_int8"]), local_shard(state["exp_avg_scale"])
+        q_r, s_r = local_shard(state["exp_avg_sq_sqrt_uint8"]), local_shard(state["exp_avg_sq_sqrt_scale"])
+        if s_m.shape[1] != ceil_div(q_m.shape[1], block):
+            raise RuntimeError(
+                f"8-bit state with {s_m.shape[1]} blocks per row of {q_m.shape[1]} does not fit "
+                f"block_size={block}: was the state saved with another block_size?"
+            )
+        m = dequantize_state_blocks(q_m, s_m, block).view(slot.local.shape)
+        r = dequantize_state_blocks(q_r, s_r, block)
+        return m, r.mul_(r).view(slot.local.shape)
+
+    def _update(self, slots: list[Slot], group: dict[str, Any]) -> None:
+        lr = float(group["lr"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        eps, weight_decay, block = float(group["eps"]), float(group["weight_decay"]), group["block_size"]
+        works = [s.work for s in slots]
+        grads = [s.grad for s in slots]
+        moments = [self._moments(s, block) for s in slots]
+        exp_avgs = [m for m, _ in moments]
+        exp_avg_sqs = [v for _, v in moments]
+        del moments
+        steps = []
+        for slot in slots:
+            slot.state["step"] += 1
+            steps.append(slot.state["step"].item())
+
+        # torch.optim.AdamW's operations, in its order (_multi_tensor_adam, non-capturable).
+        if weight_decay != 0:
+            torch._foreach_mul_(works, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        del grads
+        step_sizes = [(lr / (1 - beta1**step)) * -1 for step in steps]
+        bias_correction2_sqrt = [(1 - beta2**step) ** 0.5 for step in steps]
+        denoms = torch._foreach_sqrt(exp_avg_sqs)  # sqrt(v): what the 8-bit state stores
+        for slot, m, r in zip(slots, exp_avgs, denoms):
+            if self._is_8bit(slot.state):
+                self._store_8bit(slot, m, r, block)
+        del exp_avg_sqs
+        torch._foreach_div_(denoms, bias_correction2_sqrt)
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(works, exp_avgs, denoms, step_sizes)
+
+    @staticmethod
+    def _store_8bit(slot: Slot, m: torch.Tensor, r: torch.Tensor, block: int) -> None:
+        """Requantize ``m`` and ``r = sqrt(v)`` into the 8-bit states, in place."""
+        state = slot.state
+        rows_shape = local_shard(state["exp_avg_int8"]).shape
+        for (q_key, s_key), values, signed in (
+            (("exp_avg_int8", "exp_avg_scale"), m, True),
+            (("exp_avg_sq_sqrt_uint8", "exp_avg_sq_sqrt_scale"), r, False),
+        ):
+            _, scale = quantize_state_blocks(
+                values.reshape(rows_shape), block, signed=signed, out=local_shard(state[q_key])
+            )
+            local_shard(state[s_key]).copy_(scale)

@@ -1,0 +1,91 @@
+"""``Int8SGD``: SGD (momentum, Nesterov, L2 weight decay) with one requantization per int8
+weight and step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.optimizer import ParamsT
+
+from fsdp_int8.optim._base import FusedInt8Optimizer, Slot
+from fsdp_int8.optim._checks import check_number
+from fsdp_int8.weight import local_shard
+
+__all__ = ["Int8SGD"]
+
+
+class Int8SGD(FusedInt8Optimizer):
+    """SGD (momentum, Nesterov, L2 weight decay) for int8 weights, one requantization per step.
+
+    The update of ``torch.optim.SGD`` with ``dampening=0``, in fp32::
+
+        g = g + weight_decay * w
+        b = g                      (first step)     b = momentum * b + g   (later steps)
+        g = g + momentum * b       (nesterov)       g = b                  (otherwise)
+        w = w - lr * g
+
+    As in :class:`~fsdp_int8.Int8AdamW`, an int8 weight is dequantized once, updated in fp32 and
+    requantized once with its own rounding; DTensor parameters are updated through their
+    local tensors (no collective); ``lr == 0`` leaves int8 weights untouched. The
+    momentum buffer (``momentum_buffer``, only when ``momentum != 0``) is fp32, placed
+    like its parameter, with ``torch.optim.SGD``'s layout.
+
+    Args:
+        params: Parameters or parameter groups.
+        lr: Learning rate, >= 0.
+        momentum: Momentum factor, >= 0.
+        weight_decay: L2 penalty added to the gradient, >= 0.
+        nesterov: Nesterov momentum (needs ``momentum > 0``).
+
+    Raises:
+        ValueError: a hyperparameter out of range, ``nesterov`` without momentum, or a
+            complex or non-floating parameter.
+        TypeError: a hyperparameter of the wrong type (``nesterov`` not a bool).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        self._check_group(defaults)
+        super().__init__(params, defaults)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_number("lr", group["lr"], 0.0)
+        check_number("momentum", group["momentum"], 0.0)
+        check_number("weight_decay", group["weight_decay"], 0.0)
+        if not isinstance(group["nesterov"], bool):
+            raise TypeError(f"nesterov must be a bool, got {group['nesterov']!r}")
+        if group["nesterov"] and group["momentum"] <= 0:
+            raise ValueError("Nesterov momentum needs momentum > 0")
+
+    def _init_state(self, param, local, group) -> dict:
+        return {}  # the momentum buffer is made from the first gradient, as torch.optim.SGD does
+
+    def _update(self, slots: list[Slot], group: dict[str, Any]) -> None:
+        lr, momentum = float(group["lr"]), float(group["momentum"])
+        weight_decay, nesterov = float(group["weight_decay"]), group["nesterov"]
+        works = [s.work for s in slots]
+        grads = [s.grad for s in slots]
+        if weight_decay != 0:
+            grads = torch._foreach_add(grads, works, alpha=weight_decay)
+        if momentum != 0:
+            fresh = [i for i, s in enumerate(slots) if "momentum_buffer" not in s.state]
+            for i in fresh:
+                slot = slots[i]
+                slot.state = self.state[slot.param]
+                slot.state["momentum_buffer"] = self._fp32_state(slot.param, slot.local, grads[i])
+            old = sorted(set(range(len(slots))) - set(fresh))
+            if old:
+                bufs = [local_shard(slots[i].state["momentum_buffer"]) for i in old]
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, [grads[i] for i in old], alpha=1.0)
+            bufs = [local_shard(s.state["momentum_buffer"]) for s in slots]
+            grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
+        torch._foreach_add_(works, grads, alpha=-lr)
