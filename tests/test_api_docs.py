@@ -100,12 +100,24 @@ def _check_class(name: str, cls: type, node: ast.ClassDef) -> list[str]:
     methods = {n.name: n for n in node.body if isinstance(n, ast.FunctionDef)}
     constructor = methods.pop("__init__", None) or methods.pop("__new__", None)
     if dataclasses.is_dataclass(cls):
-        fields = [
-            (n.target.id, "POSITIONAL_OR_KEYWORD", ast.unparse(n.annotation),
-             None if n.value is None else ast.unparse(n.value))
+        documented = [
+            (n.target.id, ast.unparse(n.annotation), None if n.value is None else ast.unparse(n.value))
             for n in node.body if isinstance(n, ast.AnnAssign)
         ]
-        problems += _compare(name, fields, inspect.signature(cls))
+        fields = dataclasses.fields(cls)
+        if [d[0] for d in documented] != [f.name for f in fields]:
+            problems.append(f"{name}: fields {[d[0] for d in documented]} documented, code has {[f.name for f in fields]}")
+        for (field_name, annotation, default), field in zip(documented, fields):
+            if annotation != _norm(field.type):
+                problems.append(f"{name}.{field_name}: annotated {annotation!r}, code {field.type!r}")
+            if field.default_factory is not dataclasses.MISSING:
+                expected = f"dataclasses.field(default_factory={field.default_factory.__name__})"
+                if default != expected:
+                    problems.append(f"{name}.{field_name}: default {default!r} documented, code {expected!r}")
+            elif (default is None) != (field.default is dataclasses.MISSING) or (
+                default is not None and eval(default, _namespace()) != field.default
+            ):
+                problems.append(f"{name}.{field_name}: default {default!r} documented, code {field.default!r}")
     elif _own_constructor(cls):
         if constructor is None:
             return [f"{name}: document its constructor (def __init__ / __new__) in the python block"]
