@@ -65,6 +65,27 @@ def _backward(model: nn.Module, step: int) -> None:
     F.mse_loss(model(x), y).backward()
 
 
+def _step_against_reference(model, step, opt, params, ref_opt, ref_params, sync=None) -> dict:
+    """One step of ``opt`` and of the torch reference from the same values and gradients;
+    the values written before requantization must equal the reference's. Returns them,
+    keyed by the int8 weight's id."""
+    _backward(model, step)
+    with torch.no_grad():
+        for ref, param in zip(ref_params, params):
+            ref.copy_(_values(param))
+            ref.grad = param.grad.clone()
+    if sync is not None:
+        sync(ref_opt, ref_params, opt, params)
+    with spy_assign() as calls:
+        opt.step()
+    ref_opt.step()
+    written = {id(weight): values for weight, values in calls}
+    for ref, param in zip(ref_params, params):
+        got = written[id(param)] if isinstance(param, Int8Weight) else param.detach()
+        torch.testing.assert_close(got, ref.detach(), **EXACT)
+    return written
+
+
 def _sync_reference_state(ref_opt, ref_params, opt, params) -> None:
     """Give the reference torch optimizer this optimizer's (dequantized) moments."""
     for ref, param in zip(ref_params, params):
@@ -104,20 +125,8 @@ def test_adamw_matches_torch_adamw_before_requantization(state_bits, foreach):
     ref_params = [_values(p).requires_grad_() for p in params]
     ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=foreach)
     for step in range(4):
-        _backward(model, step)
-        with torch.no_grad():
-            for ref, param in zip(ref_params, params):
-                ref.copy_(_values(param))
-                ref.grad = param.grad.clone()
-        if step:
-            _sync_reference_state(ref_opt, ref_params, opt, params)
-        with spy_assign() as calls:
-            opt.step()
-        ref_opt.step()
-        written = {id(weight): values for weight, values in calls}
-        for ref, param in zip(ref_params, params):
-            got = written[id(param)] if isinstance(param, Int8Weight) else param.detach()
-            torch.testing.assert_close(got, ref.detach(), **EXACT)
+        sync = _sync_reference_state if step else None
+        written = _step_against_reference(model, step, opt, params, ref_opt, ref_params, sync)
         # Round to nearest: the int8 bytes are those of the reference's values, rounded.
         for weight in (model[0].weight, model[2].weight):
             expected, scale = quantize_rowwise(written[id(weight)], stochastic=False)
@@ -167,18 +176,7 @@ def test_sgd_matches_torch_sgd_before_requantization(kwargs):
     ref_params = [_values(p).requires_grad_() for p in params]
     ref_opt = torch.optim.SGD(ref_params, lr=0.05, **kwargs)
     for step in range(3):
-        _backward(model, step)
-        with torch.no_grad():
-            for ref, param in zip(ref_params, params):
-                ref.copy_(_values(param))
-                ref.grad = param.grad.clone()
-        with spy_assign() as calls:
-            opt.step()
-        ref_opt.step()
-        written = {id(weight): values for weight, values in calls}
-        for ref, param in zip(ref_params, params):
-            got = written[id(param)] if isinstance(param, Int8Weight) else param.detach()
-            torch.testing.assert_close(got, ref.detach(), **EXACT)
+        _step_against_reference(model, step, opt, params, ref_opt, ref_params)
     if kwargs["momentum"]:
         assert all(opt.state[p]["momentum_buffer"].dtype == torch.float32 for p in params)
     else:

@@ -50,6 +50,16 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
+def reference_step(reference: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                   y: torch.Tensor) -> float:
+    """One step of the single-process reference on the whole batch; its loss."""
+    loss = F.mse_loss(reference(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def compare_shards(model: nn.Module, reference: nn.Module, shard_rank: int, shard_world: int):
     """Max |int8 difference|, fraction of differing int8 values, max relative scale error
     between each rank's int8 shard and the same rows of the single-process reference."""
@@ -131,11 +141,7 @@ def train_parity(
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = F.mse_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append((mean_over_ranks(loss), ref_loss.item()))
+        losses.append((mean_over_ranks(loss), reference_step(reference, ref_opt, x, y)))
     shard_rank = mesh.get_local_rank(mesh.ndim - 1) if mesh is not None else rank
     shard_world = mesh.size(mesh.ndim - 1) if mesh is not None else world
     return dict(losses=losses, **compare_shards(model, reference, shard_rank, shard_world))

@@ -31,7 +31,8 @@ from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import run_distributed
 
 from _cases import (
-    assert_identical, assert_parity, case, compare_shards, local_of, mean_over_ranks, snapshot,
+    assert_identical, assert_parity, case, compare_shards, local_of, mean_over_ranks,
+    reference_step, snapshot,
 )
 from _nets import MLPNet
 
@@ -80,11 +81,7 @@ def _parity(rank: int, world: int, make_opt, steps: int = 4, hidden: int = 33) -
             opt.step()
         step_collectives.append((len(counter.records), comm.get_total_counts()))
         opt.zero_grad()
-        ref_loss = F.mse_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append((mean_over_ranks(loss), ref_loss.item()))
+        losses.append((mean_over_ranks(loss), reference_step(reference, ref_opt, x, y)))
     assert all(isinstance(local_of(p), Int8Weight) for p in (model.layers[0].up.weight, model.layers[0].down.weight))
     assert isinstance(model.head.weight, DTensor)
     return dict(
