@@ -77,13 +77,33 @@ def _dequantize(acc, row_scale, col_scale, *, compile: bool) -> torch.Tensor:
     return (_compiled("dequantize") if compile else _dequantize_eager)(acc, row_scale, col_scale)
 
 
+# CUDA's int8 GEMM (cuBLASLt) needs more than 16 rows in the left operand and a reduced
+# dimension divisible by 8; the CPU kernel takes any shape.
+_CUDA_MIN_ROWS = 17
+_CUDA_K_MULTIPLE = 8
+
+
+def _has_cuda_gemm_rules(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for int8 operands, exactly, in int32."""
-    if a.device.type == "cuda" and a.shape[0] <= 16:  # cuBLASLt wants more than 16 rows
-        padded = a.new_zeros(17, a.shape[1])
-        padded[: a.shape[0]] = a
-        return torch._int_mm(padded, b)[: a.shape[0]]
-    return torch._int_mm(a, b)
+    """``a @ b`` for int8 operands, exactly, in int32.
+
+    Where the device's GEMM has shape rules, the operands are zero-padded to meet them:
+    zero rows give rows that are cut off, zeros along the reduced dimension add nothing
+    to any sum, so the result is the same. (The weight-gradient GEMM reduces over tokens,
+    whose count is the caller's: it is the one that needs the padding in practice.)
+    """
+    if not _has_cuda_gemm_rules(a.device):
+        return torch._int_mm(a, b)
+    rows, reduced = a.shape
+    pad_rows = max(0, _CUDA_MIN_ROWS - rows)
+    pad_reduced = -reduced % _CUDA_K_MULTIPLE
+    if pad_rows or pad_reduced:
+        a = torch.nn.functional.pad(a, (0, pad_reduced, 0, pad_rows))
+        b = torch.nn.functional.pad(b, (0, 0, 0, pad_reduced))
+    return torch._int_mm(a, b)[:rows]
 
 
 def _int8_output(x2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig) -> torch.Tensor:
