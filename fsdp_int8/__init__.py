@@ -23,6 +23,7 @@ from fsdp_int8.collectives import CollectiveCounter, CollectiveRecord, count_col
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, ModuleFilter
 from fsdp_int8.convert import init_int8_weights_, quantize_
 from fsdp_int8.gradients import QuantizedReduceScatter, enable_quantized_reduce_scatter
+from fsdp_int8.guard import NonFiniteGradientError, guard_finite_steps
 from fsdp_int8.memory import PersistentBytes, persistent_bytes
 from fsdp_int8.optim import Int8AdamW, Int8SGD
 from fsdp_int8.sharding import BlockSpec, find_blocks, shard_model
@@ -46,6 +47,8 @@ __all__ = [
     # optimizers and memory
     "Int8AdamW",
     "Int8SGD",
+    "guard_finite_steps",
+    "NonFiniteGradientError",
     "PersistentBytes",
     "persistent_bytes",
     # checkpoints

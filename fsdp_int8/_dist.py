@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -77,3 +78,13 @@ def shard_coordinate(mesh: DeviceMesh | None) -> int:
     row, as with DDP) is one shard, index 0.
     """
     return 0 if mesh is None else mesh.get_local_rank(mesh.ndim - 1)
+
+
+def collective_device() -> torch.device:
+    """Where the default process group's collectives take tensors: the current accelerator
+    for an accelerator backend (NCCL and friends), else the CPU (gloo)."""
+    backend = dist.get_backend() if is_distributed() else "gloo"
+    if backend == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -14,7 +14,8 @@ requantize once with the weight's own rounding. :class:`Int8AdamW` can also keep
 moments in 8 bits (``state_bits=8``), block-wise within each row.
 
 Both work on FSDP2 (DTensor) parameters by updating each rank's local tensors: the update
-is elementwise, so a step issues no collective. Formulas, layouts and the bytes per
+is elementwise, so a step issues no collective but the one-element all-reduce of the
+finite-gradient verdict (:mod:`fsdp_int8.guard`). Formulas, layouts and the bytes per
 parameter they cost: docs/optim.md.
 
 Modules: :mod:`~fsdp_int8.optim.adamw`, :mod:`~fsdp_int8.optim.sgd`; the shared step

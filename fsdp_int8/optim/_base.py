@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer
 
+from fsdp_int8.guard import check_finite_gradients
 from fsdp_int8.optim._checks import check_floating
 from fsdp_int8.weight import Int8Weight, contiguous_strides, local_shard
 
@@ -112,6 +113,7 @@ class FusedInt8Optimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_finite_gradients(self)  # before anything changes: a refused step changes nothing
         for group in self.param_groups:
             with_grad = [p for p in group["params"] if p.grad is not None]
             by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)

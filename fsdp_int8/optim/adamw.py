@@ -43,7 +43,9 @@ class Int8AdamW(FusedInt8Optimizer):
     So with round-to-nearest weights the values before requantization are bit-identical to
     ``torch.optim.AdamW``'s on the dequantized weight (tested). Other parameters are
     updated in place with the same math (in fp32 for bf16 / fp16 parameters, then cast
-    back). DTensor parameters are updated through their local tensors: no collective.
+    back). DTensor parameters are updated through their local tensors (the only collective is the
+    finite-gradient verdict). A NaN or Inf gradient raises
+    :class:`~fsdp_int8.NonFiniteGradientError` before anything changes.
     A step with ``lr == 0`` leaves int8 weights untouched (their values cannot change).
 
     **8-bit states** (``state_bits=8``) are used for every parameter with at least 2

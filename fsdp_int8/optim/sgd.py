@@ -27,7 +27,7 @@ class Int8SGD(FusedInt8Optimizer):
 
     As in :class:`~fsdp_int8.Int8AdamW`, an int8 weight is dequantized once, updated in fp32 and
     requantized once with its own rounding; DTensor parameters are updated through their
-    local tensors (no collective); ``lr == 0`` leaves int8 weights untouched. The
+    local tensors (no collective but the finite-gradient verdict); ``lr == 0`` leaves int8 weights untouched. The
     momentum buffer (``momentum_buffer``, only when ``momentum != 0``) is fp32, placed
     like its parameter, with ``torch.optim.SGD``'s layout.
 

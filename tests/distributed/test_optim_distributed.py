@@ -79,7 +79,9 @@ def _parity(rank: int, world: int, make_opt, steps: int = 4, hidden: int = 33) -
         loss.backward()
         with fsdp_int8.count_collectives() as counter, CommDebugMode() as comm:
             opt.step()
-        step_collectives.append((len(counter.records), comm.get_total_counts()))
+        step_collectives.append(
+            ([(r.name, r.numel) for r in counter.records], comm.get_total_counts())
+        )
         opt.zero_grad()
         losses.append((mean_over_ranks(loss), reference_step(reference, ref_opt, x, y)))
     assert all(isinstance(local_of(p), Int8Weight) for p in (model.layers[0].up.weight, model.layers[0].down.weight))
@@ -152,6 +154,23 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
             set_optimizer_state_dict(fresh, fresh_opt, state, options=options)
             assert_identical(expected, snapshot(fresh, fresh_opt), name)
         del model, opt, fresh, fresh_opt
+    with case("a NaN gradient on one rank: every rank refuses the step, nothing changes"):
+        model, opt = _model()
+        _train(model, opt, 0, 1)
+        x, y = _batch(1)
+        F.mse_loss(model(_mine(x)), _mine(y)).backward()
+        if rank == 1:  # only this rank's shard of a norm-free plain parameter is poisoned
+            model.head.bias.grad.to_local()[0] = float("nan")
+        before = snapshot(model, opt)
+        try:
+            opt.step()
+            raise AssertionError("the step was not refused")
+        except fsdp_int8.NonFiniteGradientError:
+            pass
+        assert_identical(before, snapshot(model, opt), "after a refused step")
+        opt.zero_grad()
+        _train(model, opt, 2, 1)  # and training goes on on every rank (no rank is left waiting)
+        del model, opt
     with case("save after 3 steps, 3 more"):
         model, opt = _model()
         _train(model, opt, 0, 3)
@@ -205,9 +224,11 @@ def test_fused_optimizers_on_fsdp2():
         for name in OPTIMIZERS:
             result = two[f"parity {name}"]
             with case(f"parity {name}"):
-                # A step is elementwise on each rank's shard: no collective at all, neither
-                # through torch.distributed (FSDP2's path) nor as DTensor redistribution.
-                assert result["step_collectives"] == [(0, 0)] * len(result["step_collectives"]), result
+                # A step is elementwise on each rank's shard: no DTensor redistribution and
+                # no collective but the one-element all-reduce of the finite-gradient
+                # verdict (every rank refuses a step together, see fsdp_int8/guard.py).
+                verdict_only = ([("all_reduce", 1)], 1)  # counted by both: the same call
+                assert result["step_collectives"] == [verdict_only] * len(result["step_collectives"]), result
                 # Same tolerances as the stock optimizers' parity (see _cases.assert_parity):
                 # only the order of the gradient sums differs, by fp32 ulps, which may move
                 # an int8 value (or an 8-bit state) across a rounding boundary.
@@ -229,5 +250,5 @@ def test_fused_optimizers_on_fsdp2():
         four = run_distributed(_four_ranks, 4, tmp)[0]
         assert_identical(two["at_save"], four["loaded"], "2 -> 4 load")
         with case("3 rows on 4 ranks"):
-            assert four["parity"]["step_collectives"] == [(0, 0)] * 2, four["parity"]
+            assert four["parity"]["step_collectives"] == [([("all_reduce", 1)], 1)] * 2, four["parity"]
             assert_parity(four["parity"], bf16=False)

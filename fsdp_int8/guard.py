@@ -1,0 +1,84 @@
+"""Refuse an optimizer step on non-finite gradients, before the step changes anything.
+
+A NaN or Inf gradient applied by an optimizer poisons the weights and, through them, every
+later checkpoint. The check runs once per step over every gradient at once (one fused
+max-norm per device and dtype, one host sync), and every rank reaches the same verdict (a
+one-element all-reduce), so all ranks raise together instead of one rank raising while the
+others wait in the next collective. The step then leaves parameters, optimizer states,
+step counters and generators as they were: the caller can skip the batch.
+
+:class:`~fsdp_int8.Int8AdamW` and :class:`~fsdp_int8.Int8SGD` run this check themselves;
+:func:`guard_finite_steps` adds it to any ``torch.optim`` optimizer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_int8 import _dist
+
+__all__ = ["NonFiniteGradientError", "check_finite_gradients", "guard_finite_steps"]
+
+
+class NonFiniteGradientError(ValueError):
+    """An optimizer step refused because a gradient holds NaN or Inf (nothing was changed)."""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every tensor on every rank is finite: one fused reduction per device and
+    dtype, one host sync, and (with a process group) one all-reduce of the verdict."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        local = _local(tensor)
+        # Sparse gradients are the optimizer's to refuse (or handle): strided ones only.
+        if local.layout == torch.strided and local.is_floating_point() and local.numel():
+            groups[(local.device, local.dtype)].append(local)
+    flags = [
+        torch.stack(torch._foreach_norm(group, float("inf"))).isfinite().all().to("cpu", torch.int32)
+        for group in groups.values()
+    ]
+    verdict = torch.stack(flags).min() if flags else torch.tensor(1, dtype=torch.int32)
+    if _dist.is_distributed():
+        device = _dist.collective_device()
+        verdict = verdict.to(device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    return bool(verdict)
+
+
+def check_finite_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`NonFiniteGradientError` if any gradient of ``optimizer``'s parameters,
+    on any rank, holds NaN or Inf. Call on every rank (it all-reduces the verdict)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not _all_finite(grads):
+        raise NonFiniteGradientError(
+            f"{type(optimizer).__name__}.step() refused: a gradient holds NaN or Inf (on this or "
+            "another rank). Parameters, optimizer states and generators are unchanged; skip "
+            "this batch (zero_grad) or lower the learning rate / enable gradient clipping."
+        )
+
+
+def guard_finite_steps(optimizer: torch.optim.Optimizer) -> RemovableHandle:
+    """Make ``optimizer.step()`` refuse non-finite gradients before it changes anything.
+
+    Registers :func:`check_finite_gradients` as a step pre-hook, so a NaN or Inf gradient
+    raises :class:`NonFiniteGradientError` on every rank and the step applies nothing. For
+    ``torch.optim`` optimizers; :class:`~fsdp_int8.Int8AdamW` and :class:`~fsdp_int8.Int8SGD`
+    check on their own.
+
+    Returns:
+        The hook's handle (``handle.remove()`` takes the guard off).
+    """
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        check_finite_gradients(opt)
+
+    return optimizer.register_step_pre_hook(hook)

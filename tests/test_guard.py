@@ -1,0 +1,80 @@
+"""A step on NaN or Inf gradients is refused before it changes anything."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_int8
+from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, NonFiniteGradientError, quantize_
+from fsdp_int8._generators import WEIGHT_ROUNDING
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+    return quantize_(model, Int8TrainingConfig(min_features=8))
+
+
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": copy.deepcopy(optimizer.state_dict()["state"]),
+        "rounding": WEIGHT_ROUNDING.get_state(),
+    }
+
+
+def _assert_same(a, b) -> None:
+    flat_a, _ = torch.utils._pytree.tree_flatten(a)
+    flat_b, _ = torch.utils._pytree.tree_flatten(b)
+    assert len(flat_a) == len(flat_b)
+    for x, y in zip(flat_a, flat_b):
+        if isinstance(x, fsdp_int8.Int8Weight):
+            assert torch.equal(x.int_data, y.int_data) and torch.equal(x.scale, y.scale)
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+        else:
+            assert x == y
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: Int8AdamW(p, lr=1e-2),
+    lambda p: Int8AdamW(p, lr=1e-2, state_bits=8, block_size=8),
+    lambda p: Int8SGD(p, lr=1e-2, momentum=0.9),
+    lambda p: fsdp_int8.guard_finite_steps(torch.optim.AdamW(p, lr=1e-2)) and p,
+], ids=["int8_adamw", "int8_adamw_8bit", "int8_sgd", "torch_adamw_guarded"])
+def test_a_nan_gradient_in_any_parameter_changes_nothing(make):
+    model = _model()
+    params = list(model.parameters())
+    optimizer = make(params)
+    if isinstance(optimizer, list):  # the guarded torch optimizer: rebuild to keep a handle
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        fsdp_int8.guard_finite_steps(optimizer)
+    x = torch.randn(4, 16)
+    model(x).square().mean().backward()
+    optimizer.step()  # a good step first: states exist
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    model[1].weight.grad[3] = float("nan")  # a norm's weight, not an int8 one
+    before = _snapshot(model, optimizer)
+    with pytest.raises(NonFiniteGradientError, match="unchanged"):
+        optimizer.step()
+    _assert_same(_snapshot(model, optimizer), before)
+    model[1].weight.grad.zero_()  # the caller skips the bad part: the next step works
+    optimizer.step()
+
+
+def test_the_guard_can_be_removed():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = fsdp_int8.guard_finite_steps(optimizer)
+    model(torch.randn(2, 16)).sum().backward()
+    model[1].bias.grad[0] = float("inf")
+    with pytest.raises(NonFiniteGradientError):
+        optimizer.step()
+    handle.remove()
+    optimizer.step()  # torch applies it: the guard is off
+    assert not torch.isfinite(model[1].bias).all()
