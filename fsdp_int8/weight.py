@@ -6,6 +6,10 @@ need a floating parameter; gradients arrive in that dtype). Underneath it holds 
 * ``int_data``: ``int8``, ``[rows, K]``, or ``[rows * K]`` for the flat view FSDP2 takes;
 * ``scale``: ``fp32``, ``[rows]``.
 
+Views may also regroup the rows into more leading dims, ``int_data`` ``[*lead, K]`` with
+``scale`` ``[*lead]`` (torchtitan views a fused QKV weight as ``[heads, 3, head_dim, K]``);
+those can be sliced along any leading dim, and report their strides honestly.
+
 Every aten op that reaches it is looked up in the class's op table, which
 :mod:`fsdp_int8._ops` fills through :meth:`Int8Weight.implements` (``import fsdp_int8``
 loads it); an op that is not there raises ``NotImplementedError`` naming itself.
@@ -15,6 +19,7 @@ function in :mod:`fsdp_int8.linear`. This module imports neither: the dependency
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, ClassVar, Union
 
@@ -36,8 +41,9 @@ class Int8Weight(torch.Tensor):
     """A floating-looking weight stored as int8 data plus one fp32 absmax scale per row.
 
     Args:
-        int_data: ``int8`` tensor, ``[rows, row_len]`` or flat ``[rows * row_len]``.
-        scale: ``fp32`` tensor, ``[rows]``.
+        int_data: ``int8`` tensor, ``[rows, row_len]`` or flat ``[rows * row_len]`` (or
+            ``[*lead, row_len]``, a view regrouping the rows).
+        scale: ``fp32`` tensor, ``[rows]`` (``[*lead]`` for ``[*lead, row_len]`` data).
         dtype: The outer (training) dtype, a floating dtype.
         row_len: Elements per row (``in_features`` of the linear layer).
         full_rows: Rows of the whole weight this tensor belongs to. FSDP2 shards carry
@@ -82,18 +88,24 @@ class Int8Weight(torch.Tensor):
             )
         if not dtype.is_floating_point:
             raise TypeError(f"Int8Weight's outer dtype must be floating, got {dtype}")
-        if int_data.dim() not in (1, 2) or (int_data.dim() == 2 and int_data.shape[1] != row_len):
+        if int_data.dim() == 0 or (int_data.dim() >= 2 and int_data.shape[-1] != row_len):
             raise ValueError(
                 f"Int8Weight data must be [rows, {row_len}] or flat, got {tuple(int_data.shape)}"
             )
         rows = int_data.numel() // row_len if row_len else 0
-        if rows * row_len != int_data.numel() or tuple(scale.shape) != (rows,):
+        scale_shape = (rows,) if int_data.dim() == 1 else tuple(int_data.shape[:-1])
+        if rows * row_len != int_data.numel() or tuple(scale.shape) != scale_shape:
             raise ValueError(
                 f"Int8Weight data {tuple(int_data.shape)} does not hold whole rows of {row_len} "
                 f"matching {tuple(scale.shape)} scales"
             )
+        # Weights (flat or 2-D) always look contiguous to FSDP2, even when their rows are
+        # strided views of the all-gather buffer; regrouped views tell their real strides,
+        # so that reshape and contiguous() copy them where a plain tensor would be copied.
+        strides = int_data.stride() if int_data.dim() > 2 else None
         self = torch.Tensor._make_wrapper_subclass(
-            cls, int_data.shape, dtype=dtype, device=int_data.device, requires_grad=requires_grad
+            cls, int_data.shape, strides=strides, dtype=dtype, device=int_data.device,
+            requires_grad=requires_grad,
         )
         self.int_data = int_data
         self.scale = scale
@@ -205,15 +217,27 @@ class Int8Weight(torch.Tensor):
     @property
     def rows(self) -> int:
         """Number of rows held (``out_features`` of this shard)."""
-        return self.scale.shape[0]
+        return self.scale.numel()
 
     def int_rows(self) -> torch.Tensor:
-        """The int8 data as ``[rows, row_len]`` (a view)."""
-        return self.int_data.view(self.rows, self.row_len) if self.int_data.dim() == 1 else self.int_data
+        """The int8 data as ``[rows, row_len]`` (a view; a strided regrouped view has none)."""
+        return self.int_data if self.int_data.dim() == 2 else self.int_data.view(self.rows, self.row_len)
+
+    def read_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(int8 [rows, row_len], fp32 [rows])`` of any layout, to read (a copy if strided)."""
+        return self.int_data.reshape(self.rows, self.row_len), self.scale.reshape(self.rows)
+
+    def write_rows_(
+        self, int_rows: torch.Tensor, scale: torch.Tensor, non_blocking: bool = False
+    ) -> "Int8Weight":
+        """Copy ``int8 [rows, row_len]`` values and ``[rows]`` scales into this tensor's storage."""
+        self.int_data.copy_(int_rows.reshape(self.int_data.shape), non_blocking=non_blocking)
+        self.scale.copy_(scale.reshape(self.scale.shape), non_blocking=non_blocking)
+        return self
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A plain tensor of this shape: ``int_data * scale`` in ``dtype`` (default: outer)."""
-        values = absmax_dequantize(self.int_rows(), self.scale, dtype=dtype or self.dtype)
+        values = absmax_dequantize(*self.read_rows(), dtype=dtype or self.dtype)
         return values.view(self.shape)
 
     def assign_(self, values: torch.Tensor, *, stochastic: bool) -> "Int8Weight":
@@ -224,9 +248,7 @@ class Int8Weight(torch.Tensor):
             generator=WEIGHT_ROUNDING.generator(values.device) if stochastic else None,
             what="a weight",
         )
-        self.int_rows().copy_(int_data)
-        self.scale.copy_(scale)
-        return self
+        return self.write_rows_(int_data, scale)
 
     def numpy(self, *, force: bool = False):
         """Refused: an ``Int8Weight`` holds int8 values and per-row scales, not floats."""
@@ -239,6 +261,50 @@ class Int8Weight(torch.Tensor):
     def tolist(self):
         """Refused, as :meth:`numpy`: use ``w.dequantize().tolist()``."""
         raise TypeError("Int8Weight holds int8 values with per-row fp32 scales: call w.dequantize().tolist()")
+
+    def data_ptr(self) -> int:
+        """The address of the int8 data (one byte per element, not ``itemsize``).
+
+        Frameworks key parameters by it (accelerate's FSDP2 optimizer re-mapping): a wrapper
+        tensor's default, 0, would make every int8 weight collide. It identifies the
+        weight; it is not ``numel * itemsize`` readable bytes of the outer dtype, which is
+        why :meth:`storage` refuses raw-bytes writers.
+        """
+        return self.int_data.data_ptr()
+
+    def storage(self):
+        """Refused: there is no storage of the outer dtype to read bytes from.
+
+        Raw-bytes writers (safetensors, hence Hugging Face ``save_pretrained`` and
+        ``accelerator.save_model``) end up here; they would otherwise write garbage.
+        """
+        raise RuntimeError(
+            "Int8Weight has no storage of its floating dtype (it holds int8 rows with fp32 "
+            "scales), so raw-bytes writers such as safetensors cannot save it. Save the "
+            "dequantized values instead: model.save_pretrained(path, "
+            "state_dict=fsdp_int8.export_full_state_dict(model, dtype)) or "
+            "safetensors.torch.save_file(fsdp_int8.export_full_state_dict(model, dtype), file); "
+            "for an exact int8 checkpoint use fsdp_int8.save_checkpoint."
+        )
+
+    def __deepcopy__(self, memo: dict) -> "Int8Weight":
+        """A copy with its own int8 data and scales, ``requires_grad`` and attributes kept.
+
+        Needed because this weight's :meth:`data_ptr` is not 0: ``Tensor.__deepcopy__``
+        would take it for a storage-backed tensor and copy a storage it does not have.
+        """
+        if id(self) in memo:
+            return memo[id(self)]
+        copied = self.derive(copy.deepcopy(self.int_data, memo), copy.deepcopy(self.scale, memo))
+        memo[id(self)] = copied
+        own = set(vars(copied))
+        extra = {k: v for k, v in vars(self).items() if k not in own}  # _is_param, framework tags
+        vars(copied).update(copy.deepcopy(extra, memo))
+        if self.requires_grad:
+            copied.requires_grad_(True)
+        if self.grad is not None:
+            copied.grad = copy.deepcopy(self.grad, memo)
+        return copied
 
     def storage_bytes(self) -> int:
         """Bytes of int8 data plus scales held by this tensor's own elements."""
@@ -332,8 +398,10 @@ class Int8Weight(torch.Tensor):
             raise NotImplementedError(f"Int8Weight does not support {func}: {reason}")
         raise NotImplementedError(
             f"Int8Weight does not support {func} (int8 data + fp32 row scales). Call "
-            ".dequantize() to work on a plain tensor; if FSDP2, an optimizer or a checkpoint "
-            "API sent this op, please report it."
+            ".dequantize() to work on a plain tensor; to initialise int8 weights with a "
+            "multi-step initialiser (nn.init.orthogonal_, a model's own init), run it through "
+            "fsdp_int8.init_int8_weights_(model, init_fn). If FSDP2, an optimizer or a "
+            "checkpoint API sent this op, please report it."
         )
 
 

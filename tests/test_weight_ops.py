@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -156,7 +157,9 @@ def test_flat_view_and_back():
     assert torch.equal(w, Int8Weight.from_float(torch.arange(ROWS * K, dtype=torch.float32).view(ROWS, K)))
 
 
-@pytest.mark.parametrize("shape", [(K, ROWS), (ROWS * 2, K // 2), (ROWS // 2, K * 2), (2, 3, K)])
+# (2, 3, K) regroups whole rows and is a valid view now (test_regrouped_views...); a 3-D
+# shape that splits the rows themselves still raises.
+@pytest.mark.parametrize("shape", [(K, ROWS), (ROWS * 2, K // 2), (ROWS // 2, K * 2), (ROWS, 2, K // 2)])
 def test_row_breaking_view_raises(shape):
     w, _ = make()
     with pytest.raises(NotImplementedError, match=r"whole rows of 8 elements"):
@@ -806,3 +809,139 @@ def test_clamp_adds_no_rounding_noise():
     assert torch.equal(first.int_data, second.int_data)
     expected = w.dequantize(torch.float32).clamp(-0.5, 0.5)
     assert ((first.dequantize(torch.float32) - expected).abs() <= first.scale.unsqueeze(1) / 2 + 1e-7).all()
+
+
+# ---------------------------------------------------------------- identity, copies, raw bytes
+def test_data_ptr_is_the_int8_datas_so_frameworks_can_key_parameters_by_it():
+    a, b = Int8Weight.from_float(torch.randn(4, 8)), Int8Weight.from_float(torch.randn(4, 8))
+    assert a.data_ptr() == a.int_data.data_ptr() != 0
+    assert a.data_ptr() != b.data_ptr()
+    assert torch.nn.Parameter(a).data_ptr() == a.data_ptr()
+    assert a.view(-1).data_ptr() == a.data_ptr()  # a view shares the address
+
+
+def test_deepcopy_copies_data_and_keeps_parameter_grad_and_ties():
+    model = quantize_(_mlp())
+    model[2].weight.grad = torch.randn(16, 32)
+    model[2].weight.tag = "kept"  # frameworks tag parameters (HF: _is_hf_initialized)
+    model.extra = model[0]  # the same module twice: deepcopy's memo keeps it one
+    copied = copy.deepcopy(model)
+    for name, (a, b) in zip(
+        [n for n, _ in model.named_parameters()], zip(model.parameters(), copied.parameters())
+    ):
+        assert type(b) is type(a) and isinstance(b, nn.Parameter), name
+        assert b.requires_grad == a.requires_grad and torch.equal(b, a), name
+    w, c = model[0].weight, copied[0].weight
+    assert c.int_data.data_ptr() != w.int_data.data_ptr() and c.scale.data_ptr() != w.scale.data_ptr()
+    assert (c.row_len, c.full_rows, c.stochastic_rounding) == (w.row_len, w.full_rows, w.stochastic_rounding)
+    assert copied.extra is copied[0]
+    assert torch.equal(copied[2].weight.grad, model[2].weight.grad)
+    assert copied[2].weight.grad is not model[2].weight.grad and copied[2].weight.tag == "kept"
+    with torch.no_grad():
+        c.add_(1.0)  # independent storage: the original does not move
+    assert torch.equal(model[0].weight, w) and not torch.equal(c, w)
+    torch.optim.SGD(copied.parameters(), lr=0.1)  # still leaves an optimizer accepts
+
+
+def test_raw_bytes_writers_are_refused_naming_what_to_call():
+    w = Int8Weight.from_float(torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match=r"no storage of its floating dtype.*export_full_state_dict"):
+        w.storage()
+
+
+# ---------------------------------------------------------------- regrouped views ([*lead, K])
+def test_regrouped_views_keep_rows_and_share_storage():
+    """torchtitan views a fused QKV weight as [kv_heads, 3, head_dim, K] (rows regrouped)."""
+    w, x = make(rows=12)
+    v = w.view(2, 3, 2, K)
+    assert isinstance(v, Int8Weight) and v.shape == (2, 3, 2, K) and v.scale.shape == (2, 3, 2)
+    assert v.data_ptr() == w.data_ptr() and v.is_contiguous()
+    assert torch.equal(v.dequantize(), w.dequantize().view(2, 3, 2, K))
+    assert torch.equal(v.reshape(-1, K), w) and torch.equal(w.reshape(4, 3, K).view(-1), w.view(-1))
+    v[1].copy_(torch.ones(3, 2, K))  # writes through a leading-dim piece reach the weight
+    assert (w.dequantize()[6:] == 1).all()
+    with pytest.raises(NotImplementedError, match="whole rows of 8 elements"):
+        w.view(12, 2, K // 2)  # splits each row: no
+
+
+def test_regrouped_views_slice_select_split_and_cat_along_leading_dims():
+    w, x = make(rows=12)
+    v = w.view(2, 3, 2, K)
+    plain = w.dequantize().view(2, 3, 2, K)
+    cases = {
+        "v[:, :2]": (lambda t: t[:, :2], True),
+        "v[:, 2]": (lambda t: t[:, 2], True),
+        "narrow(2, 1, 1)": (lambda t: t.narrow(2, 1, 1), True),
+        "split(1, 1)[1]": (lambda t: t.split(1, dim=1)[1], True),
+        "split([2, 1], 1)[0]": (lambda t: torch.split(t, [2, 1], dim=1)[0], True),
+    }
+    for name, (take, strided) in cases.items():
+        piece = take(v)
+        assert isinstance(piece, Int8Weight), name
+        assert torch.equal(piece.dequantize(), take(plain)), name
+        assert piece.data_ptr() >= v.data_ptr(), name  # a view, not a copy
+        flat_rows = piece.reshape(-1, K)  # strided: reshape copies, as for a plain tensor
+        assert isinstance(flat_rows, Int8Weight) and torch.equal(flat_rows.dequantize(), take(plain).reshape(-1, K))
+        assert piece.contiguous().is_contiguous()
+    joined = torch.cat([v[:, :2], v[:, 2:]], dim=1)
+    assert isinstance(joined, Int8Weight) and torch.equal(joined.reshape(-1, K), w)
+    for bad in (lambda t: t[..., :4], lambda t: t.select(3, 0), lambda t: torch.cat([t, t], dim=3)):
+        with pytest.raises(NotImplementedError, match="leading dims only"):
+            bad(v)
+
+
+def test_chunk_reaching_dispatch_cuts_whole_rows():
+    """DTensor's Replicate -> Shard redistribution sends aten.chunk itself."""
+    w, _ = make(rows=7)
+    pieces = torch.ops.aten.chunk.default(w, 3)
+    assert [tuple(p.shape) for p in pieces] == [(3, K), (3, K), (1, K)]
+    assert torch.equal(torch.cat(pieces), w)
+    assert torch.equal(torch.ops.aten.chunk.default(w.view(7, 1, K), 2, 1)[0], w.view(7, 1, K))
+
+
+# ---------------------------------------------------------------- DDP's flat buckets, comparisons
+def test_flat_bucket_of_int8_and_plain_tensors_is_their_values():
+    """DDP flattens parameters into one bucket to broadcast them, then copies them back."""
+    w, bias = make(rows=4)[0], torch.randn(4)
+    other = Int8Weight.from_float(torch.randn(3, 16))  # another row length
+    flat = torch._utils._flatten_dense_tensors([w, bias, other])
+    assert type(flat) is torch.Tensor
+    assert torch.equal(flat, torch.cat([w.dequantize().view(-1), bias, other.dequantize().view(-1)]))
+    before = (w.int_data.clone(), w.scale.clone(), other.int_data.clone(), other.scale.clone())
+    for tensor, values in zip([w, bias, other], torch._utils._unflatten_dense_tensors(flat, [w, bias, other])):
+        tensor.copy_(values)  # rounds to nearest: the values came from these very scales
+    assert all(torch.equal(a, b) for a, b in zip(before, (w.int_data, w.scale, other.int_data, other.scale)))
+    with pytest.raises(NotImplementedError, match="with plain tensors"):
+        torch.cat([w, torch.zeros(1, K)])  # a 2-D cat would hand back plain weight rows
+
+
+def test_comparisons_and_where_give_plain_results_of_the_values():
+    w, _ = make()
+    values = w.dequantize()
+    for op in (lambda t: t < 0.1, lambda t: t >= -0.1, lambda t: t > values, lambda t: t != 0):
+        got = op(w)
+        assert type(got) is torch.Tensor and got.dtype == torch.bool
+        assert torch.equal(got, op(values))
+    picked = torch.where(w > 0, w, torch.zeros_like(values))
+    assert type(picked) is torch.Tensor and torch.equal(picked, values.clamp(min=0))
+
+
+def test_trunc_normal_initialises_int8_weights_in_place():
+    """nn.init.trunc_normal_ (torchtitan's init) compares and redraws: without truncation it
+    gives exactly the int8 of the plain draw; with it, values within the bounds and within
+    two int8 steps of the plain result (normal_ rounds to nearest with the untruncated
+    draw's coarser scale, the final copy_ with the truncated one's), but for the few values
+    near a bound that one side redrew and the other kept."""
+    for std, bound in ((0.02, 2.0), (1.0, 1.5)):
+        w = Int8Weight.from_float(torch.zeros(64, 32))
+        plain = torch.empty(64, 32)
+        torch.nn.init.trunc_normal_(plain, std=std, a=-bound, b=bound, generator=torch.Generator().manual_seed(3))
+        torch.nn.init.trunc_normal_(w, std=std, a=-bound, b=bound, generator=torch.Generator().manual_seed(3))
+        assert isinstance(w, Int8Weight)
+        got = w.dequantize()
+        assert got.abs().max() <= bound * (1 + 1e-6)
+        if std == 0.02:
+            assert torch.equal(w, Int8Weight.from_float(plain))
+        else:
+            close = (got - plain).abs() <= 2 * w.scale.unsqueeze(1)
+            assert close.float().mean() > 0.99

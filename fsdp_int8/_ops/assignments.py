@@ -24,9 +24,7 @@ def _copy(func, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
                 f"copy_ between Int8Weights of different layouts: {tuple(src.shape)} rows of "
                 f"{src.row_len} into {tuple(dst.shape)} rows of {dst.row_len}"
             )
-        dst.int_rows().copy_(src.int_rows(), non_blocking=non_blocking)
-        dst.scale.copy_(src.scale, non_blocking=non_blocking)
-        return dst
+        return dst.write_rows_(*src.read_rows(), non_blocking=non_blocking)
     if not src.is_floating_point():
         raise TypeError(f"copy_ into an Int8Weight needs floating values, got {src.dtype}")
     return dst.assign_(src.to(dst.device).expand(dst.shape), stochastic=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (registers _wrap_tensor_autograd)
 
 from fsdp_int8.weight import Int8Weight
@@ -33,12 +32,14 @@ def _already_complete(func, weight: Int8Weight) -> Int8Weight:
 def _broadcast(func, tensors, process_group, root_rank, root_tensor, async_op=True, timeout=-1):
     # Full state dicts broadcast from rank 0 (broadcast_from_rank0=True) arrive where the
     # other ranks allocated plain tensors of the outer dtype: send the dequantized values,
-    # and round them to nearest where an Int8Weight receives them (an exact round trip).
-    sending = dist.ProcessGroup.unbox(process_group).rank() == root_rank
+    # and round them to nearest wherever an Int8Weight holds them, the root's included, so
+    # that every rank ends with the same bytes (DDP's replicas must be bit-identical). That
+    # round trip is exact for scales made by absmax / 127; a scale rescaled since (exact
+    # weight decay) may move by one ulp, on every rank alike.
     wire = [t.dequantize() if isinstance(t, Int8Weight) else t for t in tensors]
     _, work = func(wire, process_group, root_rank, root_tensor, async_op, timeout)
     work.wait()
     for tensor, values in zip(tensors, wire):
-        if isinstance(tensor, Int8Weight) and not sending:
+        if isinstance(tensor, Int8Weight):
             tensor.assign_(values, stochastic=False)
     return list(tensors), work

@@ -63,7 +63,8 @@ def _zeros_like(func, weight, dtype=None, layout=None, device=None, pin_memory=N
 @_implements(aten.clone.default)
 def _clone(func, weight: Int8Weight, memory_format=None) -> Int8Weight:
     return weight.derive(
-        weight.int_data.clone(memory_format=torch.contiguous_format), weight.scale.clone()
+        weight.int_data.clone(memory_format=torch.contiguous_format),
+        weight.scale.clone(memory_format=torch.contiguous_format),
     )
 
 
@@ -98,9 +99,6 @@ def _pin_memory(func, weight: Int8Weight, device=None) -> Int8Weight:
 @_implements(aten.equal.default)
 def _equal(func, a: torch.Tensor, b: torch.Tensor) -> bool:
     if isinstance(a, Int8Weight) and isinstance(b, Int8Weight):
-        return (
-            a.shape == b.shape
-            and torch.equal(a.int_rows(), b.int_rows())
-            and torch.equal(a.scale, b.scale)
-        )
+        (a_rows, a_scale), (b_rows, b_scale) = a.read_rows(), b.read_rows()
+        return a.shape == b.shape and torch.equal(a_rows, b_rows) and torch.equal(a_scale, b_scale)
     return torch.equal(*dequantize_all((a, b)))

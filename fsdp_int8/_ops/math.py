@@ -1,4 +1,4 @@
-"""Out-of-place math works on the dequantized values and returns plain tensors."""
+"""Out-of-place math and comparisons work on the dequantized values and return plain tensors."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ _PLAIN_MATH_OPS = (
     aten.maximum.default, aten.minimum.default, aten.sum.default, aten.sum.dim_IntList,
     aten.mean.default, aten.mean.dim, aten.linalg_vector_norm.default, aten.allclose.default,
     aten.isfinite.default, aten.eq.Tensor,
+    # comparisons and selection give bool / plain results: nn.init.trunc_normal_ rejects
+    # and redraws out-of-range values with them (then copy_ rounds the result to nearest)
+    aten.eq.Scalar, aten.ne.Scalar, aten.ne.Tensor, aten.lt.Scalar, aten.lt.Tensor,
+    aten.le.Scalar, aten.le.Tensor, aten.gt.Scalar, aten.gt.Tensor, aten.ge.Scalar,
+    aten.ge.Tensor, aten.where.self,
 )
 
 

@@ -2,8 +2,11 @@
 
 What FSDP2 and DCP send to carve shards out of a weight and reassemble it: ``view(-1)``,
 ``as_strided``, ``split`` / ``chunk``, ``slice`` / ``narrow``, ``cat``, padding of uneven
-shards. Ops that would separate rows from their scales (``t``, ``transpose``, ...) are
-refused with the reason.
+shards. Views may regroup the rows into leading dims (``[heads, 3, head_dim, K]``, as
+torchtitan's fused-QKV state-dict hooks and init do), and such a view can be sliced,
+selected, split and concatenated along any leading dim. Ops that would separate rows from
+their scales (``t``, ``transpose``, anything along the last dim, ...) are refused with the
+reason.
 """
 
 from __future__ import annotations
@@ -13,20 +16,23 @@ from typing import Sequence
 import torch
 
 from fsdp_int8._ops.factories import zeros_in_rows
-from fsdp_int8.weight import Int8Weight, contiguous_strides
+from fsdp_int8.quant import ceil_div
+from fsdp_int8.weight import Int8Weight, contiguous_strides, dequantize_all
 
 aten = torch.ops.aten
 _implements = Int8Weight.implements
 
 
+_ROW_BREAKING = (
+    "it would not keep whole int8 rows with their per-row scales. Supported views keep "
+    "rows intact (view/reshape to [rows, K], [*leading dims, K] or flat, slicing and "
+    "splitting along dim 0 or a leading dim). Call .dequantize() for a plain tensor."
+)
+
 Int8Weight.refuses(
-    aten.t, aten.transpose, aten.permute, aten.expand, aten.select, aten.unsqueeze,
+    aten.t, aten.transpose, aten.permute, aten.expand, aten.unsqueeze,
     aten.squeeze, aten.unfold, aten.diagonal, aten.movedim, aten.index,
-    reason=(
-        "it would not keep whole int8 rows with their per-row scales. Supported views keep "
-        "rows intact (view/reshape to [rows, K] or flat, slicing and splitting along dim 0). "
-        "Call .dequantize() for a plain tensor."
-    ),
+    reason=_ROW_BREAKING,
 )
 
 
@@ -50,34 +56,54 @@ def _rows_of(weight: Int8Weight, count: int, what: str) -> int:
     return count // weight.row_len
 
 
-def _check_dim0(dim: int, ndim: int, op: str) -> None:
+def _row_dim(dim: int, ndim: int, op: str) -> int:
+    """``dim`` normalised, if ``op`` along it keeps whole rows: dim 0 of a flat or 2-D
+    weight, any dim but the last of a regrouped view."""
     if not -ndim <= dim < ndim:
         raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
-    if dim % ndim != 0:
+    dim %= ndim
+    if ndim <= 2 and dim != 0:
         raise NotImplementedError(
             f"Int8Weight supports {op} along dim 0 only (whole rows: each row has its own "
             f"scale), got dim={dim}"
         )
+    if ndim > 2 and dim == ndim - 1:
+        raise NotImplementedError(
+            f"Int8Weight supports {op} along its leading dims only, not along the last one "
+            f"(the {ndim - 1}-th holds the elements of each row, which share one scale)"
+        )
+    return dim
+
+
+def _flat_view(weight: Int8Weight) -> Int8Weight:
+    try:
+        return weight.derive(weight.int_data.view(-1), weight.scale.view(-1))
+    except RuntimeError:
+        raise NotImplementedError(
+            "cannot view this Int8Weight as flat: its int8 rows are strided views (of an "
+            "all-gather buffer, or a slice of a regrouped view). Call .clone() first for a "
+            "contiguous copy."
+        ) from None
 
 
 def _view_as_shape(weight: Int8Weight, size: Sequence[int]) -> Int8Weight:
     size = list(torch._prims_common.infer_size(size, weight.numel()))
     if size == list(weight.shape):
         return weight.derive(weight.int_data, weight.scale)
-    if len(size) == 2 and size[1] == weight.row_len:
-        return _as_rows(weight, 0, weight.rows, flat=False)
+    if len(size) >= 2 and size[-1] == weight.row_len:  # rows regrouped: [*leading, K]
+        return weight.derive(weight.int_data.view(size), weight.scale.view(size[:-1]))
     if len(size) == 1:
-        if not weight.int_rows().is_contiguous():
-            raise NotImplementedError(
-                "cannot view this Int8Weight as flat: its int8 rows are strided views of an "
-                "all-gather buffer. Call .clone() first for a contiguous copy."
-            )
-        return _as_rows(weight, 0, weight.rows, flat=True)
+        return _flat_view(weight)
     raise NotImplementedError(
         f"cannot view an Int8Weight of shape {tuple(weight.shape)} as {size}: a view must keep "
-        f"whole rows of {weight.row_len} elements with their scales ([rows, {weight.row_len}] "
-        "or flat). Call .dequantize() for a plain tensor."
+        f"whole rows of {weight.row_len} elements with their scales ([rows, {weight.row_len}], "
+        f"[*leading dims, {weight.row_len}] or flat). Call .dequantize() for a plain tensor."
     )
+
+
+def _along(weight: Int8Weight, dim: int, take) -> Int8Weight:
+    """A regrouped view's data and scales, both cut by ``take(tensor, dim)`` (leading dim)."""
+    return weight.derive(take(weight.int_data, dim), take(weight.scale, dim))
 
 
 @_implements(aten.detach.default, aten.alias.default)
@@ -123,30 +149,70 @@ def _split_rows(weight: Int8Weight, sizes: Sequence[int]) -> list[Int8Weight]:
     return pieces
 
 
+def _split_sizes(length: int, split_size: int) -> list[int]:
+    return [min(split_size, length - start) for start in range(0, length, split_size)] or [0]
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    offsets, running = [], 0
+    for size in sizes:
+        offsets.append(running)
+        running += size
+    return offsets
+
+
+def _split_along(weight: Int8Weight, sizes: Sequence[int], dim: int) -> list[Int8Weight]:
+    """Pieces of ``sizes`` along ``dim`` (a row dim), as views."""
+    if weight.dim() <= 2:
+        return _split_rows(weight, sizes)
+    return [
+        _along(weight, dim, lambda t, d, a=start, n=size: t.narrow(d, a, n))
+        for start, size in zip(_offsets(sizes), sizes)
+    ]
+
+
 @_implements(aten.split.Tensor)
 def _split(func, weight: Int8Weight, split_size: int, dim: int = 0) -> list[Int8Weight]:
-    _check_dim0(dim, weight.dim(), "split")
-    length = weight.shape[0]
-    sizes = [min(split_size, length - start) for start in range(0, length, split_size)] or [0]
-    return _split_rows(weight, sizes)
+    dim = _row_dim(dim, weight.dim(), "split")
+    return _split_along(weight, _split_sizes(weight.shape[dim], split_size), dim)
+
+
+@_implements(aten.chunk.default)
+def _chunk(func, weight: Int8Weight, chunks: int, dim: int = 0) -> list[Int8Weight]:
+    # DTensor's Replicate -> Shard redistribution calls torch.chunk itself.
+    dim = _row_dim(dim, weight.dim(), "chunk")
+    length = weight.shape[dim]
+    return _split_along(weight, _split_sizes(length, max(1, ceil_div(length, chunks))), dim)
 
 
 @_implements(aten.split_with_sizes.default)
 def _split_with_sizes(func, weight: Int8Weight, split_sizes, dim: int = 0) -> list[Int8Weight]:
-    _check_dim0(dim, weight.dim(), "split_with_sizes")
-    return _split_rows(weight, split_sizes)
+    dim = _row_dim(dim, weight.dim(), "split_with_sizes")
+    return _split_along(weight, split_sizes, dim)
 
 
 @_implements(aten.slice.Tensor)
 def _slice(func, weight: Int8Weight, dim: int = 0, start=None, end=None, step: int = 1):
-    _check_dim0(dim, weight.dim(), "slicing")
+    dim = _row_dim(dim, weight.dim(), "slicing")
     if step != 1:
         raise NotImplementedError(f"Int8Weight supports slicing with step 1 only, got step={step}")
-    start, end, _ = slice(start, end).indices(weight.shape[0])
+    start, end, _ = slice(start, end).indices(weight.shape[dim])
     end = max(start, end)
+    if weight.dim() > 2:
+        return _along(weight, dim, lambda t, d: t[(slice(None),) * d + (slice(start, end),)])
     first = _rows_of(weight, start, "a slice")
     last = first + _rows_of(weight, end - start, "a slice")
     return _as_rows(weight, first, last, flat=weight.dim() == 1)
+
+
+@_implements(aten.select.int)
+def _select(func, weight: Int8Weight, dim: int, index: int) -> Int8Weight:
+    # One index of a leading dim of a regrouped view (torchtitan's w[:, heads_per_kv]);
+    # on a weight it would leave a single row's values, or cut every row.
+    if weight.dim() <= 2:
+        raise NotImplementedError(f"Int8Weight does not support {func}: {_ROW_BREAKING}")
+    dim = _row_dim(dim, weight.dim(), "select")
+    return _along(weight, dim, lambda t, d: t.select(d, index))
 
 
 @_implements(aten.narrow.default)
@@ -155,16 +221,34 @@ def _narrow(func, weight: Int8Weight, dim: int, start: int, length: int) -> Int8
     return _slice(func, weight, dim, start, start + length)
 
 
-@_implements(aten.cat.default)
-def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> Int8Weight:
-    if not all(isinstance(t, Int8Weight) for t in tensors):
-        raise NotImplementedError("cat of an Int8Weight with plain tensors is not supported")
+def _joins_whole_rows(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are Int8Weights of one row length and one rank (an int8 result)."""
     first = tensors[0]
-    _check_dim0(dim, first.dim(), "cat")
-    if any(t.row_len != first.row_len or t.dim() != first.dim() for t in tensors):
+    return all(
+        isinstance(t, Int8Weight) and t.row_len == first.row_len and t.dim() == first.dim()
+        for t in tensors
+    )
+
+
+@_implements(aten.cat.default)
+def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    if not _joins_whole_rows(tensors) and all(t.dim() == 1 for t in tensors):
+        # A flat bucket of values (torch's flatten_dense_tensors: DDP's parameter
+        # broadcast) mixing int8 weights with plain tensors or other row lengths: its
+        # values, plain. Whoever unpacks it copies them back (rounding to nearest).
+        return func(dequantize_all(list(tensors)), dim)
+    if not all(isinstance(t, Int8Weight) for t in tensors):
+        raise NotImplementedError(
+            "cat of an Int8Weight with plain tensors is not supported: the plain rows have "
+            "no scales. Quantize them first (Int8Weight.from_float) for an int8 result, or "
+            "call .dequantize() on the Int8Weight for a plain one."
+        )
+    first = tensors[0]
+    dim = _row_dim(dim, first.dim(), "cat")
+    if not _joins_whole_rows(tensors):
         raise NotImplementedError("cat needs Int8Weights of one row length and one rank")
     joined = first.derive(
-        torch.cat([t.int_data for t in tensors]), torch.cat([t.scale for t in tensors])
+        torch.cat([t.int_data for t in tensors], dim), torch.cat([t.scale for t in tensors], dim)
     )
     joined.full_rows = max(first.full_rows, joined.rows)
     return joined
@@ -175,7 +259,7 @@ def _pad_rows(weight: Int8Weight, pad: Sequence[int], value: float) -> Int8Weigh
     it (every rank with a short shard pads; refusing here would leave the others waiting)."""
     pad = list(pad) + [0] * (2 * weight.dim() - len(pad))
     extra = pad[-1]
-    if value != 0 or any(pad[:-1]) or extra < 0:
+    if value != 0 or any(pad[:-1]) or extra < 0 or weight.dim() > 2:
         raise NotImplementedError(
             f"Int8Weight can only be padded with zero rows at the end of dim 0, got pad={pad} "
             f"and value={value}"
