@@ -45,7 +45,8 @@ class Int8TrainingConfig:
             (unbiased, so updates smaller than one int8 step survive on average).
             ``False`` rounds to nearest: deterministic, for debugging and exact parity tests.
         seed: Seed of the stochastic-rounding generator. Each shard rank mixes in its
-            rank, so shards draw different noise while replicas (HSDP) draw the same.
+            shard index, so shards draw different noise while replicas (HSDP, or DDP
+            around an unsharded model) draw the same and stay bit-identical.
         module_filter: Decides which ``nn.Linear`` layers are quantized. ``None`` uses
             the default: every ``nn.Linear`` whose name is not in ``skip_names`` and
             whose in and out features are both at least ``min_features``.

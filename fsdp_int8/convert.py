@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import logging
+import warnings
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -13,6 +15,106 @@ from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.weight import Int8Weight, local_shard
 
 __all__ = ["quantize_", "init_int8_weights_", "is_sharded"]
+
+logger = logging.getLogger("fsdp_int8")
+
+_NAMES_SHOWN = 6  # a warning names this many modules, then counts the rest
+
+
+class Int8Census(NamedTuple):
+    """How much of a model is int8 (see :func:`int8_census`)."""
+
+    int8_weights: int
+    int8_elements: int
+    total_elements: int
+
+    def __str__(self) -> str:
+        share = self.int8_elements / self.total_elements if self.total_elements else 0.0
+        return (
+            f"{self.int8_weights} int8 weights, {self.int8_elements:,} of "
+            f"{self.total_elements:,} parameter elements ({share:.0%}) int8"
+        )
+
+
+def int8_census(model: nn.Module) -> Int8Census:
+    """Count ``model``'s int8 weights and parameter elements (sharded or not: global sizes)."""
+    weights = elements = total = 0
+    for param in model.parameters():
+        total += param.numel()
+        if isinstance(local_shard(param), Int8Weight):
+            weights += 1
+            elements += param.numel()
+    return Int8Census(weights, elements, total)
+
+
+def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    """Every module name that registers each parameter, by ``id(parameter)``.
+
+    A parameter with two owners is tied (``tie_word_embeddings``: the embedding and the
+    output head).
+    """
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), []).append(name)
+    return owners
+
+
+def _named_list(names: list[str]) -> str:
+    shown = ", ".join(names[:_NAMES_SHOWN])
+    more = len(names) - _NAMES_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _untied_targets(
+    model: nn.Module, config: Int8TrainingConfig
+) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """The modules to quantize, and warnings for weights tied to full-precision modules.
+
+    A weight shared with a module that keeps it in full precision (an ``nn.Embedding``
+    tied to the output head) is left alone: quantizing it for one owner would untie it
+    (the other would keep a plain weight) or give the other an int8 weight it cannot use.
+    """
+    targets = [
+        (name, module) for name, module in model.named_modules(remove_duplicate=False)
+        if config.should_quantize(module, name)
+    ]
+    target_names = {name for name, _ in targets}
+    owners = parameter_owners(model)
+    kept, tied = [], []
+    for name, module in targets:
+        others = [o for o in owners.get(id(module.weight), []) if o not in target_names]
+        if others and not isinstance(module.weight, Int8Weight):
+            tied.append(f"{name} (tied to {', '.join(others)})")
+        else:
+            kept.append((name, module))
+    return kept, tied
+
+
+def _is_transposed_linear(module: nn.Module) -> bool:
+    """A ``transformers.pytorch_utils.Conv1D`` (GPT-2's linears: weight ``[in, out]``)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _warn_about_full_precision(model: nn.Module, tied: list[str]) -> None:
+    """One warning per kind of layer that ``quantize_`` cannot quantize, naming the layers."""
+    if tied:
+        warnings.warn(
+            f"quantize_ left {len(tied)} weight(s) in full precision because they are tied "
+            f"to a module that is not quantized: {_named_list(tied)}. Untie them (e.g. "
+            "tie_word_embeddings=False) to quantize them.",
+            stacklevel=3,
+        )
+    transposed = [n for n, m in model.named_modules() if _is_transposed_linear(m)]
+    if transposed:
+        warnings.warn(
+            f"quantize_ left {len(transposed)} Conv1D layer(s) in full precision: "
+            f"{_named_list(transposed)}. transformers' Conv1D (GPT-2 style) stores its weight "
+            "as [in, out] and multiplies with addmm, not F.linear; only nn.Linear weights "
+            "are quantized.",
+            stacklevel=3,
+        )
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -31,7 +133,13 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
     Idempotent (already quantized weights are left alone), keeps tied weights tied, and
     works on a model on the meta device (``to_empty`` then allocates int8 storage). When it
     quantizes anything it also seeds the stochastic-rounding generator from
-    ``config.seed`` and this process's rank.
+    ``config.seed`` and shard coordinate 0 (the same on every process: replicas of an
+    unsharded model, as under DDP, round alike).
+
+    It warns once, naming them, about layers it leaves in full precision that look like
+    candidates: weights tied to a module that is not quantized (an ``nn.Embedding`` tied
+    to the output head) and transformers' ``Conv1D`` layers (GPT-2). It logs the
+    count of int8 weights and elements on the ``fsdp_int8`` logger at INFO.
 
     Args:
         model: The model, before any ``fully_shard``.
@@ -53,9 +161,8 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
     # before the model has changed.
     swapped: dict[int, nn.Parameter] = {}  # tied weights stay tied
     targets: list[tuple[nn.Module, int]] = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        if not config.should_quantize(module, name):
-            continue
+    modules, tied = _untied_targets(model, config)
+    for name, module in modules:
         weight = module.weight
         if isinstance(weight, Int8Weight):
             continue
@@ -72,6 +179,8 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
     if swapped:  # a repeated call changes nothing, not even the generator
         # Not sharded yet: every process holds every row, one shard (mesh=None).
         seed_weight_rounding(config.seed)
+    _warn_about_full_precision(model, tied)
+    logger.info("quantize_: %s", int8_census(model))
     return model
 
 

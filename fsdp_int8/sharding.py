@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Sequence, Union
 
 import torch
@@ -12,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
-from fsdp_int8.convert import is_sharded, quantize_
+from fsdp_int8.convert import int8_census, is_sharded, logger, parameter_owners, quantize_
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
 
 __all__ = ["shard_model", "find_blocks", "BlockSpec"]
@@ -47,8 +48,9 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Mo
     Args:
         model: The model.
         blocks: Block types or a predicate. ``None`` looks for Hugging Face's
-            ``_no_split_modules`` class names, then for ``nn.ModuleList``s of repeated
-            modules (``model.layers``, ``model.model.layers``, ``transformer.h``, ...).
+            ``_no_split_modules`` class names, then for ``nn.ModuleList``s or
+            ``nn.ModuleDict``s of repeated modules (``model.layers``, ``model.model.layers``,
+            ``transformer.h``, torchtitan's ``layers`` dict, ...).
     """
     if blocks is not None:
         if isinstance(blocks, type) or (
@@ -68,19 +70,70 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Mo
     blocks_in_lists = (
         block
         for module_list in _outermost(model, lambda m: _is_repeated_blocks(m))
-        for block in module_list
+        for block in module_list.children()
     )
     return list({id(b): b for b in blocks_in_lists}.values())  # a block shared twice is one block
 
 
 def _is_repeated_blocks(module: nn.Module) -> bool:
+    """An ``nn.ModuleList`` or ``nn.ModuleDict`` (torchtitan's ``layers``) of one module type."""
     children = list(module.children())
     return (
-        isinstance(module, nn.ModuleList)
+        isinstance(module, (nn.ModuleList, nn.ModuleDict))
         and len(children) > 0
         and len({type(c) for c in children}) == 1
         and any(True for _ in children[0].parameters())
     )
+
+
+def _tied_outside(group: nn.Module, owners: dict[int, list[str]], names: dict[int, str]) -> list[str]:
+    """Parameters of ``group`` that modules outside it also register, as ``"p (tied to m)"``."""
+    prefix = names[id(group)] + "."
+    found = []
+    for name, param in group.named_parameters(prefix=names[id(group)]):
+        outside = [o for o in owners.get(id(param), []) if not (o + ".").startswith(prefix)]
+        if outside:
+            found.append(f"{name} (tied to {', '.join(outside)})")
+    return found
+
+
+def _groups_below_root(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The modules ``shard_model`` wraps before the root: embeddings outside blocks, then blocks.
+
+    FSDP2 needs a tied parameter in one group: an embedding tied to a module outside it
+    (the output head under ``tie_word_embeddings``) is left to the root group, with the
+    head, as torchtitan groups them. A block tied to a module outside it is refused.
+    """
+    owners = parameter_owners(model)
+    names = {id(m): name for name, m in model.named_modules()}
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    embeddings = [
+        m for m in model.modules()
+        if isinstance(m, nn.Embedding) and id(m) not in in_blocks
+        and not _tied_outside(m, owners, names)
+    ]
+    for block in blocks:
+        tied = _tied_outside(block, owners, names)
+        if tied:
+            raise ValueError(
+                f"block {names[id(block)]} shares parameters with modules outside it: "
+                f"{', '.join(tied)}. FSDP2 needs tied parameters in one group: pass blocks= "
+                "whose modules hold both ends of each tie, or untie them."
+            )
+    return embeddings + blocks
+
+
+def _report_int8(model: nn.Module, quantized: bool) -> None:
+    census = int8_census(model)
+    logger.info("shard_model: %s", census)
+    if quantized and census.int8_weights == 0:
+        warnings.warn(
+            f"shard_model quantized no weight of {type(model).__name__}: no nn.Linear passed "
+            "Int8TrainingConfig's filter (see its module_filter, skip_names and min_features; "
+            "quantize_'s warnings name layers it had to leave alone). The model is sharded "
+            "in full precision.",
+            stacklevel=3,
+        )
 
 
 def _check_reshard_after_forward(value: object) -> None:
@@ -133,9 +186,13 @@ def shard_model(
 ) -> nn.Module:
     """Quantize ``model`` and shard it with FSDP2: each embedding, each block, then the root.
 
-    The root group holds what is left (final norm, output head). It is not resharded
-    after forward, and neither is the last block: backward needs their parameters first. Works on a model on the meta device: call ``model.to_empty(device=...)``
-    afterwards and initialise in place (``reset_parameters`` or the model's own init).
+    The root group holds what is left (final norm, output head, and an embedding tied to
+    the head: FSDP2 needs both ends of a tie in one group). It is not resharded after
+    forward, and neither is the last block: backward needs their parameters first. Works
+    on a model on the meta device: call ``model.to_empty(device=...)`` afterwards and
+    initialise in place (``reset_parameters`` or the model's own init). Logs how much of
+    the model is int8 on the ``fsdp_int8`` logger (INFO), and warns if nothing was
+    quantized.
 
     Args:
         model: The unsharded model (plain PyTorch).
@@ -168,25 +225,24 @@ def shard_model(
     found = find_blocks(model, blocks)  # before quantizing: a refused model stays as it was
     if not found:
         raise ValueError(
-            f"shard_model found no blocks in {type(model).__name__}: no nn.ModuleList of "
-            "repeated modules and no _no_split_modules. Pass blocks=(MyBlock,) or a predicate."
+            f"shard_model found no blocks in {type(model).__name__}: no nn.ModuleList or "
+            "nn.ModuleDict of repeated modules and no _no_split_modules. Pass blocks=(MyBlock,) "
+            "or a predicate."
         )
+    groups = _groups_below_root(model, found)  # before quantizing, too
     if quantize:
         config = config or Int8TrainingConfig()
         quantize_(model, config)
         seed_weight_rounding(config.seed, mesh)
 
     options = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
-    in_blocks = {id(m) for block in found for m in block.modules()}
-    for embedding in model.modules():
-        if isinstance(embedding, nn.Embedding) and id(embedding) not in in_blocks:
-            fully_shard(embedding, reshard_after_forward=reshard_after_forward, **options)
-    for index, block in enumerate(found):
-        last = index == len(found) - 1
-        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **options)
+    for index, group in enumerate(groups):
+        last = index == len(groups) - 1
+        fully_shard(group, reshard_after_forward=reshard_after_forward and not last, **options)
     # Backward needs the root's parameters (norm, head) first: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **options)
     if config is not None and config.quantize_gradients:
         enable_quantized_reduce_scatter(model, seed=config.seed)
+    _report_int8(model, quantize)
     return model
 

@@ -3,6 +3,7 @@ models, and that a quantized model holds no hidden full-precision copy."""
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -132,6 +133,52 @@ def test_tied_linear_weights_stay_tied():
     assert isinstance(model.a.weight, Int8Weight) and isinstance(model.b.weight, Int8Weight)
     assert len(list(model.parameters())) == n_params
     assert model.a.weight is model.b.weight
+
+
+class TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.proj = nn.Linear(32, 32)
+        self.lm_head = nn.Linear(32, 64, bias=False)
+        self.lm_head.weight = self.embed.weight  # tie_word_embeddings
+
+
+def test_weight_tied_to_an_embedding_stays_tied_in_full_precision_with_one_warning():
+    """Quantizing the head's weight would untie it from the embedding (which needs a plain
+    weight for its lookup): it is left alone, and named once."""
+    everything = Int8TrainingConfig(module_filter=lambda m, n: True)
+    model = TiedHead()
+    with pytest.warns(UserWarning, match=r"1 weight\(s\).*lm_head \(tied to embed\).*Untie") as record:
+        quantize_(model, everything)
+    assert len(record) == 1
+    assert model.lm_head.weight is model.embed.weight and type(model.embed.weight.data) is torch.Tensor
+    assert isinstance(model.proj.weight, Int8Weight)
+    model = TiedHead()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default filter skips lm_head: nothing to say
+        quantize_(model)
+    assert model.lm_head.weight is model.embed.weight
+
+
+class Conv1D(nn.Module):
+    """transformers.pytorch_utils.Conv1D's layout (GPT-2): weight [in, out], addmm."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+
+def test_conv1d_layers_left_in_full_precision_are_named_once_and_counts_logged(caplog):
+    model = nn.ModuleDict({"c_attn": Conv1D(96, 32), "c_proj": Conv1D(32, 32), "mlp": nn.Linear(32, 32)})
+    with caplog.at_level("INFO", logger="fsdp_int8"):
+        with pytest.warns(UserWarning, match=r"2 Conv1D layer\(s\) in full precision: c_attn, c_proj") as record:
+            quantize_(model)
+    assert len(record) == 1
+    assert "1 int8 weights, 1,024 of 5,280 parameter elements (19%) int8" in caplog.text
+    assert isinstance(model.mlp.weight, Int8Weight) and type(model.c_attn.weight.data) is torch.Tensor
 
 
 def test_quantize_seeds_the_rounding_stream_from_config():

@@ -287,3 +287,48 @@ def test_bool_reshard_after_forward_passes_the_check(value):
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"init_process_group"):
         fsdp_int8.shard_model(LayersModel(), reshard_after_forward=value)
+
+
+# ---------------------------------------------------------------- torchtitan layouts, tied weights
+class DictLayersModel(nn.Module):
+    """torchtitan style: blocks in an ``nn.ModuleDict`` keyed "0", "1", ..."""
+
+    def __init__(self, n_layers: int = 3) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(10, 16)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(n_layers)})
+        self.norm = nn.LayerNorm(16)
+        self.output = nn.Linear(16, 10)
+
+
+def test_layers_module_dict():
+    model = DictLayersModel(n_layers=3)
+    assert _ids(find_blocks(model)) == _ids(model.layers.values())
+
+
+class TiedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 16)
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.lm_head = nn.Linear(16, 10, bias=False)
+        self.lm_head.weight = self.embed.weight  # tie_word_embeddings
+
+
+def test_embedding_tied_to_the_head_is_left_to_the_root_group():
+    """FSDP2 needs both ends of a tie in one group: the root, which holds the head."""
+    from fsdp_int8.sharding import _groups_below_root
+
+    model = TiedModel()
+    assert _ids(_groups_below_root(model, find_blocks(model))) == _ids(model.layers)
+    untied = LayersModel()
+    assert _ids(_groups_below_root(untied, find_blocks(untied))) == _ids([untied.embed, *untied.layers])
+
+
+def test_block_tied_to_a_module_outside_it_is_refused_naming_both():
+    from fsdp_int8.sharding import _groups_below_root
+
+    model = LayersModel(n_layers=2)
+    model.layers[1].fc.weight = model.layers[0].fc.weight  # two blocks share a weight
+    with pytest.raises(ValueError, match=r"block layers\.0 shares parameters.*layers\.1\.fc.*blocks="):
+        _groups_below_root(model, find_blocks(model))
