@@ -1,0 +1,152 @@
+"""Frameworks on 2 gloo ranks, in one spawn: plain DDP around a quantized model (replicas
+stay bit-identical), Hugging Face Llama with tied embeddings under ``shard_model``, and
+torchtitan's Llama built on the meta device, initialised by torchtitan and checkpointed
+through its own fused-QKV state-dict hooks.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+import fsdp_int8
+from fsdp_int8 import Int8TrainingConfig, Int8Weight
+from fsdp_int8.testing import run_distributed
+
+from _cases import case, int8_params, local_of
+from _nets import MLPNet
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the framework models
+from _frameworks import VOCAB, hf_loss, tiny_llama, titan_init, titan_loss, titan_model  # noqa: E402
+from _models import fibonacci_mod_task  # noqa: E402
+
+STEPS = 8
+
+
+def _train(model: nn.Module, loss_fn, opt: torch.optim.Optimizer, tokens: torch.Tensor, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _bytes_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's stored bytes (int8 data and scales for int8 weights), on this rank."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = local_of(param)
+        if isinstance(local, Int8Weight):
+            out[name + ".int_data"], out[name + ".scale"] = local.int_data.clone(), local.scale.clone()
+        else:
+            out[name] = local.detach().clone()
+    return out
+
+
+def _ddp_replicas(rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """DDP broadcasts rank 0's parameters at wrap time (int8 weights in buckets with plain
+    tensors, and buckets of int8 weights only), then trains with stochastic rounding."""
+    out = {}
+    for name, bias in (("mixed buckets", True), ("int8-only buckets", False)):
+        with case(f"DDP, {name}"):
+            torch.manual_seed(rank)  # every replica starts different: DDP must sync them
+            model = fsdp_int8.quantize_(MLPNet(hidden=64, bias=bias), Int8TrainingConfig(seed=3))
+            model.head.weight.requires_grad_(bias)  # int8-only: the fp32 head sits out
+            ddp = DistributedDataParallel(model)
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+            x, y = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank)), torch.randn(16, 4)
+            losses = _train(ddp, lambda m, _: F.mse_loss(m(x), y), opt, x, STEPS)
+            assert losses[-1] < losses[0], losses
+            assert len(int8_params(model)) == 4
+            out[name] = _bytes_of(model)
+    return out
+
+
+def _tied_llama_under_fsdp(rank: int, root: str) -> dict:
+    with case("HF Llama, tie_word_embeddings=True, shard_model"):
+        model = fsdp_int8.shard_model(tiny_llama(tie=True))
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # one parameter, one group
+        assert len(int8_params(model)) == 14
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tokens = fibonacci_mod_task(8, 16, vocab=VOCAB, seed=rank)
+        losses = _train(model, hf_loss, opt, tokens, 4)
+        assert losses[-1] < losses[0], losses
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    with case("sharded state dict deep-copies (FSDP2 itself refuses to deep-copy modules)"):
+        state = model.state_dict()
+        copied = copy.deepcopy(state)
+        name = "model.layers.0.mlp.up_proj.weight"
+        assert isinstance(copied[name], DTensor) and isinstance(copied[name]._local_tensor, Int8Weight)
+        assert torch.equal(copied[name]._local_tensor, state[name]._local_tensor)
+        assert copied[name]._local_tensor.data_ptr() != state[name]._local_tensor.data_ptr()
+    with case("save_pretrained of the exported state dict, on rank 0"):
+        exported = fsdp_int8.export_full_state_dict(model, torch.float32)
+        if rank == 0:
+            from transformers import LlamaForCausalLM
+
+            model.save_pretrained(root, state_dict=exported)
+            plain = LlamaForCausalLM.from_pretrained(root)
+            assert plain.lm_head.weight is plain.model.embed_tokens.weight
+            reloaded = plain.state_dict()
+            for key, value in exported.items():  # the tied pair is exported once
+                assert torch.equal(reloaded[key], value), key
+        dist.barrier()
+    return {"loss": losses[-1]}
+
+
+def _torchtitan_meta_init_and_checkpoint(rank: int, root: str) -> dict[str, torch.Tensor]:
+    with case("torchtitan Llama: meta device, shard_model, to_empty, torchtitan's init"):
+        model = titan_model(meta=True)
+        fsdp_int8.shard_model(model)  # finds the blocks in the layers ModuleDict
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        titan_init(model)  # trunc_normal_ on DTensor(Int8Weight) shards, fused QKV views
+        assert len(int8_params(model)) == 2 * 5
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = _train(model, titan_loss, opt, fibonacci_mod_task(8, 16, vocab=VOCAB, seed=rank), 4)
+        assert losses[-1] < losses[0], losses
+    with case("torchtitan's state-dict hooks through dcp: int8 bytes round-trip exactly"):
+        state = model.state_dict()  # wqkv split into wq / wk / wv by torchtitan's hook
+        assert isinstance(local_of(state["layers.1.attention.qkv_linear.wv.weight"]), Int8Weight)
+        dcp.save(state, checkpoint_id=root)
+        fresh = titan_model(meta=True)
+        fsdp_int8.shard_model(fresh)
+        fresh.to_empty(device="cpu")
+        titan_init(fresh)
+        loaded = fresh.state_dict()
+        dcp.load(loaded, checkpoint_id=root)
+        fresh.load_state_dict(loaded)  # torchtitan's hook cats wq / wk / wv back into wqkv
+        mine, theirs = _bytes_of(model), _bytes_of(fresh)
+        for key, value in mine.items():
+            assert torch.equal(theirs[key], value), key
+    return mine
+
+
+def _frameworks(rank: int, world: int, root: str) -> dict:
+    return {
+        "ddp": _ddp_replicas(rank),
+        "llama": _tied_llama_under_fsdp(rank, f"{root}/llama"),
+        "titan": _torchtitan_meta_init_and_checkpoint(rank, f"{root}/titan"),
+    }
+
+
+def test_frameworks_on_two_ranks():
+    with tempfile.TemporaryDirectory() as root:
+        zero, one = run_distributed(_frameworks, 2, root)
+    for name, replica in zero["ddp"].items():  # DDP replicas: bit-identical, every byte
+        differing = [k for k, v in replica.items() if not torch.equal(v, one["ddp"][name][k])]
+        assert not differing, f"DDP ({name}): replicas drifted apart in {differing}"
+    assert zero["llama"]["loss"] > 0 and zero["titan"].keys() == one["titan"].keys()
