@@ -13,7 +13,6 @@ from fsdp_int8 import _dist
 from fsdp_int8._generators import WEIGHT_ROUNDING
 # The one import of the gradient reduce-scatter: retarget it here when that module moves.
 from fsdp_int8._reduce_scatter import installed_quantized_reduce_scatter
-from fsdp_int8.weight import local_shard
 
 
 def capture(model: nn.Module) -> dict[str, Any]:
@@ -23,7 +22,7 @@ def capture(model: nn.Module) -> dict[str, Any]:
     seeded as a later one would be: nothing observable changes), so that :func:`restore`
     rewinds it even if it was first used after the capture.
     """
-    for device in {local_shard(p).device for p in model.parameters()}:
+    for device in {param.device for param in model.parameters()}:  # a DTensor's: its shard's
         WEIGHT_ROUNDING.generator(device)
     state: dict[str, Any] = {"rounding": WEIGHT_ROUNDING.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
