@@ -84,6 +84,11 @@ def optimizer_fit(stored: dict[str, Any], ours: dict[str, Any], params: set[str]
     (another optimizer, or other settings such as ``state_bits``, keep others)."""
     fit = Fit()
     needed, saved = _names_by_param(ours), _names_by_param(stored)
+    if saved and not needed:
+        fit.notes.append(
+            "this optimizer has no state to load into (never stepped, but its parameters hold "
+            "gradients, so torch did not create it): call optimizer.zero_grad(set_to_none=True) first"
+        )
     for fqn in sorted(needed.keys() | saved.keys()):
         keys_needed = sorted(f"{STATE}{fqn}.{name}" for name in needed.get(fqn, ()))
         keys_saved = sorted(f"{STATE}{fqn}.{name}" for name in saved.get(fqn, ()))
