@@ -11,7 +11,6 @@ import torch.nn as nn
 
 from fsdp_int8 import _dist
 from fsdp_int8._generators import WEIGHT_ROUNDING
-# The one import of the gradient reduce-scatter: retarget it here when that module moves.
 from fsdp_int8.gradients.install import installed_quantized_reduce_scatter
 
 
