@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_int8 import _dist
+from fsdp_int8._version import __version__
 from fsdp_int8.checkpoint import _dcp, _files, _generator_states
 from fsdp_int8.checkpoint.errors import CheckpointError, listing
 
@@ -88,7 +89,7 @@ def save_checkpoint(
             "int8_keys": _dcp.int8_keys(state["model"]),
             "has_optimizer": optimizer is not None,
             "extra": extra or {},
-            "versions": {"torch": torch.__version__, "fsdp_int8": _package_version()},
+            "versions": {"torch": torch.__version__, "fsdp_int8": __version__},
             "files": {k: v for per_rank in gathered for k, v in per_rank.items()},
         }
         _files.write_manifest(tmp, manifest)
@@ -109,9 +110,3 @@ def _refuse_non_finite(state: dict[str, Any]) -> None:
             "written and the previous checkpoints are unchanged. Training has diverged: resume "
             "from the last good checkpoint, with a lower learning rate or gradient clipping"
         )
-
-
-def _package_version() -> str:
-    from fsdp_int8 import __version__  # here: fsdp_int8 imports this module while starting up
-
-    return __version__
