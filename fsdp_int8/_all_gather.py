@@ -48,7 +48,10 @@ def pre_all_gather(shard: Int8Weight, mesh: Any) -> tuple[tuple[torch.Tensor, ..
 
 
 def _scales_from(gathered: torch.Tensor, full_rows: int, row_len: int) -> torch.Tensor:
-    return gathered[:full_rows, row_len:].contiguous().view(torch.float32).view(full_rows)
+    # Always a copy: FSDP2 frees and re-allocates the tensors we hand over as our own, so
+    # a view into its buffer (`.contiguous()` returns one for a single row) would shrink it.
+    scales = gathered[:full_rows, row_len:].clone(memory_format=torch.contiguous_format)
+    return scales.view(torch.float32).view(full_rows)
 
 
 def post_all_gather(
