@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_int8 import _conformance
+from fsdp_int8.testing import conformance as _conformance
 from fsdp_int8.testing import (
     SCENARIOS, ConformanceReport, ScenarioResult, SubclassSpec, assert_fsdp2_conformance,
     check_fsdp2_conformance,

@@ -195,13 +195,3 @@ def _make_distributed_test_case() -> type:
     DistributedTestCase.__module__ = __name__
     DistributedTestCase.__qualname__ = "DistributedTestCase"
     return DistributedTestCase
-
-
-# The FSDP2 conformance suite for tensor-subclass weights (docs/testing.md).
-from fsdp_int8._conformance import (  # noqa: E402
-    SCENARIOS, ConformanceReport, ScenarioResult, SubclassSpec, assert_fsdp2_conformance,
-    check_fsdp2_conformance,
-)
-
-__all__ += ["SubclassSpec", "check_fsdp2_conformance", "assert_fsdp2_conformance",
-            "ConformanceReport", "ScenarioResult", "SCENARIOS"]

@@ -2,7 +2,7 @@
 
 :func:`check_fsdp2_conformance` spawns one group of ranks per world size (through
 :func:`fsdp_int8.testing.run_distributed`) and runs every scenario of that world size in
-it, one after another (the scenarios themselves are in ``_conformance_scenarios``).
+it, one after another (the scenarios themselves are in ``fsdp_int8.testing._scenarios``).
 
 Results travel through files, not return values, so that a run that dies still reports:
 each rank appends one JSON line per event to ``rank<r>.jsonl`` in a directory of its
@@ -320,7 +320,7 @@ def _rank_main(
     """Runs in every spawned rank: each step, then a barrier, journaling as it goes."""
     import torch.distributed as dist
 
-    from fsdp_int8 import _conformance_scenarios as scenarios
+    from fsdp_int8.testing import _scenarios as scenarios
 
     directory_path = Path(directory)
     journal = _Journal(directory_path, rank)
@@ -443,7 +443,7 @@ def _run_world_size(
     scenario_timeout: float, grace: float,
 ) -> tuple[dict[str, ScenarioResult], int]:
     """All steps of one world size; a fresh spawn resumes after a step that ended one."""
-    from fsdp_int8.testing import run_distributed
+    from fsdp_int8.testing.processes import run_distributed
 
     results: dict[str, ScenarioResult] = {}
     spawns = 0

@@ -1,4 +1,4 @@
-"""The scenarios of the FSDP2 conformance suite (see ``_conformance``); they run in every rank.
+"""The scenarios of the FSDP2 conformance suite (see ``fsdp_int8.testing.conformance``); they run in every rank.
 
 Each scenario builds a tiny model whose linear weights are the subclass under test
 (``spec.from_float``), shards it with ``fully_shard`` and checks what FSDP2 does with it.
@@ -46,8 +46,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_int8
-from fsdp_int8._conformance import _INJECTED, FAILED, NOT_APPLICABLE, PASSED, SubclassSpec
-from fsdp_int8.testing import device_type_for
+from fsdp_int8.testing.conformance import _INJECTED, FAILED, NOT_APPLICABLE, PASSED, SubclassSpec
+from fsdp_int8.testing.processes import device_type_for
 
 DIM = 16            # features in and out of every block
 BATCH_PER_RANK = 4
