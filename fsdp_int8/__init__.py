@@ -10,6 +10,7 @@ ones, and the internals of the public modules that are not re-exported here).
 # The op table and F.linear register themselves into Int8Weight when imported: importing
 # the package loads the whole table (so Int8Weight.supported_ops() is complete).
 from fsdp_int8 import _ops, linear  # noqa: F401  (registration side effects)
+from fsdp_int8._version import __version__
 from fsdp_int8.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -29,7 +30,6 @@ from fsdp_int8.optim import Int8AdamW, Int8SGD
 from fsdp_int8.sharding import BlockSpec, find_blocks, shard_model
 from fsdp_int8.weight import Int8Weight
 
-__version__ = "0.1.0"
 
 __all__ = [
     # configuration

@@ -44,5 +44,8 @@ def pack_rows(int_rows: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.T
 def unpack_rows(gathered: torch.Tensor, full_rows: int, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(int8 rows, fp32 scales)`` of the whole weight: a view of ``gathered`` and a copy."""
     data = gathered[:full_rows, :row_len]
-    scale = gathered[:full_rows, row_len:].contiguous().view(torch.float32).view(full_rows)
-    return data, scale
+    # Always a copy: FSDP2 frees and re-allocates the tensors the hook hands over as its
+    # own, so a view into its buffer (`.contiguous()` returns one for a single row) would
+    # shrink that buffer.
+    scale = gathered[:full_rows, row_len:].clone(memory_format=torch.contiguous_format)
+    return data, scale.view(torch.float32).view(full_rows)

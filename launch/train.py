@@ -6,16 +6,20 @@ Run it under torchrun, one process per GPU (or per share of the CPU without GPUs
 
 CUDA + NCCL are used when every local rank has a GPU, CPU + gloo otherwise. The text is
 the Python standard library's own source unless --data names a directory or file. A run
-writes to --out: metrics.jsonl (every step), loss.png, and checkpoints/ every
---checkpoint-every steps; --resume (or a torchrun restart) continues from the latest one.
+writes to --out: metrics.jsonl (every step), loss.png, run.json (which torchrun job owns
+the folder), and checkpoints/ every --checkpoint-every steps; --resume (or a torchrun
+restart of the same job) continues from the latest one. A new run refuses an --out that
+holds another run's checkpoints unless given --resume or --overwrite.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -78,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     out.add_argument("--resume", action="store_true",
                      help="continue from the latest checkpoint in --out (implied after a torchrun restart)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="start over in an --out that holds another run's checkpoints, deleting them")
     args = parser.parse_args(argv)
 
     for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "replicas", "keep"):
@@ -85,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.checkpoint_every < 0:
         parser.error("--checkpoint-every must be >= 0")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out, --overwrite deletes it: pass one")
     try:
         args.model = model_args(args)
     except ValueError as error:
@@ -195,18 +203,105 @@ def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
 
 
+# ---------------------------------------------------------------- who owns --out
+RUN_RECORD = "run.json"  # in --out: the torchrun job whose checkpoints are there
+
+
+def torchrun_job() -> str | None:
+    """torchrun's id of this job: the same in each of its restarts, new for each torchrun
+    on one node (a uuid); on several nodes it is --rdzv-id (None if left at "none")."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return None if job in ("", "none") else job
+
+
+def _owned_by_this_job(out: Path) -> bool:
+    """Whether --out's checkpoints were written by this torchrun job (in an earlier
+    attempt). Without a job id there is no telling: they are taken as this job's."""
+    job = torchrun_job()
+    if job is None:
+        return True
+    try:
+        return json.loads((out / RUN_RECORD).read_text()).get("torchrun_job") == job
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def start_mode(args: argparse.Namespace) -> str:
+    """How this process starts: ``"fresh"``, ``"resume"`` or ``"overwrite"``.
+
+    Decided from the files alone, before any process group exists and before any rank
+    writes to --out, so every rank decides the same.
+
+    Raises:
+        ValueError: --out holds checkpoints of another run, and neither --resume nor
+            --overwrite says what to do with them.
+    """
+    out = Path(args.out)
+    found = fsdp_int8.latest_checkpoint(out / "checkpoints")
+    if args.resume or (restarted_by_torchrun() and (found is None or _owned_by_this_job(out))):
+        return "resume"
+    if restarted_by_torchrun():
+        raise ValueError(
+            f"this torchrun restart found checkpoints of another run in {out / 'checkpoints'} "
+            f"(newest: {found.name}) and will not resume them: pass --resume to continue that "
+            "run, --overwrite to delete its checkpoints, or use another --out"
+        )
+    if found is None:
+        return "fresh"
+    if args.overwrite:
+        return "overwrite"
+    raise ValueError(
+        f"{out / 'checkpoints'} already holds checkpoints of another run (newest: {found.name}): "
+        "pass --resume to continue that run, --overwrite to delete them and start over, or "
+        "use another --out"
+    )
+
+
+def claim_output(out: Path, mode: str) -> None:
+    """On rank 0 of a job's first attempt: make --out this job's (for its restarts)."""
+    if mode == "overwrite":
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"torchrun_job": torchrun_job(), "argv": sys.argv[1:], "started": time.time()}
+    (out / RUN_RECORD).write_text(json.dumps(record) + "\n")
+
+
 # ---------------------------------------------------------------- the run
-def train(args: argparse.Namespace, corpus: Corpus) -> None:
+def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
     rank, world, device = setup_distributed()
     out = Path(args.out)
     checkpoints = out / "checkpoints"
+    if rank == 0 and not restarted_by_torchrun():
+        claim_output(out, mode)
+    dist.barrier()  # --out is claimed (and emptied for --overwrite) before any rank reads it
     model = build_model(args, device)
     optimizer = make_optimizer(args, model)
 
     start = 0
-    if (args.resume or restarted_by_torchrun()) and fsdp_int8.latest_checkpoint(checkpoints):
+    if mode == "resume" and fsdp_int8.latest_checkpoint(checkpoints):
         start = fsdp_int8.load_checkpoint(checkpoints, model, optimizer).step
-    log = MetricsLog(out / "metrics.jsonl", resume_step=start) if rank == 0 else None
+    if start >= args.steps:  # e.g. a restart after the last checkpoint: nothing left to do
+        if rank == 0:
+            print(f"the run in {out} is complete: its checkpoint is at step {start} and --steps is "
+                  f"{args.steps} (raise --steps to train further)", flush=True)
+        summary = None
+    else:
+        summary = run_steps(args, corpus, model, optimizer, start, resumed=mode == "resume")
+    del model, optimizer  # free FSDP's state before the process group goes (gloo exit abort)
+    gc.collect()
+    dist.barrier()
+    if rank == 0 and summary is not None:
+        report(args, world, *summary)
+
+
+def run_steps(args: argparse.Namespace, corpus: Corpus, model: Transformer, optimizer: torch.optim.Optimizer,
+              start: int, resumed: bool) -> tuple[float, float | None]:
+    """Train steps ``start`` to ``--steps``, logging, evaluating and checkpointing; the
+    last training loss and validation loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = next(model.parameters()).device
+    out = Path(args.out)
+    log = MetricsLog(out / "metrics.jsonl", resume_step=start if resumed else None) if rank == 0 else None
     progress = Progress(total=args.steps, initial=start, enabled=rank == 0)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
@@ -245,26 +340,29 @@ def train(args: argparse.Namespace, corpus: Corpus) -> None:
                 log.write(step=done, val_loss=val)
                 progress.write(f"step {done}: validation loss {val:.4f} ({bits_per_byte(val):.3f} bits/byte)")
         if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
-            fsdp_int8.save_checkpoint(checkpoints, model, optimizer, step=done, keep=args.keep,
+            fsdp_int8.save_checkpoint(out / "checkpoints", model, optimizer, step=done, keep=args.keep,
                                       extra={"argv": sys.argv[1:]})
     progress.close()
-    del model, optimizer  # free FSDP's state before the process group goes (gloo exit abort)
-    gc.collect()
-    dist.barrier()
     if rank == 0:
         log.write(event="end", step=args.steps, val_loss=val)
         log.close()
-        records = read_metrics(out / "metrics.jsonl")
-        plot = plot_losses(records, out / "loss.png", f"{args.preset}, {args.precision}, {world} ranks")
-        first = next((r["loss"] for r in records if "loss" in r), float("nan"))
-        rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-        print(
-            f"done: {args.steps} steps | train loss {first:.3f} -> {loss.item():.3f} | "
-            f"validation {val:.4f} ({bits_per_byte(val):.3f} bits/byte) | "
-            f"median {sorted(rates)[len(rates) // 2] if rates else 0:,.0f} tok/s | "
-            f"{out / 'metrics.jsonl'}" + (f", {plot}" if plot else ""),
-            flush=True,
-        )
+    return loss.item(), val
+
+
+def report(args: argparse.Namespace, world: int, last_loss: float, val: float | None) -> None:
+    """Rank 0's closing line and loss plot."""
+    out = Path(args.out)
+    records = read_metrics(out / "metrics.jsonl")
+    plot = plot_losses(records, out / "loss.png", f"{args.preset}, {args.precision}, {world} ranks")
+    first = next((r["loss"] for r in records if "loss" in r), float("nan"))
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    print(
+        f"done: {args.steps} steps | train loss {first:.3f} -> {last_loss:.3f} | "
+        f"validation {val:.4f} ({bits_per_byte(val):.3f} bits/byte) | "
+        f"median {sorted(rates)[len(rates) // 2] if rates else 0:,.0f} tok/s | "
+        f"{out / 'metrics.jsonl'}" + (f", {plot}" if plot else ""),
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("launch.train runs under torchrun, e.g.: torchrun --nproc_per_node 2 -m launch.train", file=sys.stderr)
         return 2
-    try:  # before the process group exists: a bad path fails here on every rank, no hang
+    try:  # before the process group exists: bad input fails here on every rank, no hang
+        mode = start_mode(args)
         corpus = load_corpus(args.data, args.max_bytes)
         if corpus.val.numel() <= args.seq_len + 1:
             raise ValueError(
@@ -283,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
-        train(args, corpus)
+        train(args, corpus, mode)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

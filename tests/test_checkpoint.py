@@ -78,13 +78,13 @@ def test_plain_float_checkpoint_is_rounded_to_nearest_with_a_warning(tmp_path):
     dcp.save(get_model_state_dict(float_model), checkpoint_id=tmp_path / "fp32", no_dist=True)
     model = fsdp_int8.quantize_(_mlp(seed=4))
     with pytest.warns(UserWarning, match="rounded to nearest into int8"):
-        info = load_checkpoint(tmp_path / "fp32", model)
+        info = load_checkpoint(tmp_path / "fp32", model, allow_unverified=True)
     assert info.converted == ["0.weight", "2.weight"]
     expected = Int8Weight.from_float(float_model[0].weight)  # round to nearest
     assert torch.equal(model[0].weight.int_data, expected.int_data)
     assert torch.equal(model[0].weight.scale, expected.scale)
     with pytest.raises(CheckpointError, match="holds no optimizer state"):
-        load_checkpoint(tmp_path / "fp32", model, torch.optim.SGD(model.parameters(), lr=0.1))
+        load_checkpoint(tmp_path / "fp32", model, torch.optim.SGD(model.parameters(), lr=0.1), allow_unverified=True)
 
 
 def test_export_full_precision_and_import_back(tmp_path):
@@ -188,3 +188,210 @@ def test_a_saver_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     # the next save clears what the killed one left behind
     save_checkpoint(tmp_path, model, step=3)
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+# ---------------------------------------------------------------- issue 14: reliability
+def _state_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Everything a load could change: weights (int8 bytes and scales), optimizer state and
+    hyperparameters, the rounding and torch generators."""
+    WEIGHT_ROUNDING.generator("cpu")  # exists before: its state is compared too
+    weights = {
+        name: (p.int_data.clone(), p.scale.clone()) if isinstance(p, Int8Weight) else p.detach().clone()
+        for name, p in model.named_parameters()
+    }
+    saved = opt.state_dict()
+    return {
+        "weights": weights,
+        "optimizer": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in saved["state"].items()},
+        "groups": saved["param_groups"],
+        "rounding": WEIGHT_ROUNDING.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def _assert_unchanged(before: dict, after: dict) -> None:
+    assert before["weights"].keys() == after["weights"].keys()
+    for name, x in before["weights"].items():
+        y = after["weights"][name]
+        assert all(map(torch.equal, x, y)) if isinstance(x, tuple) else torch.equal(x, y), name
+    assert before["optimizer"].keys() == after["optimizer"].keys(), "optimizer state changed"
+    for key, state in before["optimizer"].items():
+        for name, value in state.items():
+            other = after["optimizer"][key][name]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, (key, name)
+    assert before["groups"] == after["groups"]
+    assert before["rounding"].keys() == after["rounding"].keys()
+    assert all(torch.equal(v, after["rounding"][k]) for k, v in before["rounding"].items()), "rounding generator moved"
+    assert torch.equal(before["torch"], after["torch"]), "torch generator moved"
+
+
+def test_keep_prunes_by_write_order_and_never_the_new_checkpoint(tmp_path):
+    old, old_opt = _trained(seed=0)
+    for step in (10, 20, 30):  # an earlier run, further along
+        save_checkpoint(tmp_path, old, old_opt, step=step, keep=3)
+    new, new_opt = _trained(seed=1)  # a new run in the same folder, from step 1
+    save_checkpoint(tmp_path, new, new_opt, step=1, keep=2)
+    assert (tmp_path / "step_00000001").is_dir(), "the checkpoint just written was pruned"
+    save_checkpoint(tmp_path, new, new_opt, step=2, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000001", "step_00000002"]
+    assert fsdp_int8.latest_checkpoint(tmp_path).name == "step_00000002"
+    fresh, fresh_opt = _trained(seed=2)
+    assert load_checkpoint(tmp_path, fresh, fresh_opt).step == 2
+    _assert_same_weights(new, fresh)  # the new run's weights, not the old run's
+    for keep in (0, -1):
+        with pytest.raises(ValueError, match="keep must be >= 1"):
+            save_checkpoint(tmp_path, new, step=3, keep=keep)
+    assert not (tmp_path / "step_00000003").exists()
+
+
+def _deeper(seed: int = 0) -> nn.Module:
+    """``_mlp`` with one more layer: the same keys plus ``3.weight`` and ``3.bias``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 32))
+
+
+def test_fit_is_checked_both_ways_and_strict_false_loads_the_intersection(tmp_path):
+    big = fsdp_int8.quantize_(_deeper(seed=0))
+    big_opt = torch.optim.AdamW(big.parameters(), lr=1e-2)
+    big(torch.randn(4, 32)).sum().backward()
+    big_opt.step()
+    save_checkpoint(tmp_path / "big", big, big_opt, step=1)
+    small = fsdp_int8.quantize_(_mlp(seed=1))
+    small_opt = torch.optim.AdamW(small.parameters(), lr=1e-3)
+    before = _state_of(small, small_opt)
+    with pytest.raises(CheckpointError, match=r"3.bias: in the checkpoint, not in the model.*strict=False"):
+        load_checkpoint(tmp_path / "big", small, small_opt)
+    _assert_unchanged(before, _state_of(small, small_opt))
+
+    info = load_checkpoint(tmp_path / "big", small, small_opt, strict=False)
+    assert info.unexpected_keys[:2] == ["3.bias", "3.weight"] and info.missing_keys == []
+    assert "optimizer.state.3.weight.exp_avg" in info.unexpected_keys
+    _assert_same_weights(small, big)  # the entries both have, optimizer states included
+    assert torch.equal(small_opt.state[small[0].weight]["exp_avg"], big_opt.state[big[0].weight]["exp_avg"])
+
+    save_checkpoint(tmp_path / "small", small, step=1)
+    deeper = fsdp_int8.quantize_(_deeper(seed=2))
+    untouched = deeper[3].weight.int_data.clone()
+    info = load_checkpoint(tmp_path / "small", deeper, strict=False)
+    assert info.missing_keys == ["3.bias", "3.weight"] and info.unexpected_keys == []
+    assert torch.equal(deeper[3].weight.int_data, untouched)
+    assert torch.equal(deeper[0].weight.int_data, small[0].weight.int_data)
+
+
+@pytest.mark.parametrize("where", ["bias", "int8 scale", "optimizer state"])
+def test_non_finite_state_is_never_saved(tmp_path, where):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, model, opt, step=1)
+    with torch.no_grad():
+        if where == "bias":
+            model[2].bias[3] = float("nan")
+        elif where == "int8 scale":
+            model[0].weight.scale[5] = float("inf")
+        else:
+            opt.state[model[0].bias]["exp_avg"][0] = float("nan")
+    expected = {"bias": "model.2.bias", "int8 scale": "model.0.weight",
+                "optimizer state": "optimizer.state.0.bias.exp_avg"}[where]
+    with pytest.raises(CheckpointError, match=rf"NaN or Inf in 1 entries \({expected}\); nothing was written"):
+        save_checkpoint(tmp_path, model, opt, step=2, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+    assert fsdp_int8.latest_checkpoint(tmp_path).name == "step_00000001"
+
+
+def _truncate(file) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) * 3 // 4])
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.AdamW(params, lr=1e-2),  # fresh: torch primes it with a step
+    lambda params: fsdp_int8.Int8AdamW(params, lr=1e-2),
+])
+def test_a_failed_load_leaves_model_optimizer_and_generators_as_they_were(tmp_path, make_optimizer):
+    model, opt = _trained()
+    path = save_checkpoint(tmp_path, model, opt, step=2)
+    _truncate(path / "__0_0.distcp")
+    fresh = fsdp_int8.quantize_(_mlp(seed=1))
+    fresh_opt = make_optimizer(fresh.parameters())
+    before = _state_of(fresh, fresh_opt)
+    with pytest.raises(CheckpointError, match=r"reading .*step_00000002 failed: .*verify=True checks"):
+        load_checkpoint(tmp_path, fresh, fresh_opt, verify=False)
+    _assert_unchanged(before, _state_of(fresh, fresh_opt))
+
+    # a trained optimizer, a checkpoint it does not fit (8-bit states): nothing moves either
+    eight_bit = fsdp_int8.quantize_(_mlp(seed=2))
+    eight_bit_opt = fsdp_int8.Int8AdamW(eight_bit.parameters(), lr=1e-2, state_bits=8, block_size=32)
+    eight_bit(torch.randn(4, 32)).sum().backward()
+    eight_bit_opt.step()
+    save_checkpoint(tmp_path / "8bit", eight_bit, eight_bit_opt, step=1)
+    fresh(torch.randn(4, 32)).sum().backward()
+    fresh_opt.step()
+    fresh_opt.zero_grad()
+    before = _state_of(fresh, fresh_opt)
+    with pytest.raises(CheckpointError, match=r"optimizer state of 0.weight: the checkpoint holds .*exp_avg_int8.*state_bits"):
+        load_checkpoint(tmp_path / "8bit", fresh, fresh_opt)
+    _assert_unchanged(before, _state_of(fresh, fresh_opt))
+
+
+def test_a_folder_without_manifest_is_refused_unless_allowed(tmp_path):
+    model, _ = _trained()
+    dcp.save(get_model_state_dict(model), checkpoint_id=tmp_path / "plain", no_dist=True)
+    fresh = fsdp_int8.quantize_(_mlp(seed=1))
+    with pytest.raises(CheckpointError, match=r"has no manifest.json: it is a plain torch.distributed.checkpoint folder.*allow_unverified=True"):
+        load_checkpoint(tmp_path / "plain", fresh)
+    with pytest.warns(UserWarning, match="loaded without verification"):
+        info = load_checkpoint(tmp_path / "plain", fresh, allow_unverified=True)
+    assert info.step is None and info.world_size is None and not info.rng_restored
+    _assert_same_weights(model, fresh)
+
+
+def test_every_read_failure_is_a_checkpoint_error_naming_the_cause(tmp_path):
+    model, opt = _trained()
+    path = save_checkpoint(tmp_path, model, opt, step=1)
+    (path / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"reading .* failed: rank 0: .*__0_0.distcp"):
+        load_checkpoint(tmp_path, model, opt, verify=False)
+    path = save_checkpoint(tmp_path, model, opt, step=2)
+    (path / ".metadata").write_bytes(b"not an index")
+    with pytest.raises(CheckpointError, match=r"reading the index of .*step_00000002 failed"):
+        load_checkpoint(tmp_path, model, opt, verify=False)
+    _truncate(save_checkpoint(tmp_path, model, opt, step=3) / "rng" / "rank_00000.pt")
+    with pytest.raises(CheckpointError, match=r"reading .*step_00000003 failed: .*"):
+        load_checkpoint(tmp_path, model, opt, verify=False)
+
+
+@pytest.mark.parametrize("direction", ["torch AdamW -> Int8AdamW", "Int8AdamW -> torch AdamW"])
+def test_adamw_checkpoints_load_across_torch_and_int8_adamw(tmp_path, direction):
+    torch_adamw = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    int8_adamw = lambda params: fsdp_int8.Int8AdamW(params, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    saver, loader = (torch_adamw, int8_adamw) if direction.startswith("torch") else (int8_adamw, torch_adamw)
+    model = fsdp_int8.quantize_(_mlp(seed=0))
+    opt = saver(model.parameters())
+    for _ in range(2):
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(tmp_path, model, opt, step=2)
+    fresh = fsdp_int8.quantize_(_mlp(seed=1))
+    fresh_opt = loader(fresh.parameters())
+    load_checkpoint(tmp_path, fresh, fresh_opt)
+    _assert_same_weights(model, fresh)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), key
+    assert fresh_opt.param_groups[0]["weight_decay"] == 0.1
+    fresh(torch.randn(4, 32)).pow(2).mean().backward()
+    fresh_opt.step()  # and it trains on
+
+
+def test_a_hyperparameter_the_optimizer_lacks_is_refused_before_anything_changes(tmp_path):
+    model = fsdp_int8.quantize_(_mlp(seed=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, maximize=True)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path, model, opt, step=1)
+    fresh = fsdp_int8.quantize_(_mlp(seed=1))
+    fresh_opt = fsdp_int8.Int8AdamW(fresh.parameters(), lr=1e-2)
+    before = _state_of(fresh, fresh_opt)
+    with pytest.raises(CheckpointError, match=r"does not fit this optimizer \(Int8AdamW\): .*maximize"):
+        load_checkpoint(tmp_path, fresh, fresh_opt)
+    _assert_unchanged(before, _state_of(fresh, fresh_opt))

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_int8 import Int8TrainingConfig, Int8Weight, quantize_
-from fsdp_int8._generators import WEIGHT_ROUNDING, seed_for
+from fsdp_int8._generators import WEIGHT_ROUNDING
 from _quant import quantize_rowwise
 
 

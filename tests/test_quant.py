@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-import fsdp_int8
 from fsdp_int8._generators import WEIGHT_ROUNDING, seed_for
+from fsdp_int8.quant import INT8_MAX, absmax_dequantize, absmax_quantize
+
 from _quant import dequantize_rowwise, quantize_rowwise
-from fsdp_int8.quant import INT8_MAX
 
 FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23
 
@@ -236,3 +236,49 @@ def test_rounding_rng_state_roundtrip():
     # The returned state is a copy: drawing did not change it, so restoring twice works.
     WEIGHT_ROUNDING.set_state(state)
     assert torch.equal(_draw(x), first)
+
+
+# ---------------------------------------------------------------- the core's other layouts
+def test_blocks_within_rows_have_their_own_scales_and_a_short_last_block():
+    x = torch.arange(1.0, 11.0).view(1, 10)  # blocks of 4: [1..4], [5..8], [9, 10]
+    q, scale = absmax_quantize(x, block_size=4)
+    torch.testing.assert_close(scale, torch.tensor([[4.0, 8.0, 10.0]]) / INT8_MAX, rtol=0, atol=0)
+    assert q[0, 3] == q[0, 7] == q[0, 9] == INT8_MAX  # each block's absmax maps to 127
+    back = absmax_dequantize(q, scale, block_size=4)
+    assert ((back - x).abs() <= scale.repeat_interleave(4, dim=1)[:, :10] / 2 + 1e-6).all()
+
+
+def test_one_scale_per_column_equals_rows_of_the_transpose():
+    x = torch.randn(37, 12) * torch.logspace(-2, 2, 12)
+    q_cols, s_cols = absmax_quantize(x, dim=0)
+    q_rows, s_rows = absmax_quantize(x.t().contiguous())
+    assert torch.equal(q_cols, q_rows.t()) and torch.equal(s_cols, s_rows)
+    assert torch.equal(absmax_dequantize(q_cols, s_cols, dim=0), absmax_dequantize(q_rows, s_rows).t())
+
+
+def test_unsigned_uses_0_to_255():
+    x = torch.rand(8, 64) * 3
+    q, scale = absmax_quantize(x, signed=False)
+    assert q.dtype == torch.uint8 and int(q.max()) == 255 and int(q.min()) >= 0
+    torch.testing.assert_close(absmax_dequantize(q, scale), x, rtol=0, atol=float(scale.max()) / 2 + 1e-6)
+
+
+def test_non_finite_policies():
+    x = torch.randn(3, 8)
+    x[1, 2] = float("nan")
+    x[2, 5] = float("inf")
+    with pytest.raises(ValueError, match="holds 2 non-finite"):
+        absmax_quantize(x)
+    q, scale = absmax_quantize(x, nonfinite="propagate")
+    assert torch.isfinite(scale[0]) and not torch.isfinite(scale[1:]).any()  # carried by the scale
+    assert int(q.abs().max()) <= INT8_MAX  # values stay defined
+    assert not torch.isfinite(absmax_dequantize(q, scale)[1:]).any()
+    absmax_quantize(x, nonfinite="unchecked")  # no check, no device sync
+
+
+def test_out_receives_the_values_in_place_even_strided():
+    x = torch.randn(4, 6)
+    buffer = torch.zeros(4, 10, dtype=torch.int8)
+    q, _ = absmax_quantize(x, out=buffer[:, :6])
+    assert q.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:, :6], absmax_quantize(x)[0])
+    assert not buffer[:, 6:].any()

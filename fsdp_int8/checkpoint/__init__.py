@@ -5,7 +5,8 @@ Layout of a checkpoint root (see docs/checkpoints.md)::
     root/
       latest                  name of the newest complete checkpoint (replaced atomically)
       step_00000100/          one complete checkpoint
-        manifest.json         written last: step, world size, format, int8 keys, file sizes + sha256
+        manifest.json         written last: step, write sequence, world size, mesh shape,
+                              format, int8 keys, file sizes + sha256
         .metadata             torch.distributed.checkpoint's index
         __0_0.distcp ...      each rank's shards (int8 data + scales, optimizer states)
         rng/rank_00000.pt     each rank's stochastic-rounding and torch generator states
@@ -15,10 +16,14 @@ A save writes everything into a temporary directory and renames it into place on
 every rank has finished and the manifest is on disk, so a process killed mid-save leaves
 the previous checkpoint as ``latest``.
 
+A load checks and reads everything into copies before it changes the model, optimizer
+or generators: one that fails changes nothing.
+
 Modules: :mod:`.save` and :mod:`.load` (the public functions), :mod:`.export` (plain
 full-precision state dicts), :mod:`.errors`; privately ``_files`` (the layout, atomic
-writes, the manifest), ``_dcp`` (what goes through torch.distributed.checkpoint) and
-``_generator_states`` (the noise generators saved per rank).
+writes, the manifest, pruning by write order), ``_dcp`` (what goes through
+torch.distributed.checkpoint), ``_fit`` (does a checkpoint fit the model and optimizer)
+and ``_generator_states`` (the noise generators saved per rank).
 """
 
 from fsdp_int8.checkpoint.errors import CheckpointError

@@ -1,25 +1,39 @@
 """What goes through ``torch.distributed.checkpoint`` (dcp): the training state dict, which
-of its entries are int8, what a checkpoint's index holds, and dcp's save and load with or
-without a process group."""
+of its entries are int8, what a checkpoint's index holds, its keys as dcp stores them,
+copies to read into, the finite-values check, and dcp's save and load with or without a
+process group."""
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import CheckpointException
+# dcp's own key flattening ("optimizer.state.<fqn>.<name>"): the keys its index stores.
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.utils._pytree import tree_map_only
 
 from fsdp_int8 import _dist
 from fsdp_int8.weight import Int8Weight, local_shard
 
+# A key as dcp stores it ("model.layers.0.weight") and its path in the nested state dict
+# (("model", "layers.0.weight")).
+FlatState = dict[str, Any]
+Paths = dict[str, tuple]
+
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` as dcp saves and loads it (no optimizer: no entry)."""
+    """``{"model": ..., "optimizer": ...}`` as dcp saves and loads it (no optimizer: no entry).
+
+    The tensors are the model's and optimizer's own: reading into them changes both.
+    """
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -34,6 +48,44 @@ def int8_keys(model_state: dict[str, Any]) -> list[str]:
 def stored_entries(path: Path) -> dict[str, Any]:
     """The metadata of every entry in checkpoint ``path``'s index, by key."""
     return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def flatten(state: dict[str, Any]) -> tuple[FlatState, Paths]:
+    """``state``'s leaves by the key dcp stores them under, and each key's nested path."""
+    return flatten_state_dict(state)
+
+
+def copy_tensors(state: Any) -> Any:
+    """``state`` with every tensor replaced by a copy (DTensors and int8 weights stay what
+    they are): something to read into without touching the model or optimizer."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
+
+
+def _values_to_check(value: Any) -> torch.Tensor | None:
+    """The floating values of one entry: an int8 weight's scales (its int8 data is always
+    finite), a float tensor itself (this rank's shard), nothing for other entries."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    local = local_shard(value)
+    if isinstance(local, Int8Weight):
+        return local.scale
+    return local if local.is_floating_point() else None
+
+
+def non_finite_keys(state: dict[str, Any]) -> list[str]:
+    """The keys of entries holding NaN or Inf on this rank: one host sync per device."""
+    flat, _ = flatten(state)
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    for key, value in flat.items():
+        values = _values_to_check(value)
+        if values is not None and values.numel():
+            by_device[values.device].append((key, values))
+    bad = []
+    for entries in by_device.values():
+        finite = torch.stack([values.isfinite().all() for _, values in entries]).cpu()
+        if not bool(finite.all()):  # rare: only then look at which entries
+            bad += [key for (key, _), ok in zip(entries, finite.tolist()) if not ok]
+    return sorted(bad)
 
 
 @contextlib.contextmanager
@@ -54,3 +106,15 @@ def load(state: dict[str, Any], path: Path) -> None:
     """Fill ``state``'s tensors in place from ``path``, resharding as they are placed."""
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=path, no_dist=not _dist.is_distributed())
+
+
+def failure_text(error: BaseException) -> str:
+    """What went wrong, for an error message: dcp's ``CheckpointException`` (a
+    ``BaseException`` that wraps each rank's error with its traceback) as each rank's
+    underlying error."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(cause).__name__}: {cause}"
+            for rank, (cause, _) in sorted(error.failures.items())
+        )
+    return f"{type(error).__name__}: {error}"

@@ -86,9 +86,29 @@ def is_complete(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def sequence(path: Path) -> int:
+    """When checkpoint ``path`` was written, as the save counter its manifest records
+    (0 for checkpoints written before the counter existed, or with an unreadable manifest)."""
+    try:
+        return int(json.loads((path / MANIFEST).read_text()).get("sequence", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    return sorted((p for p in root.glob("step_*") if is_complete(p)), key=lambda p: p.name)
+    """Complete checkpoints under ``root`` in the order they were written, oldest first.
+
+    Write order, not step order: a new run (or one rolled back to an earlier step) writes
+    lower steps after higher ones, and its checkpoints are still the newest.
+    """
+    found = [p for p in root.glob("step_*") if is_complete(p)]
+    return sorted(found, key=lambda p: (sequence(p), p.name))
+
+
+def latest_name(root: Path) -> str | None:
+    """The checkpoint name that ``root``'s ``latest`` pointer holds, if there is one."""
+    pointer = root / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
 
 
 def looks_like_checkpoint(path: Path) -> bool:
@@ -130,10 +150,21 @@ def publish(tmp: Path, final: Path) -> None:
     write_atomically(final.parent / LATEST, final.name + "\n")
 
 
-def prune(root: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` complete checkpoints under ``root``."""
-    for stale in complete_checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(stale, ignore_errors=True)
+def next_sequence(root: Path) -> int:
+    """The save counter of the next checkpoint under ``root``: after every existing one."""
+    return 1 + max((sequence(p) for p in complete_checkpoints(root)), default=0)
+
+
+def prune(root: Path, keep: int, newest: Path) -> None:
+    """Remove the complete checkpoints under ``root`` written before the last ``keep``.
+
+    Never removes ``newest`` (the checkpoint just written) nor the one ``latest`` names,
+    whatever their steps.
+    """
+    protected = {newest.name, latest_name(root)}
+    for stale in complete_checkpoints(root)[:-keep]:
+        if stale.name not in protected:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- loading

@@ -1,22 +1,38 @@
 """``load_checkpoint`` and ``latest_checkpoint``: find a checkpoint, check that it is whole
-and fits the model, load it (resharding), and restore or reseed the generators."""
+and fits the model and optimizer, read it into copies, and only then load it into them
+(resharding) and restore or reseed the generators.
+
+A load that fails changes nothing: everything that can fail (the manifest, the files'
+checksums, the fit, reading every shard and generator state, the optimizer's own checks of
+its hyperparameters) happens before the model, optimizer or generators are touched.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from fsdp_int8 import _dist
 from fsdp_int8._generators import seed_weight_rounding
-from fsdp_int8.checkpoint import _dcp, _files, _generator_states
-from fsdp_int8.checkpoint.errors import CheckpointError
+from fsdp_int8.checkpoint import _dcp, _files, _fit, _generator_states
+from fsdp_int8.checkpoint.errors import CheckpointError, listing
 
 __all__ = ["CheckpointInfo", "latest_checkpoint", "load_checkpoint"]
 
@@ -26,21 +42,24 @@ class CheckpointInfo:
     """What :func:`load_checkpoint` loaded."""
 
     path: Path
-    step: int
-    world_size: int  # of the run that saved it
+    step: int | None  # None: a folder without a manifest (allow_unverified=True)
+    world_size: int | None  # of the run that saved it; None likewise
     extra: dict = field(default_factory=dict)
-    rng_restored: bool = False  # False when resuming at another world size
+    rng_restored: bool = False  # False when resuming at another world size or mesh shape
     converted: list[str] = field(default_factory=list)  # float entries rounded into int8
+    missing_keys: list[str] = field(default_factory=list)  # strict=False: ours, left as they were
+    unexpected_keys: list[str] = field(default_factory=list)  # strict=False: the checkpoint's, skipped
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``directory``, or ``None`` if there is none."""
+    """The newest complete checkpoint under ``directory``, or ``None`` if there is none.
+
+    The one ``latest`` names; without a valid pointer, the most recently written one.
+    """
     root = Path(directory)
-    pointer = root / _files.LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if _files.is_complete(named):
-            return named
+    name = _files.latest_name(root)
+    if name and _files.is_complete(root / name):
+        return root / name
     complete = _files.complete_checkpoints(root) if root.is_dir() else []
     return complete[-1] if complete else None
 
@@ -60,25 +79,218 @@ def _resolve(directory: str | os.PathLike, step: int | None) -> Path:
     return path
 
 
-def _model_prefix(stored: dict[str, Any]) -> str:
-    """``"model."`` for our layout; ``""`` for ``dcp.save(get_model_state_dict(model))``."""
-    return "model." if any(k.startswith("model.") for k in stored) else ""
+def _manifest(path: Path, allow_unverified: bool) -> dict | None:
+    """The manifest; ``None`` for a folder without one, only if ``allow_unverified``."""
+    manifest = _files.read_manifest(path)
+    if manifest is None and not allow_unverified:
+        raise CheckpointError(
+            f"{path} has no {_files.MANIFEST}: it is a plain torch.distributed.checkpoint "
+            "folder, not one written by save_checkpoint, so its files cannot be verified and "
+            "its step and world size are unknown. Pass allow_unverified=True to load it anyway"
+        )
+    return manifest
 
 
-def _check_fits(path: Path, stored: dict[str, Any], model_state: dict[str, Any], prefix: str) -> None:
-    """Every model entry exists in the checkpoint with the same global shape."""
-    problems = []
-    for key, value in model_state.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        meta = stored.get(f"{prefix}{key}")
-        if meta is None:
-            problems.append(f"{key}: not in the checkpoint")
-        elif hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
-            problems.append(f"{key}: checkpoint has shape {tuple(meta.size)}, model {tuple(value.shape)}")
+@contextlib.contextmanager
+def _as_checkpoint_error(path: Path, doing: str) -> Iterator[None]:
+    """Turn any failure into a :class:`CheckpointError` naming ``path``: dcp's own
+    ``CheckpointException`` is a ``BaseException`` and buries the cause in a traceback."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"{doing} {path} failed: {_dcp.failure_text(error)}") from error
+
+
+def _refuse(path: Path, fit: _fit.Fit, strict: bool, what: str) -> None:
+    """Raise unless the checkpoint fits ``what`` (``strict``: both ways; else: shapes only)."""
+    problems = list(fit.mismatched)
+    if strict:
+        problems += fit.notes
+        problems += [f"{key}: not in the checkpoint" for key in fit.missing]
+        problems += [
+            f"{key}: in the checkpoint, not in the {'optimizer' if key.startswith(_fit.STATE) else 'model'}"
+            for key in fit.unexpected
+        ]
     if problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise CheckpointError(f"checkpoint {path} does not fit this model: {shown}")
+        hint = " (strict=False loads the entries both have)" if strict and (fit.missing or fit.unexpected) else ""
+        raise CheckpointError(f"checkpoint {path} does not fit {what}: {listing(problems)}{hint}")
+
+
+def _optimizer_copy(model: nn.Module, optimizer: torch.optim.Optimizer, model_copy: dict) -> dict:
+    """A copy of the optimizer's state dict, to read into.
+
+    A fresh optimizer has no state yet: torch creates it with one step at lr=0, which can
+    requantize int8 weights (recomputed scales) and draw rounding noise. That step is
+    undone here: state emptied, weights set back from ``model_copy``, generators rewound.
+    """
+    if optimizer.state:
+        return _dcp.copy_tensors(get_optimizer_state_dict(model, optimizer))
+    generators = _generator_states.capture(model)
+    try:
+        return _dcp.copy_tensors(get_optimizer_state_dict(model, optimizer))
+    finally:
+        optimizer.state.clear()
+        set_model_state_dict(model, model_copy)
+        _generator_states.restore(generators, model)
+
+
+def _merged_groups(ours: list[dict], theirs: list[dict], strict: bool, path: Path) -> list[dict]:
+    """Our parameter groups with the checkpoint's hyperparameters (ours fill what it lacks)."""
+    if len(ours) != len(theirs):
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this optimizer: it has {len(theirs)} parameter "
+            f"groups, this optimizer {len(ours)}"
+        )
+    merged = []
+    for index, (group, saved) in enumerate(zip(ours, theirs)):
+        if strict and set(saved.get("params", ())) != set(group["params"]):
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this optimizer: its parameter group {index} "
+                "holds other parameters (in one of the two only: "
+                f"{listing(sorted(set(saved.get('params', ())) ^ set(group['params'])))})"
+            )
+        merged.append({**group, **{k: v for k, v in saved.items() if k != "params"}})
+    return merged
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, groups: list[dict], path: Path) -> None:
+    """Let the optimizer's own ``load_state_dict`` judge ``groups`` (hyperparameters it
+    does not implement, sizes), on a stand-in that shares nothing it could change."""
+    stand_in = object.__new__(type(optimizer))
+    stand_in.__setstate__({
+        "defaults": dict(optimizer.defaults),
+        "state": defaultdict(dict),
+        "param_groups": [dict(group) for group in optimizer.param_groups],
+    })
+    first, indexed = 0, []
+    for group, ours in zip(groups, optimizer.param_groups):
+        indexed.append({**group, "params": list(range(first, first + len(ours["params"])))})
+        first += len(ours["params"])
+    try:
+        stand_in.load_state_dict({"state": {}, "param_groups": indexed})
+    except (ValueError, TypeError, KeyError) as error:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this optimizer ({type(optimizer).__name__}): {error}"
+        ) from error
+
+
+def _same_layout(manifest: dict | None, model: nn.Module) -> bool:
+    """Whether every rank holds the rows it held when the checkpoint was saved: the same
+    world size and mesh shape (world size only for checkpoints that predate the shape)."""
+    if manifest is None or manifest["world_size"] != _dist.world_size():
+        return False
+    ours = _generator_states.layout(model)
+    return manifest.get("mesh_shape", ours) == ours
+
+
+def _read_generators(path: Path, same_layout: bool) -> dict | None:
+    """This rank's saved generator states, if its streams can continue here."""
+    rng_path = _files.rng_file(path, _dist.rank())
+    if not same_layout or not rng_path.is_file():
+        return None
+    return torch.load(rng_path, weights_only=True)
+
+
+def _read(path: Path, state: dict, same_layout: bool, verified: bool) -> dict | None:
+    """Read ``state``'s entries and this rank's generator states; every rank raises the
+    same error if any rank fails (a rank's file can be damaged alone)."""
+    problem, generators = None, None
+    try:
+        with _as_checkpoint_error(path, "reading"):
+            _dcp.load(state, path)
+            generators = _read_generators(path, same_layout)
+    except CheckpointError as error:
+        problem = str(error)
+    problems = sorted({p for p in _dist.all_gather(problem) if p})
+    if problems:
+        hint = "" if verified else " (verify=True checks each file's size and checksum first)"
+        raise CheckpointError("; ".join(problems) + hint)
+    return generators
+
+
+def _copies_and_fit(
+    stored: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None, has_manifest: bool
+) -> tuple[dict[str, Any], str, _fit.Fit]:
+    """Copies of the model's (and optimizer's) state dicts to read into, the checkpoint's
+    model-key prefix, and how the checkpoint fits them. Changes nothing."""
+    model_copy = _dcp.copy_tensors(get_model_state_dict(model))
+    prefix = _fit.model_prefix(stored, list(model_copy), has_manifest)
+    fit = _fit.model_fit(stored, model_copy, prefix)
+    copies: dict[str, Any] = {"model": model_copy}
+    if optimizer is not None:
+        copies["optimizer"] = _optimizer_copy(model, optimizer, model_copy)
+        ours, _ = _dcp.flatten({"optimizer": copies["optimizer"]})
+        fit.add(_fit.optimizer_fit(stored, ours, _loaded_params(fit, prefix)))
+    return copies, prefix, fit
+
+
+def _loaded_params(fit: _fit.Fit, prefix: str) -> set[str]:
+    """The model keys whose entries are read."""
+    return {key[len(prefix):] for key in fit.read if key.startswith(prefix) and not key.startswith(_fit.STATE)}
+
+
+def _to_read(copies: dict[str, Any], prefix: str, fit: _fit.Fit, stored: dict[str, Any]) -> dict[str, Any]:
+    """The nested state dict dcp reads into: the entries ``fit`` selected (the copies'
+    own tensors) and, for an optimizer, every hyperparameter the checkpoint holds."""
+    flat, paths = _dcp.flatten(copies if prefix else copies["model"])
+    to_read = {key: flat[key] for key in fit.read}
+    if "optimizer" in copies:
+        for index, names in _fit.stored_groups(stored).items():
+            for name in names:
+                key = f"{_fit.GROUPS}{index}.{name}"
+                to_read[key], paths[key] = None, ("optimizer", "param_groups", index, name)
+    return unflatten_state_dict(to_read, {key: paths[key] for key in to_read})
+
+
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, ours: dict, read: dict, loaded: set[str], fresh: bool, strict: bool, path: Path
+) -> dict:
+    """The state dict to load into the optimizer: the states read (and, unless it was
+    fresh, its own for parameters not read), with the checkpoint's hyperparameters."""
+    theirs = read.get("optimizer", {}).get("param_groups", [])
+    groups = _merged_groups(ours["param_groups"], theirs, strict, path)
+    _check_groups(optimizer, groups, path)
+    state = ours["state"]
+    if fresh:  # parameters not read keep no state, as before the load
+        state = {fqn: per_param for fqn, per_param in state.items() if fqn in loaded}
+    return {"state": state, "param_groups": groups}
+
+
+def _converted(model_copy: dict, loaded: set[str], manifest: dict | None, path: Path) -> list[str]:
+    """The int8 weights read from entries not saved as int8 (rounded to nearest), warned
+    about. Without a manifest, every int8 weight read: which were int8 is unknown."""
+    stored_int8 = set(manifest["int8_keys"]) if manifest is not None else set()
+    converted = [k for k in _dcp.int8_keys(model_copy) if k in loaded and k not in stored_int8]
+    keys = ", ".join(converted[:3]) + (", ..." if len(converted) > 3 else "")
+    if manifest is None:
+        warnings.warn(
+            f"{path} is loaded without verification (no manifest: no sizes or checksums, its "
+            f"step and world size unknown), and it does not say which entries are int8: float "
+            f"entries among {len(converted)} int8 weights ({keys}) are rounded to nearest into int8",
+            stacklevel=3,
+        )
+    elif converted:
+        warnings.warn(
+            f"{len(converted)} float checkpoint entries are rounded to nearest into int8 weights ({keys})",
+            stacklevel=3,
+        )
+    return converted
+
+
+def _commit(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, model_copy: dict,
+    optimizer_state: dict | None, generators: dict | None, step: int | None, strict: bool,
+) -> None:
+    """Load what was read into place; nothing here is expected to fail."""
+    if optimizer is not None:  # first: priming a fresh optimizer may touch the weights
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(strict=strict))
+    set_model_state_dict(model, model_copy)
+    if generators is not None:
+        _generator_states.restore(generators, model)
+    else:  # another world size or mesh: rows move between ranks, no stream can continue
+        seed_weight_rounding(step or 0, _dist.mesh_of(model))
 
 
 def load_checkpoint(
@@ -88,14 +300,21 @@ def load_checkpoint(
     *,
     step: int | None = None,
     verify: bool = True,
+    strict: bool = True,
+    allow_unverified: bool = False,
 ) -> CheckpointInfo:
     """Load a checkpoint saved by :func:`save_checkpoint`, at this or another world size.
 
     Call on every rank, with the model sharded (or not) as it will train. Int8 weights
-    and optimizer states load bit-exactly. At the world size that saved it, the
-    stochastic-rounding and torch generators are restored too, so training continues
-    exactly as if never interrupted; at another world size they are reseeded from the
-    step (see docs/checkpoints.md).
+    and optimizer states load bit-exactly. At the world size and mesh shape that saved
+    it, the stochastic-rounding and torch generators are restored too, so training
+    continues exactly as if never interrupted; otherwise they are reseeded from the step
+    and each rank's shard coordinate (HSDP replicas alike; see docs/checkpoints.md).
+
+    Everything is checked and read into copies first: a load that fails (on any rank)
+    raises the same :class:`CheckpointError` on every rank and leaves the model, the
+    optimizer and the generators exactly as they were. While it reads, the model's and
+    optimizer's local state are held twice.
 
     A float checkpoint entry loaded into an int8 weight (a checkpoint of the unquantized
     model, or one written by plain ``torch.distributed.checkpoint``) is rounded to
@@ -104,52 +323,51 @@ def load_checkpoint(
     Args:
         directory: A checkpoint root (loads ``latest``) or one checkpoint's directory.
         model: The model to load into.
-        optimizer: Its optimizer, to restore its state too.
+        optimizer: Its optimizer, to restore its state too (it may be fresh).
         step: Load ``step_<step>`` instead of the latest.
         verify: Check every file's size and sha256 against the manifest first.
+        strict: Every entry of the model and optimizer must be in the checkpoint and every
+            entry of the checkpoint must be taken. ``False`` loads the entries both have
+            (shapes must still match) and lists the others in ``CheckpointInfo.missing_keys``
+            (left as they were) and ``unexpected_keys`` (skipped).
+        allow_unverified: Load a folder without a manifest (plain dcp): nothing to verify,
+            ``CheckpointInfo.step`` and ``world_size`` are ``None``.
 
     Raises:
-        CheckpointError: missing, incomplete, truncated or corrupted checkpoints, and
-            checkpoints whose entries or shapes do not fit the model.
+        CheckpointError: missing, incomplete, truncated or corrupted checkpoints, folders
+            without a manifest (unless ``allow_unverified``), checkpoints whose entries or
+            shapes do not fit the model or optimizer, and any failure while reading.
     """
     path = _resolve(directory, step)
-    manifest = _files.read_manifest(path)
+    manifest = _manifest(path, allow_unverified)
     if manifest is not None and verify:
         _files.verify(path, manifest)
-    state = _dcp.training_state(model, optimizer)
-    stored = _dcp.stored_entries(path)
-    prefix = _model_prefix(stored)
-    _check_fits(path, stored, state["model"], prefix)
-    if optimizer is not None and (
-        not prefix or (manifest is not None and not manifest["has_optimizer"])
-    ):
+    with _as_checkpoint_error(path, "reading the index of"):
+        stored = _dcp.stored_entries(path)
+    if optimizer is not None and not any(key.startswith("optimizer.") for key in stored):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state")
-    stored_int8 = set(manifest["int8_keys"]) if manifest is not None else set()
-    converted = [k for k in _dcp.int8_keys(state["model"]) if k not in stored_int8]
-    if converted:
-        warnings.warn(
-            f"{len(converted)} float checkpoint entries are rounded to nearest into int8 "
-            f"weights ({', '.join(converted[:3])}{', ...' if len(converted) > 3 else ''})",
-            stacklevel=2,
-        )
-    try:
-        _dcp.load(state if prefix else state["model"], path)
-    except Exception as error:  # name the checkpoint: dcp's own messages often do not
-        raise CheckpointError(f"loading {path} failed: {error}") from error
-    set_model_state_dict(model, state["model"])
+    fresh = optimizer is not None and not optimizer.state
+    with _as_checkpoint_error(path, "preparing to read"):
+        copies, prefix, fit = _copies_and_fit(stored, model, optimizer, manifest is not None)
+    _refuse(path, fit, strict, "this model" if optimizer is None else "this model and optimizer")
+    read = _to_read(copies, prefix, fit, stored)
+    generators = _read(path, read, _same_layout(manifest, model), verified=manifest is not None and verify)
+    loaded = _loaded_params(fit, prefix)
+    optimizer_state = None
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        optimizer_state = _optimizer_state(optimizer, copies["optimizer"], read, loaded, fresh, strict, path)
 
-    saved_world = manifest["world_size"] if manifest is not None else -1
-    step_loaded = manifest["step"] if manifest is not None else 0
-    rng_path = _files.rng_file(path, _dist.rank())
-    rng_restored = saved_world == _dist.world_size() and rng_path.is_file()
-    if rng_restored:
-        _generator_states.restore(torch.load(rng_path, weights_only=True), model)
-    else:  # another world size: rows move between ranks, no stream can be continued
-        seed_weight_rounding(step_loaded, _dist.mesh_of(model))
+    # Everything is read and checked: from here on, only loading into place.
+    converted = _converted(copies["model"], loaded, manifest, path)
+    step_loaded = manifest["step"] if manifest is not None else None
+    _commit(model, optimizer, copies["model"], optimizer_state, generators, step_loaded, strict)
     return CheckpointInfo(
-        path=path, step=step_loaded, world_size=saved_world,
+        path=path,
+        step=step_loaded,
+        world_size=manifest["world_size"] if manifest is not None else None,
         extra=manifest["extra"] if manifest is not None else {},
-        rng_restored=rng_restored, converted=converted,
+        rng_restored=generators is not None,
+        converted=converted,
+        missing_keys=fit.missing,
+        unexpected_keys=fit.unexpected,
     )

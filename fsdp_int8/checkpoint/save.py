@@ -1,17 +1,21 @@
-"""``save_checkpoint``: every rank writes its shards and generator states into a temporary
-directory; rank 0 adds the manifest and renames it into place."""
+"""``save_checkpoint``: every rank checks that its state is finite, writes its shards and
+generator states into a temporary directory; rank 0 adds the manifest, renames it into
+place and prunes by write order."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from fsdp_int8 import _dist
+from fsdp_int8._version import __version__
 from fsdp_int8.checkpoint import _dcp, _files, _generator_states
+from fsdp_int8.checkpoint.errors import CheckpointError, listing
 
 __all__ = ["save_checkpoint"]
 
@@ -31,19 +35,37 @@ def save_checkpoint(
     for unsharded ones. ``directory`` must be visible to all ranks (a shared filesystem
     across nodes).
 
+    Nothing is written if any floating parameter or optimizer state (an int8 weight's
+    scales included) holds NaN or Inf on any rank: every rank raises the same
+    :class:`CheckpointError`, and ``latest`` still names the previous checkpoint.
+
     Args:
         directory: The checkpoint root.
         model: The model (sharded or not).
         optimizer: Its optimizer, if its state should be saved.
         step: The training step; names the checkpoint.
         extra: JSON-serialisable data saved in the manifest (e.g. the run's arguments).
-        keep: Keep only the newest ``keep`` complete checkpoints.
+        keep: Keep only the ``keep`` (>= 1) most recently *written* complete checkpoints,
+            this one included; ``None`` keeps all. Write order, not step: a new or
+            rolled-back run's checkpoints are the newest even at lower steps. The new
+            checkpoint and the one ``latest`` names are never removed.
 
     Returns:
         The path of the new checkpoint.
+
+    Raises:
+        ValueError: ``step < 0`` or ``keep < 1``.
+        CheckpointError: NaN or Inf in the state (naming the first entries).
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    if keep is not None and keep < 1:
+        raise ValueError(
+            f"keep must be >= 1 (how many checkpoints to keep, this one included), got {keep}; "
+            "pass keep=None to keep every checkpoint"
+        )
+    state = _dcp.training_state(model, optimizer)
+    _refuse_non_finite(state)
     final = _files.step_dir(Path(directory), step)
     tmp = _files.temporary_dir(final, _dist.broadcast_from_rank0(uuid.uuid4().hex))
     rank = _dist.rank()
@@ -51,7 +73,6 @@ def save_checkpoint(
         _files.create_temporary_dir(tmp)
     _dist.barrier()
 
-    state = _dcp.training_state(model, optimizer)
     _dcp.save(state, tmp)
     rng_path = _files.rng_file(tmp, rank)
     torch.save(_generator_states.capture(model), rng_path)
@@ -62,22 +83,30 @@ def save_checkpoint(
         manifest = {
             "format": _files.FORMAT,
             "step": step,
+            "sequence": _files.next_sequence(final.parent),  # write order, for keep
             "world_size": _dist.world_size(),
+            "mesh_shape": _generator_states.layout(model),
             "int8_keys": _dcp.int8_keys(state["model"]),
             "has_optimizer": optimizer is not None,
             "extra": extra or {},
-            "versions": {"torch": torch.__version__, "fsdp_int8": _package_version()},
+            "versions": {"torch": torch.__version__, "fsdp_int8": __version__},
             "files": {k: v for per_rank in gathered for k, v in per_rank.items()},
         }
         _files.write_manifest(tmp, manifest)
         _files.publish(tmp, final)
         if keep is not None:
-            _files.prune(final.parent, keep)
+            _files.prune(final.parent, keep, newest=final)
     _dist.barrier()
     return final
 
 
-def _package_version() -> str:
-    from fsdp_int8 import __version__  # here: fsdp_int8 imports this module while starting up
-
-    return __version__
+def _refuse_non_finite(state: dict[str, Any]) -> None:
+    """Raise on every rank if any rank's state holds NaN or Inf (one gather: the same
+    verdict everywhere, so no rank waits in a collective the others skip)."""
+    bad = sorted({key for per_rank in _dist.all_gather(_dcp.non_finite_keys(state)) for key in per_rank})
+    if bad:
+        raise CheckpointError(
+            f"not saving: NaN or Inf in {len(bad)} entries ({listing(bad)}); nothing was "
+            "written and the previous checkpoints are unchanged. Training has diverged: resume "
+            "from the last good checkpoint, with a lower learning rate or gradient clipping"
+        )

@@ -342,7 +342,30 @@ def _check_dtensor_ops_on_uneven_shards(rank: int, world: int, rows: int) -> Non
         assert torch.equal(weight.full_tensor().dequantize(torch.float32), full)
 
 
+def _check_broadcast_says_when_it_is_not_exact(rank: int, world: int) -> None:
+    """dist.broadcast of an Int8Weight carries outer-dtype values: exact for fp32 weights as
+    quantized (no warning); a bf16 wire cannot carry every scale, and the sender says so."""
+    import warnings
+
+    for dtype, exact in ((torch.float32, True), (torch.bfloat16, False)):
+        with case(f"broadcast of a {dtype} Int8Weight"):
+            torch.manual_seed(rank)  # different weights on each rank: rank 0's must win
+            weight = Int8Weight.from_float(torch.randn(20, 256), dtype=dtype)
+            sent = weight.clone()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                dist.broadcast(weight, src=0)
+            warned = any("round-trip bit-exactly" in str(w.message) for w in caught)
+            assert warned == (rank == 0 and not exact), [str(w.message) for w in caught]
+            reference = [sent.int_data.clone(), sent.scale.clone()]
+            for t in reference:
+                dist.broadcast(t, src=0)
+            same = torch.equal(weight.int_data, reference[0]) and torch.equal(weight.scale, reference[1])
+            assert same or not exact
+
+
 def _two_rank_body(rank: int, world: int) -> None:
+    _check_broadcast_says_when_it_is_not_exact(rank, world)
     _check_dtensor_ops_on_uneven_shards(rank, world, rows=21)
     _parity_matrix(rank, world, hiddens=(32, 33, 31) if FULL_MATRIX else (32, 33))
     _check_int8_matmuls_under_fsdp(rank, world)

@@ -1,9 +1,11 @@
-"""The torchrun launcher end to end: a real run, a rank killed and restarted, bad input."""
+"""The torchrun launcher end to end: a real run, a rank killed and restarted, bad input, and
+who may write into an --out that already holds checkpoints."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 import fsdp_int8
 from launch import train
@@ -137,3 +140,74 @@ def test_bad_data_path_under_torchrun_exits_without_hanging(tmp_path):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "does not exist" in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- an --out with checkpoints
+# One process, in this one (no torchrun): 2 steps of a small run take about a second.
+SHORT = ["--preset", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+         "--max-bytes", "300000", "--checkpoint-every", "2", "--eval-every", "2", "--eval-batches", "1"]
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """torchrun's environment for a world of one process; ``main`` runs in this one."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": str(os.cpu_count() or 1),  # one thread, as now
+                        "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+
+    def main(*argv: str) -> int:
+        with socket.socket() as probe:  # a free port for this process group's store
+            probe.bind(("127.0.0.1", 0))
+            monkeypatch.setenv("MASTER_PORT", str(probe.getsockname()[1]))
+        return train.main(list(argv))
+
+    yield main
+    torch.set_num_threads(threads)
+
+
+def test_a_new_run_refuses_another_runs_checkpoints_and_a_finished_run_is_complete(one_process, capsys, tmp_path):
+    out = str(tmp_path / "out")
+    assert one_process(*SHORT, "--out", out) == 0
+    assert (tmp_path / "out" / "checkpoints" / "step_00000002").is_dir()
+
+    assert one_process(*SHORT, "--out", out, "--resume") == 0  # at --steps already
+    assert "is complete: its checkpoint is at step 2 and --steps is 2" in capsys.readouterr().out
+
+    assert one_process(*SHORT, "--out", out) == 2  # a new run: refused before any process group
+    assert "already holds checkpoints of another run (newest: step_00000002): pass --resume" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+    assert (tmp_path / "out" / "checkpoints" / "step_00000002").is_dir()
+
+    assert one_process(*SHORT, "--out", out, "--overwrite", "--steps", "1") == 0
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*")] == ["step_00000001"]
+
+
+def test_a_torchrun_restart_resumes_only_its_own_jobs_checkpoints(monkeypatch, tmp_path):
+    out = tmp_path / "out"
+    fsdp_int8.save_checkpoint(out / "checkpoints", nn.Linear(2, 2), step=5)  # an earlier job's
+    args = train.parse_args(["--out", str(out)])
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+        train.start_mode(args)  # job b's first attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarts the refused job
+    with pytest.raises(ValueError, match="this torchrun restart found checkpoints of another run"):
+        train.start_mode(args)
+    assert train.start_mode(train.parse_args(["--out", str(out), "--resume"])) == "resume"
+
+    train.claim_output(out, "fresh")  # what job b's first attempt does when it may start
+    assert train.start_mode(args) == "resume"  # its restarts resume its own checkpoints
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-c")
+    with pytest.raises(ValueError, match="this torchrun restart found checkpoints of another run"):
+        train.start_mode(args)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # no id to tell jobs apart: as before
+    assert train.start_mode(args) == "resume"
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert train.start_mode(train.parse_args(["--out", str(out), "--overwrite"])) == "overwrite"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--out", str(out), "--resume", "--overwrite"])

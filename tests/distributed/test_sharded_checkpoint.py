@@ -1,5 +1,5 @@
 """Sharded checkpoints across processes: bit-exact loads at other world sizes, exact resume,
-full-precision export and import under FSDP2.
+full-precision export and import under FSDP2, HSDP replicas that stay identical.
 
 The rows (33) never divide the world sizes used (2, 4): every shard load is uneven.
 """
@@ -16,11 +16,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_int8
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
-from fsdp_int8.testing import run_distributed
+from fsdp_int8.testing import device_type_for, run_distributed
 
 from _cases import assert_identical, case, snapshot
 from _nets import MLPNet
@@ -28,9 +29,9 @@ from _nets import MLPNet
 BATCH = 8  # global batch: divides 1, 2 and 4 ranks
 
 
-def _model():
+def _model(mesh=None):
     torch.manual_seed(0)
-    model = fsdp_int8.shard_model(MLPNet(hidden=33), config=Int8TrainingConfig(seed=7))
+    model = fsdp_int8.shard_model(MLPNet(hidden=33), mesh=mesh, config=Int8TrainingConfig(seed=7))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -119,11 +120,41 @@ def _resume_at_two_ranks(rank, world, root, root_from_one):
     return out
 
 
-def _load_at_four_ranks(rank, world, root):
+def _assert_replicas_identical(model, mesh) -> None:
+    """Every int8 shard (bytes and scales) is the same on each replica of it."""
+    group = mesh.get_group("replicate")
+    for name, param in model.named_parameters():
+        local = param._local_tensor
+        if isinstance(local, Int8Weight):
+            mine = (local.int_rows().cpu(), local.scale.cpu())
+            replicas = [None] * mesh.size(0)
+            dist.all_gather_object(replicas, mine, group=group)
+            for other in replicas:
+                assert all(map(torch.equal, mine, other)), f"{name}: HSDP replicas differ"
+
+
+def _load_at_four_ranks(rank, world, root, four_root):
     model, opt = _model()
     fsdp_int8.load_checkpoint(root, model, opt)
     loaded = snapshot(model, opt)
     _train(model, opt, 3, 1)  # and it trains on
+    mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("replicate", "shard"))
+    with case("4-way FSDP -> 2 x 2 HSDP (same world size): reseeded by shard, replicas stay identical"):
+        fsdp_int8.save_checkpoint(four_root, model, opt, step=4)
+        model, opt = _model(mesh)
+        info = fsdp_int8.load_checkpoint(four_root, model, opt)
+        assert info.world_size == 4 and not info.rng_restored  # each rank holds other rows now
+        _train(model, opt, 4, 2)  # stochastic rounding
+        _assert_replicas_identical(model, mesh)
+    with case("2 x 2 HSDP -> 2 x 2 HSDP: exact resume, replicas stay identical"):
+        fsdp_int8.save_checkpoint(four_root, model, opt, step=6)
+        _train(model, opt, 6, 1)
+        uninterrupted = snapshot(model, opt)
+        model, opt = _model(mesh)
+        assert fsdp_int8.load_checkpoint(four_root, model, opt).rng_restored
+        _train(model, opt, 6, 1)
+        _assert_replicas_identical(model, mesh)
+        assert_identical(uninterrupted, snapshot(model, opt), "HSDP save at 6, resume, 1 more")
     return loaded
 
 
@@ -137,5 +168,5 @@ def test_checkpoints_across_world_sizes_and_exact_resume():
         assert_identical(at_save, two["from_one"], "1 -> 2 load")
         assert_identical(at_save, two["loaded"], "2 -> 2 load")
         assert_identical(uninterrupted, two["resumed"], "save at 3, restart, 3 more == 6 steps")
-        from_two_at_four = run_distributed(_load_at_four_ranks, 4, root)[0]
+        from_two_at_four = run_distributed(_load_at_four_ranks, 4, root, f"{tmp}/four")[0]
         assert_identical(at_save, from_two_at_four, "2 -> 4 load")

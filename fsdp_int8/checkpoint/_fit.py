@@ -1,0 +1,120 @@
+"""Does a checkpoint fit a model and its optimizer? Entry by entry, both ways, from the
+checkpoint's index alone (nothing is read or changed): which entries to read, which of
+ours it lacks, which of its entries nothing here takes, and which shapes disagree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+STATE = "optimizer.state."  # + "<fqn>.<name>"
+GROUPS = "optimizer.param_groups."  # + "<index>.<name>"
+
+
+@dataclass
+class Fit:
+    """The outcome of comparing entries. ``read`` holds keys as dcp stores them; the others
+    name model entries by their state-dict key and optimizer entries by their stored key
+    (``optimizer.state.<fqn>.<name>``)."""
+
+    read: list[str] = field(default_factory=list)  # in both, same shape: to read
+    missing: list[str] = field(default_factory=list)  # ours, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # the checkpoint's, not ours
+    mismatched: list[str] = field(default_factory=list)  # in both, other shapes: a sentence each
+    notes: list[str] = field(default_factory=list)  # why entries are missing or unexpected
+
+    def add(self, other: "Fit") -> None:
+        """Append ``other``'s entries to this one's."""
+        for name in ("read", "missing", "unexpected", "mismatched", "notes"):
+            getattr(self, name).extend(getattr(other, name))
+
+
+def _shape_problem(key: str, meta: Any, value: Any, ours: str) -> str | None:
+    if isinstance(value, torch.Tensor) and hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
+        return f"{key}: checkpoint has shape {tuple(meta.size)}, {ours} {tuple(value.shape)}"
+    return None
+
+
+def model_prefix(stored: dict[str, Any], model_keys: list[str], has_manifest: bool) -> str:
+    """``"model."`` for our layout; ``""`` for ``dcp.save(get_model_state_dict(model))``.
+
+    Without a manifest, whichever reading finds more of the model's keys: a model whose
+    own keys start with ``model.`` (Hugging Face's) is not mistaken for our layout.
+    """
+    if has_manifest:
+        return "model."
+    ours = sum(f"model.{key}" in stored for key in model_keys)
+    plain = sum(key in stored for key in model_keys)
+    return "model." if ours > plain else ""
+
+
+def model_fit(stored: dict[str, Any], model_state: dict[str, Any], prefix: str) -> Fit:
+    """The model's tensor entries against the checkpoint's model entries, both ways."""
+    fit = Fit()
+    ours = {key for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    for key in sorted(ours):
+        meta = stored.get(prefix + key)
+        if meta is None:
+            fit.missing.append(key)
+        elif problem := _shape_problem(key, meta, model_state[key], "model"):
+            fit.mismatched.append(problem)
+        else:
+            fit.read.append(prefix + key)
+    theirs = [k[len(prefix):] for k in stored if k.startswith(prefix)]
+    fit.unexpected = sorted(k for k in theirs if k not in ours)
+    return fit
+
+
+def _names_by_param(keys: Any) -> dict[str, set[str]]:
+    """``{fqn: {state names}}`` from ``optimizer.state.<fqn>.<name>`` keys."""
+    by_param: dict[str, set[str]] = {}
+    for key in keys:
+        if key.startswith(STATE):
+            fqn, name = key[len(STATE):].rsplit(".", 1)
+            by_param.setdefault(fqn, set()).add(name)
+    return by_param
+
+
+def optimizer_fit(stored: dict[str, Any], ours: dict[str, Any], params: set[str]) -> Fit:
+    """The optimizer's state entries (flat, ``ours``) against the checkpoint's, for the
+    parameters ``params`` whose weights are read. A parameter's state is read whole or
+    not at all: the checkpoint must hold exactly the state names this optimizer keeps
+    (another optimizer, or other settings such as ``state_bits``, keep others)."""
+    fit = Fit()
+    needed, saved = _names_by_param(ours), _names_by_param(stored)
+    if saved and not needed:
+        fit.notes.append(
+            "this optimizer has no state to load into (never stepped, but its parameters hold "
+            "gradients, so torch did not create it): call optimizer.zero_grad(set_to_none=True) first"
+        )
+    for fqn in sorted(needed.keys() | saved.keys()):
+        keys_needed = sorted(f"{STATE}{fqn}.{name}" for name in needed.get(fqn, ()))
+        keys_saved = sorted(f"{STATE}{fqn}.{name}" for name in saved.get(fqn, ()))
+        if fqn in params and needed.get(fqn) == saved.get(fqn):
+            for key in keys_needed:
+                if problem := _shape_problem(key, stored[key], ours[key], "optimizer"):
+                    fit.mismatched.append(problem)
+                else:
+                    fit.read.append(key)
+            continue
+        fit.missing += [k for k in keys_needed if k not in stored]
+        fit.unexpected += [k for k in keys_saved if k not in ours]
+        if fqn in params and needed.get(fqn) and saved.get(fqn):
+            fit.notes.append(
+                f"optimizer state of {fqn}: the checkpoint holds {sorted(saved[fqn])}, this "
+                f"optimizer keeps {sorted(needed[fqn])} (saved by another optimizer, or with "
+                "other settings such as Int8AdamW's state_bits)"
+            )
+    return fit
+
+
+def stored_groups(stored: dict[str, Any]) -> dict[int, list[str]]:
+    """The checkpoint's optimizer parameter groups: ``{index: [its keys]}``."""
+    groups: dict[int, list[str]] = {}
+    for key in stored:
+        if key.startswith(GROUPS):
+            index, name = key[len(GROUPS):].split(".", 1)
+            groups.setdefault(int(index), []).append(name)
+    return groups

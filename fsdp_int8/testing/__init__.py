@@ -1,0 +1,40 @@
+"""Testing helpers that downstream projects reuse.
+
+* :mod:`~fsdp_int8.testing.processes`: run a test body in N real processes (CPU + gloo, or
+  one GPU per rank + NCCL): :func:`run_distributed`, :class:`DistributedTestCase`.
+* :mod:`~fsdp_int8.testing.conformance`: the FSDP2 conformance suite for any tensor-subclass
+  weight: :func:`check_fsdp2_conformance` / :func:`assert_fsdp2_conformance`.
+"""
+
+from typing import Any
+
+from fsdp_int8.testing import processes
+from fsdp_int8.testing.conformance import (
+    SCENARIOS,
+    ConformanceReport,
+    ScenarioResult,
+    SubclassSpec,
+    assert_fsdp2_conformance,
+    check_fsdp2_conformance,
+)
+from fsdp_int8.testing.processes import device_type_for, run_distributed
+
+__all__ = [
+    "run_distributed",
+    "DistributedTestCase",
+    "device_type_for",
+    "SubclassSpec",
+    "check_fsdp2_conformance",
+    "assert_fsdp2_conformance",
+    "ConformanceReport",
+    "ScenarioResult",
+    "SCENARIOS",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # DistributedTestCase is built on first use (see processes): importing torch's test
+    # utilities would cost every spawned rank about a second.
+    if name == "DistributedTestCase":
+        return processes.DistributedTestCase
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
