@@ -283,9 +283,7 @@ def absmax_quantize(
     levels = INT8_MAX if signed else UINT8_MAX
     q_dtype = torch.int8 if signed else torch.uint8
     rows, length = values.shape
-    if out is None:
-        out = torch.empty(rows, length, dtype=q_dtype, device=values.device)
-    elif out.shape != values.shape or out.dtype != q_dtype:
+    if out is not None and (out.shape != values.shape or out.dtype != q_dtype):
         raise ValueError(f"out must be {q_dtype} of shape {tuple(values.shape)}, got {out.dtype} {tuple(out.shape)}")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
@@ -298,8 +296,9 @@ def absmax_quantize(
             q, scale = run_compiled(_int8_rows_nearest, values)
         if nonfinite == "raise" and not bool(torch.isfinite(scale).all()):
             _raise_non_finite(values, what, "int8" if signed else "uint8")
-        out.copy_(q)
-        return out, scale
+        return (q if out is None else out.copy_(q)), scale
+    if out is None:
+        out = torch.empty(rows, length, dtype=q_dtype, device=values.device)
     values32 = values.float()
 
     if block_size is None:  # one block per row (dim=-1) or per column (dim=0)
