@@ -1,25 +1,35 @@
-"""fsdp_int8 against fp32 / bf16 FSDP2 and torchao's int8 training, on one model, data and world size.
+"""fsdp_int8 against bf16 / fp32 FSDP2 and torchao's int8 training, on one model, data and world size.
 
-    python -m benchmarks.compare                       # the full comparison (about 10 min on 2 cores)
+    python -m benchmarks.compare                       # the full comparison (about 30 min on 2 busy cores)
     python -m benchmarks.compare --quick               # fewer steps, a smoke run
     python -m benchmarks.compare --write-docs docs     # also writes docs/benchmarks.md and its plots
 
+The baseline is **bf16 FSDP2** (bf16 parameters, fp32 gradient reduction: torchtitan's
+default policy), the setting users would otherwise pick; every fsdp_int8 row computes in
+bf16 too (``MixedPrecisionPolicy(param_dtype=bfloat16)``, as the launcher does) and runs
+the compiled quantization kernels (``fsdp_int8.quant.use_compiled_kernels``).
+
 Every row trains the launcher's Llama-style model (default: preset small) on the
 embedded corpus (Python's standard library source) with torch AdamW (weight decay 0, so
-torchao can run) for the same number of steps, each row in fresh processes, one after
-another in this one run. Columns:
+torchao can run) for the same number of steps, each row in fresh processes (its own peak
+memory), one after another. Its step time, though, comes from ONE more launch in which
+every row's model takes its steps interleaved with the others' (step 1 of every row,
+then step 2, ...): this machine is shared, and only rows timed side by side can be
+compared. Columns:
 
 * all-gather / step: bytes of every all-gather buffer in one training step (all ranks'
   shares), counted at the torch.distributed calls;
 * collectives / step: all collectives of the step (all-gathers, reduce-scatters, ...);
   in a ring each rank sends (N - 1) / N of these buffers (the sweeps print that);
-* step ms: median step time on rank 0, and its speed-up over fp32 FSDP2;
+* step ms: median step time on rank 0 in the interleaved launch; vs bf16, vs fp32: that
+  time over the baseline's (lower is faster);
 * peak RSS: the largest resident set of any rank (includes torch itself);
 * bytes/param: each rank's parameters + gradients + optimizer states per parameter;
 * val loss: validation loss (nats per byte) after the budget.
 
-Then two sweeps, a few steps each: bytes and time against the world size (1, 2, 4) and
-against the model width, for bf16 FSDP2 and fsdp_int8.
+Then the step-time ratios at the issue's shape (dim 1024 and 512, 2 blocks, 4 x 256
+tokens per rank: ``benchmarks.ratios``), and two sweeps, rows interleaved at every point:
+bytes and time against the world size (1, 2, 4) and against the model width.
 """
 
 from __future__ import annotations
@@ -29,86 +39,70 @@ import os
 import platform
 import resource
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_int8
+from benchmarks import ratios
 from benchmarks.speed_memory import cpu_description
 from fsdp_int8.testing import device_type_for, run_distributed
 from launch.data import load_corpus, sample_batch
 from launch.model import PRESETS, ModelArgs, Transformer
 
-BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-ALL_BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-
-# name -> (how the model is prepared, AdamW weight decay)
+# name -> (row kind of benchmarks.ratios.build, AdamW weight decay)
 ROWS = {
     "fp32 FSDP2": ("fp32", 0.0),
     "bf16 FSDP2": ("bf16", 0.0),
-    "fsdp_int8 weight-only": ("int8", 0.0),
     "fsdp_int8 int8 matmuls": ("int8-mm", 0.0),
+    "fsdp_int8 weight-only": ("int8", 0.0),
     "all-bf16 FSDP2 (bf16 reduce)": ("all-bf16", 0.0),
     "fsdp_int8 + int8 gradients": ("int8-grads", 0.0),
     "torchao int8 weight-only": ("torchao", 0.0),
     "torchao, weight decay 0.1": ("torchao", 0.1),
     "fsdp_int8, weight decay 0.1": ("int8", 0.1),
 }
+SWEEP_KINDS = (("bf16", "bf16 FSDP2"), ("int8-mm", "int8 matmuls"), ("int8", "weight-only"))
 
 
 def model_args(settings: dict, dim: int | None = None) -> ModelArgs:
     fields = dict(PRESETS[settings["preset"]].__dict__)
     if dim:
         fields.update(dim=dim, hidden_dim=0, n_heads=max(1, dim // 64))
+    if settings.get("n_layers"):
+        fields["n_layers"] = settings["n_layers"]
     fields["max_seq_len"] = max(fields["max_seq_len"], settings["seq_len"])
     return ModelArgs(**fields)
 
 
-def _shard_torchao(model: torch.nn.Module) -> None:
-    from torchao.prototype.quantized_training import int8_weight_only_quantized_training
-    from torchao.quantization import quantize_
+def _batch_fn(settings: dict, rank: int, device: torch.device, corpus=None):
+    corpus = corpus or load_corpus(None, settings["max_bytes"])
 
-    quantize_(model, int8_weight_only_quantized_training())
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model, reshard_after_forward=False)
+    def batch(step: int) -> tuple:
+        data = torch.Generator().manual_seed(step * 1000 + rank)
+        inputs, targets = sample_batch(corpus.train, settings["batch_size"], settings["seq_len"], data)
+        return inputs.to(device), targets.to(device)
 
-
-def prepare(kind: str, args: ModelArgs) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
-    model.to(device_type_for(dist.get_world_size()))
-    if kind == "torchao":
-        _shard_torchao(model)
-    elif kind.startswith("int8"):
-        matmuls = fsdp_int8.Int8MatmulConfig() if kind == "int8-mm" else None
-        config = fsdp_int8.Int8TrainingConfig(int8_matmul=matmuls, quantize_gradients=kind == "int8-grads")
-        fsdp_int8.shard_model(model, config=config)
-    else:
-        policy = {"fp32": None, "bf16": BF16, "all-bf16": ALL_BF16}[kind]
-        fsdp_int8.shard_model(model, quantize=False, mp_policy=policy)
-    return model
+    return batch
 
 
 def _train_row(rank: int, world: int, kind: str, weight_decay: float, settings: dict) -> dict:
+    """One row trained for the budget, alone in its processes: bytes, memory, val loss."""
     torch.set_num_threads(settings["threads"])
     device = torch.device(device_type_for(world))
     args = model_args(settings, settings.get("dim"))
     corpus = load_corpus(None, settings["max_bytes"])
-    model = prepare(kind, args)
+    model = ratios.build(kind, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=weight_decay)
-    times, gathered, collective, sent, bytes_per_param = [], 0, 0, 0.0, 0.0
+    batch = _batch_fn(settings, rank, device, corpus)
+    gathered, collective, sent, bytes_per_param = 0, 0, 0.0, 0.0
     for step in range(settings["steps"]):
-        data = torch.Generator().manual_seed(step * 1000 + rank)
-        inputs, targets = sample_batch(corpus.train, settings["batch_size"], settings["seq_len"], data)
-        began = time.perf_counter()
+        inputs, targets = batch(step)
+        ratios.use_compiled_kernels(ratios.uses_compiled_kernels(kind))
         with fsdp_int8.count_collectives() as counter:
-            loss = F.cross_entropy(model(inputs.to(device)).flatten(0, 1).float(), targets.to(device).flatten())
+            loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
             loss.backward()
         optimizer.step()
         if step == 1:
@@ -116,9 +110,6 @@ def _train_row(rank: int, world: int, kind: str, weight_decay: float, settings: 
             gathered, collective = counter.total_bytes("all_gather_single"), counter.total_bytes()
             sent = counter.wire_bytes()
         optimizer.zero_grad()
-        dist.barrier()
-        if step >= 2:
-            times.append(time.perf_counter() - began)
     val = torch.zeros((), device=device)
     if settings["eval_batches"]:
         generator = torch.Generator().manual_seed(99 + rank)
@@ -130,17 +121,41 @@ def _train_row(rank: int, world: int, kind: str, weight_decay: float, settings: 
         val /= settings["eval_batches"] * world
     peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return dict(step_s=statistics.median(times) if times else float("nan"), all_gather=gathered,
-                collectives=collective, sent_per_rank=sent, peak_mb=peak.item(), bytes_per_param=bytes_per_param,
-                val_loss=val.item() if settings["eval_batches"] else float("nan"))
+    return dict(all_gather=gathered, collectives=collective, sent_per_rank=sent, peak_mb=peak.item(),
+                bytes_per_param=bytes_per_param, val_loss=val.item() if settings["eval_batches"] else float("nan"))
 
 
-def _run(kind: str, weight_decay: float, settings: dict, world: int) -> dict | str:
+def _timed_rows(rank: int, world: int, kinds: list[str], settings: dict) -> dict:
+    """Every kind's model in this one launch, steps interleaved: ``{kind: dict(step_s,
+    all_gather, sent_per_rank)}`` (bytes counted on the first step)."""
+    torch.set_num_threads(settings["threads"])
+    device = torch.device(device_type_for(world))
+    args = model_args(settings, settings.get("dim"))
+    batch = _batch_fn(settings, rank, device)
+    rows, counted = {}, {}
+    for kind in kinds:
+        model = ratios.build(kind, args)
+        rows[kind] = (kind, model, torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.0))
+    inputs, targets = batch(0)
+    for kind, (_, model, optimizer) in rows.items():  # the first warm-up step, counted
+        with fsdp_int8.count_collectives() as counter:
+            ratios.train_step(kind, model, optimizer, inputs, targets, clip=False)
+        counted[kind] = dict(all_gather=counter.total_bytes("all_gather_single"), sent_per_rank=counter.wire_bytes())
+    times = ratios.time_interleaved(rows, lambda step: batch(step + 1), settings["timed_steps"],
+                                    settings["warmup"] - 1, clip=False)
+    return {kind: dict(counted[kind], step_s=statistics.median(times[kind]), times=times[kind]) for kind in kinds}
+
+
+def _run(body, world: int, *args) -> dict | str:
     try:
-        return run_distributed(_train_row, world, kind, weight_decay, settings, timeout=1800)[0]
+        return run_distributed(body, world, *args, timeout=3600)[0]
     except Exception as error:  # the peer's failures are results too: show them
         lines = [l for l in str(error).strip().splitlines() if l.strip() and not l.startswith(" ")]
         return (lines[-1] if lines else repr(error))[:110]
+
+
+def _paired(row: dict, base: dict) -> float:
+    return ratios.paired_ratio({"row": row["times"], "base": base["times"]}, "row", "base")
 
 
 def _mb(n: float) -> str:
@@ -151,18 +166,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", choices=list(PRESETS))
     parser.add_argument("--steps", type=int, default=150, help="training budget of every row")
+    parser.add_argument("--timed-steps", type=int, default=12, help="interleaved timed steps per row")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="per rank")
-    parser.add_argument("--quick", action="store_true", help="20 steps, short sweeps: a smoke run")
+    parser.add_argument("--issue-steps", type=int, default=16,
+                        help="interleaved timed steps per row at the issue's shape (0: skip)")
+    parser.add_argument("--quick", action="store_true", help="20 steps, short timings and sweeps: a smoke run")
     parser.add_argument("--write-docs", type=Path, help="write benchmarks.md and plots into this docs folder")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps = 20
+        args.steps, args.timed_steps, args.issue_steps = 20, 4, 4
     settings = dict(preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                    lr=args.lr, threads=args.threads, eval_batches=8, max_bytes=8_000_000)
+                    lr=args.lr, threads=args.threads, eval_batches=8, max_bytes=8_000_000,
+                    timed_steps=args.timed_steps, warmup=3)
     model = model_args(settings)
     params = sum(p.numel() for p in Transformer(model).parameters())
     lines: list[str] = []
@@ -174,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     say(f"model: launcher Transformer, preset {args.preset!r} (dim {model.dim}, {model.n_layers} blocks, "
         f"{params / 1e6:.2f}M params); batch {args.batch_size} x {args.seq_len} bytes per rank; "
         f"{args.world_size} ranks on {device_type_for(args.world_size)}, {args.threads} thread(s) each; "
-        f"{args.steps} steps of torch AdamW (lr {args.lr})")
+        f"{args.steps} steps of torch AdamW (lr {args.lr}); step times: {args.timed_steps} steps per row "
+        f"interleaved in one launch; fsdp_int8 rows compute in bf16 with compiled kernels")
     say(f"CPU: {cpu_description()}; torch {torch.__version__}; Python {platform.python_version()}")
     try:
         import torchao
@@ -183,24 +203,37 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         say("torchao: not installed (pip install -e '.[bench]'): its rows are skipped")
     say()
-    header = (f"| {'row':<27} | {'all-gather / step':>17} | {'collectives / step':>18} | {'step ms':>8} | "
-              f"{'vs fp32':>7} | {'peak RSS MB':>11} | {'bytes/param':>11} | {'val loss':>8} |")
-    say(header)
-    say("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     results: dict[str, dict | str] = {}
     for name, (kind, weight_decay) in ROWS.items():
         if kind == "torchao" and not _has_torchao():
-            say(f"| {name:<27} | skipped: torchao is not installed |")
+            results[name] = "skipped: torchao is not installed"
             continue
-        results[name] = row = _run(kind, weight_decay, settings, args.world_size)
+        results[name] = _run(_train_row, args.world_size, kind, weight_decay, settings)
+        print(f"  trained {name}: {results[name]}", flush=True)
+    kinds = list(dict.fromkeys(ROWS[n][0] for n, r in results.items() if isinstance(r, dict)))
+    timed = _run(_timed_rows, args.world_size, kinds, settings)
+    for name, row in results.items():
+        if isinstance(row, dict):
+            row["step_s"] = timed[ROWS[name][0]]["step_s"] if isinstance(timed, dict) else float("nan")
+            row["times"] = timed[ROWS[name][0]]["times"] if isinstance(timed, dict) else []
+
+    header = (f"| {'row':<28} | {'all-gather / step':>17} | {'collectives / step':>18} | {'step ms':>8} | "
+              f"{'vs bf16':>7} | {'vs fp32':>7} | {'peak RSS MB':>11} | {'bytes/param':>11} | {'val loss':>8} |")
+    say(header)
+    say("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    bf16, fp32 = results.get("bf16 FSDP2"), results.get("fp32 FSDP2")
+    for name, row in results.items():
         if isinstance(row, str):
-            say(f"| {name:<27} | failed: {row} |")
+            say(f"| {name:<28} | {row if row.startswith('skipped') else 'failed: ' + row} |")
             continue
-        base = results.get("fp32 FSDP2")
-        ratio = f"{base['step_s'] / row['step_s']:.2f}x" if isinstance(base, dict) else "-"
-        say(f"| {name:<27} | {_mb(row['all_gather']):>17} | {_mb(row['collectives']):>18} | "
-            f"{row['step_s'] * 1e3:8.1f} | {ratio:>7} | {row['peak_mb']:11.0f} | "
+        vs = [f"{_paired(row, base):.2f}x" if isinstance(base, dict) and row["times"] else "-" for base in (bf16, fp32)]
+        say(f"| {name:<28} | {_mb(row['all_gather']):>17} | {_mb(row['collectives']):>18} | "
+            f"{row['step_s'] * 1e3:8.1f} | {vs[0]:>7} | {vs[1]:>7} | {row['peak_mb']:11.0f} | "
             f"{row['bytes_per_param']:11.2f} | {row['val_loss']:8.4f} |")
+    if not isinstance(timed, dict):
+        say(f"(the interleaved timing launch failed: {timed})")
+    say("(vs bf16, vs fp32: median over the interleaved rounds of the step time over that baseline's in the "
+        "same round: lower is faster)")
 
     ours, titan, all_bf16 = (results.get(k) for k in
                              ("fsdp_int8 + int8 gradients", "bf16 FSDP2", "all-bf16 FSDP2 (bf16 reduce)"))
@@ -212,31 +245,71 @@ def main(argv: list[str] | None = None) -> None:
             f"(target <= 0.55). Embeddings, norms and the output head stay in full precision here "
             f"({_full_precision_share(model):.1%} of the parameters).")
 
-    sweep = dict(settings, steps=6 if args.quick else 12, eval_batches=0)
+    issue = {}
+    if args.issue_steps:
+        say()
+        say(f"Step time at the issue's shape (launcher Transformer at dim 1024 and 512, 2 blocks, heads of 64, "
+            f"batch 4 x 256 per rank, {args.world_size} ranks, {args.threads} thread(s) each, torch AdamW, "
+            f"gradient clipping; {args.issue_steps} steps per row interleaved in one launch per width, "
+            f"median; lower is faster):")
+        for dim in (1024, 512):
+            shape = ratios.settings_for(dim, ["int8-mm", "int8"], steps=args.issue_steps, warmup=3,
+                                        threads=args.threads)
+            try:
+                times = ratios.measure(shape, args.world_size)["times"]
+            except Exception as error:  # noqa: BLE001
+                say(f"  dim {dim}: failed: {str(error).strip().splitlines()[-1][:100]}")
+                continue
+            issue[dim] = {row: ratios.paired_ratio(times, row) for row in times}
+            say(f"  dim {dim}:")
+            for line in ratios.ratio_lines(times):
+                say(f"    {line}")
+
     say()
-    say("How bytes and time grow with the world size (same model, batch per rank fixed):")
+    summary = []
+    for label, where in (("preset " + args.preset, None), ("dim 1024", 1024), ("dim 512", 512)):
+        if where is None and isinstance(timed, dict) and "bf16" in timed:
+            r = {k: ratios.paired_ratio({k: v["times"], "bf16": timed["bf16"]["times"]}, k) for k, v in timed.items()}
+        elif where in issue:
+            r = issue[where]
+        else:
+            continue
+        summary.append(f"{label}: int8 matmuls {r.get('int8-mm', float('nan')):.2f}x, "
+                       f"weight-only {r.get('int8', float('nan')):.2f}x")
+    say("Summary, step time over bf16 FSDP2's (bf16 compute; goals: int8 matmuls <= 0.80x at dim 1024 and "
+        "< 1.00x at dim 512, weight-only <= 1.00x): " + "; ".join(summary) + ".")
+
+    sweep = dict(settings, timed_steps=4 if args.quick else 8, warmup=2)
+    kinds = [k for k, _ in SWEEP_KINDS]
+    labels = dict(SWEEP_KINDS)
+    say()
+    say("How bytes and time grow with the world size (same model, batch per rank fixed; rows interleaved "
+        "at every point):")
     world_rows = []
     for world in (1, 2, 4):
-        for kind, label in (("bf16", "bf16 FSDP2"), ("int8", "fsdp_int8")):
-            row = _run(kind, 0.0, sweep, world)
-            if isinstance(row, dict):
-                world_rows.append((world, label, row))
-                say(f"  world {world}, {label:<11}: all-gather {_mb(row['all_gather']):>12}/step, each rank "
-                    f"sends {_mb(row['sent_per_rank']):>12}/step (all collectives), step {row['step_s'] * 1e3:7.1f} ms")
-            else:
-                say(f"  world {world}, {label:<11}: failed: {row}")
+        point = _run(_timed_rows, world, kinds, sweep)
+        if isinstance(point, str):
+            say(f"  world {world}: failed: {point}")
+            continue
+        for kind in kinds:
+            row = point[kind]
+            world_rows.append((world, labels[kind], row))
+            say(f"  world {world}, {labels[kind]:<12}: all-gather {_mb(row['all_gather']):>12}/step, each rank "
+                f"sends {_mb(row['sent_per_rank']):>12}/step (all collectives), step {row['step_s'] * 1e3:7.1f} ms"
+                f" ({_paired(row, point['bf16']):.2f}x bf16)")
     say()
-    say(f"How bytes and time grow with the model width ({args.world_size} ranks):")
+    say(f"How bytes and time grow with the model width ({args.world_size} ranks; rows interleaved at every point):")
     width_rows = []
     for dim in (128, 256, 512) if args.quick else (128, 256, 512, 1024):
-        for kind, label in (("bf16", "bf16 FSDP2"), ("int8", "fsdp_int8")):
-            row = _run(kind, 0.0, dict(sweep, dim=dim), args.world_size)
-            if isinstance(row, dict):
-                width_rows.append((dim, label, row))
-                say(f"  dim {dim:5d}, {label:<11}: all-gather {_mb(row['all_gather']):>12}/step, "
-                    f"step {row['step_s'] * 1e3:7.1f} ms")
-            else:
-                say(f"  dim {dim:5d}, {label:<11}: failed: {row}")
+        point = _run(_timed_rows, args.world_size, kinds, dict(sweep, dim=dim))
+        if isinstance(point, str):
+            say(f"  dim {dim:5d}: failed: {point}")
+            continue
+        for kind in kinds:
+            row = point[kind]
+            width_rows.append((dim, labels[kind], row))
+            say(f"  dim {dim:5d}, {labels[kind]:<12}: all-gather {_mb(row['all_gather']):>12}/step, "
+                f"step {row['step_s'] * 1e3:7.1f} ms ({_paired(row, point['bf16']):.2f}x bf16)")
     if args.write_docs:
         from benchmarks.report import write_report
 

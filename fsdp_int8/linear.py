@@ -19,47 +19,82 @@ against the stored int8 weight; the scales are applied to the int32 result:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
+from fsdp_int8 import quant
 from fsdp_int8.config import Int8MatmulConfig
-from fsdp_int8.quant import absmax_quantize
+from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 from fsdp_int8.weight import Int8Weight
 
 # |int32 sum| <= tokens * 127 * 127 < 2**31 holds for up to 133,144 tokens: chunk below it.
 _MAX_TOKENS_PER_INT32_SUM = 1 << 17
 
 
-def _quantize_eager(values: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+# ---------------------------------------------------------------- kernels
+# Each kernel below is written once and runs either eagerly or as one torch.compile-fused
+# pass (``Int8MatmulConfig.compile`` or ``fsdp_int8.quant.use_compiled_kernels``), with
+# the same fp32 operations in the same order: the same results, bit for bit. Eagerly,
+# each is several passes over its tensor (CPU type promotion makes a temporary copy per
+# mixed-dtype operand); compiled, one. None takes an integer argument: dynamic shapes
+# would turn it into a symbol and the loops into scalar code.
+
+def _rows_eager(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # No NaN check: it would synchronise with the device, and a NaN activation makes a NaN
     # output anyway.
-    return absmax_quantize(values, dim=dim, nonfinite="unchecked")
+    return absmax_quantize(values, dim=-1, nonfinite="unchecked")
 
 
-def _quantize_each_row(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_eager(values, -1)
+def _columns_eager(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return absmax_quantize(values, dim=0, nonfinite="unchecked")
 
 
-def _quantize_each_column(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_eager(values, 0)
+def _columns(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 with one scale per column (over the tokens), no transposed copy."""
+    x = values.float()
+    scale = x.abs().amax(dim=0, keepdim=True) / quant.INT8_MAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return quant._round(x, divisor, None, -quant.INT8_MAX, quant.INT8_MAX, torch.int8), scale.squeeze(0)
 
 
-def _dequantize_eager(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor | None) -> torch.Tensor:
-    out = acc.float().mul_(row_scale.unsqueeze(1))
-    return out if col_scale is None else out.mul_(col_scale.unsqueeze(0))
+def _scaled_rows(values: torch.Tensor, column_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values * column_scale`` (fp32) quantized per row: grad_y with the weight's scales
+    folded in, in one pass."""
+    return quant._int8_rows(values.float() * column_scale, None)
 
 
-@functools.cache
-def _compiled(role: str):
-    # One fused pass instead of several. A separate function per role (separate code
-    # objects: separate compile caches) with dynamic shapes, and contiguous inputs (see
-    # _quantize_activations), so batch sizes and view layouts do not recompile.
-    function = {
-        "rows": _quantize_each_row, "columns": _quantize_each_column, "dequantize": _dequantize_eager,
-    }[role]
-    return torch.compile(function, dynamic=True)
+def _scaled_rows_eager(values: torch.Tensor, column_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rows_eager(values.float() * column_scale)
+
+
+def _dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, dtype: torch.dtype):
+    """``(acc * row_scale[:, None] * col_scale[None, :])`` of an int32 GEMM result, in fp32,
+    then in ``dtype``."""
+    return (acc.float() * row_scale.unsqueeze(1) * col_scale).to(dtype)
+
+
+def _dequantize_bias(acc, row_scale, col_scale, bias: torch.Tensor, dtype: torch.dtype):
+    """:func:`_dequantize` plus ``bias``, summed in fp32 and rounded to ``dtype`` once
+    (inductor keeps fused intermediates in fp32: so does the eager form)."""
+    return (acc.float() * row_scale.unsqueeze(1) * col_scale + bias.float()).to(dtype)
+
+
+def _dequantize_rows(acc: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (acc.float() * row_scale.unsqueeze(1)).to(dtype)
+
+
+_EAGER = {quant._int8_rows_nearest: _rows_eager, _columns: _columns_eager, _scaled_rows: _scaled_rows_eager}
+
+
+def _compiled_kernels(config: Int8MatmulConfig | None) -> bool:
+    return (config is not None and config.compile) or quant.compiled_kernels_enabled()
+
+
+def _run(kernel, config: Int8MatmulConfig | None, *args):
+    """``kernel(*args)``, compiled when the config or the library switch asks for it."""
+    if _compiled_kernels(config) and args[0].numel() > 0:
+        return quant.run_compiled(kernel, *args)
+    return _EAGER.get(kernel, kernel)(*args)
 
 
 def _quantize_activations(
@@ -67,14 +102,18 @@ def _quantize_activations(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Int8 activations or gradients with one scale per row (``dim=-1``) or per column
     (``dim=0``, no transposed copy), rounded to nearest."""
-    if compile:
-        return _compiled("rows" if dim == -1 else "columns")(values.contiguous())
-    return _quantize_eager(values, dim)
+    kernel = quant._int8_rows_nearest if dim == -1 else _columns
+    if compile and values.numel() > 0:
+        return quant.run_compiled(kernel, values)
+    return _EAGER[kernel](values)
 
 
-def _dequantize(acc, row_scale, col_scale, *, compile: bool) -> torch.Tensor:
-    """``acc * row_scale[:, None] * col_scale[None, :]`` in fp32 (int32 GEMM results)."""
-    return (_compiled("dequantize") if compile else _dequantize_eager)(acc, row_scale, col_scale)
+def _weight_in(weight: Int8Weight, dtype: torch.dtype, config: Int8MatmulConfig | None) -> torch.Tensor:
+    """The weight in ``dtype`` for one matmul (a transient: never kept or saved)."""
+    q = weight.int_rows()
+    if _compiled_kernels(config) and q.numel() > 0:
+        return quant.run_compiled(quant._dequantize_whole, q, weight.scale.unsqueeze(1), dtype)
+    return absmax_dequantize(q, weight.scale, dtype=dtype)
 
 
 # CUDA's int8 GEMM (cuBLASLt) needs more than 16 rows in the left operand and a reduced
@@ -106,28 +145,50 @@ def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(a, b)[:rows]
 
 
-def _int8_output(x2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig) -> torch.Tensor:
-    qx, sx = _quantize_activations(x2d, compile=config.compile)
-    # The GEMM runs about twice as fast with a contiguous right operand; the transposed
-    # int8 copy costs one byte per weight, transiently (it is not a dequantized copy).
-    acc = _int_mm(qx, weight.int_rows().t().contiguous())
-    return _dequantize(acc, sx, weight.scale, compile=config.compile).to(x2d.dtype)
+def _weight_columns(weight: Int8Weight) -> torch.Tensor:
+    """``qw^T`` ``[K, N]``, the right operand of the output GEMM. On CPU a transposed view
+    of the (possibly strided: FSDP2's gathered buffer) int8 rows: the GEMM packs its
+    operands itself, and a view is as fast as a contiguous copy, without the copy. CUDA
+    keeps the contiguous copy that cuBLASLt's layouts were checked with."""
+    rows = weight.int_rows()
+    return rows.t().contiguous() if _has_cuda_gemm_rules(rows.device) else rows.t()
+
+
+def _weight_rows(weight: Int8Weight) -> torch.Tensor:
+    """``qw`` ``[N, K]``, the right operand of the grad_input GEMM (a view on CPU)."""
+    rows = weight.int_rows()
+    return rows.contiguous() if _has_cuda_gemm_rules(rows.device) else rows
+
+
+def _transposed(values: torch.Tensor) -> torch.Tensor:
+    """``values^T`` as a GEMM's left operand: a view on CPU, a copy for cuBLASLt."""
+    return values.t().contiguous() if _has_cuda_gemm_rules(values.device) else values.t()
+
+
+def _int8_output(x2d: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None, config: Int8MatmulConfig):
+    qx, sx = _run(quant._int8_rows_nearest, config, x2d)
+    acc = _int_mm(qx, _weight_columns(weight))
+    if bias is None:
+        return _run(_dequantize, config, acc, sx, weight.scale, x2d.dtype)
+    return _run(_dequantize_bias, config, acc, sx, weight.scale, bias, x2d.dtype)
 
 
 def _int8_grad_input(g2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig) -> torch.Tensor:
-    qg, sg = _quantize_activations(g2d.float() * weight.scale.unsqueeze(0), compile=config.compile)
-    acc = _int_mm(qg, weight.int_rows().contiguous())  # FSDP2's rows are strided views
-    return _dequantize(acc, sg, None, compile=config.compile).to(g2d.dtype)
+    qg, sg = _run(_scaled_rows, config, g2d, weight.scale)
+    acc = _int_mm(qg, _weight_rows(weight))
+    return _run(_dequantize_rows, config, acc, sg, g2d.dtype)
 
 
 def _int8_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, config: Int8MatmulConfig) -> torch.Tensor:
+    tokens = g2d.shape[0]
     grad = None
-    for start in range(0, g2d.shape[0], _MAX_TOKENS_PER_INT32_SUM):
+    for start in range(0, tokens, _MAX_TOKENS_PER_INT32_SUM):
         chunk = slice(start, start + _MAX_TOKENS_PER_INT32_SUM)
         # scales per output channel of grad_y and per input channel of x, over the tokens
-        qg, sg = _quantize_activations(g2d[chunk], dim=0, compile=config.compile)
-        qx, sx = _quantize_activations(x2d[chunk], dim=0, compile=config.compile)
-        part = _dequantize(_int_mm(qg.t().contiguous(), qx), sg, sx, compile=config.compile)
+        qg, sg = _run(_columns, config, g2d[chunk])
+        qx, sx = _run(_columns, config, x2d[chunk])
+        one_chunk = tokens <= _MAX_TOKENS_PER_INT32_SUM
+        part = _run(_dequantize, config, _int_mm(_transposed(qg), qx), sg, sx, g2d.dtype if one_chunk else torch.float32)
         grad = part if grad is None else grad.add_(part)
     return grad.to(g2d.dtype)
 
@@ -140,11 +201,11 @@ class _Int8WeightLinear(torch.autograd.Function):
         config = weight.int8_matmul
         x2d = x.reshape(-1, x.shape[-1])
         if config is not None and config.output:
-            out = _int8_output(x2d, weight, config)
+            out = _int8_output(x2d, weight, bias, config)
         else:  # a transient weight in the compute dtype, built in one pass and not kept
-            out = torch.matmul(x2d, weight.dequantize(x.dtype).t())
-        if bias is not None:
-            out = out.add_(bias.to(x.dtype))
+            out = torch.matmul(x2d, _weight_in(weight, x.dtype, config).t())
+            if bias is not None:
+                out = out.add_(bias.to(x.dtype))
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -157,7 +218,7 @@ class _Int8WeightLinear(torch.autograd.Function):
             if config is not None and config.grad_input:
                 grad_x = _int8_grad_input(g2d, weight, config)
             else:
-                grad_x = torch.matmul(g2d, weight.dequantize(g2d.dtype))
+                grad_x = torch.matmul(g2d, _weight_in(weight, g2d.dtype, config))
             grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
         if ctx.needs_input_grad[1]:
             x2d = x.reshape(-1, x.shape[-1]).to(g2d.dtype)

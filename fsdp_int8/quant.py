@@ -18,18 +18,33 @@ activations (int8 GEMMs)  rows, cols  nearest     int8               ``"unchecke
 gradient reduce-scatter   in rows     stochastic  int8               ``"propagate"``
 ========================  ==========  ==========  =================  ==============
 
-Stochastic rounding is ``floor(x / scale + u)``, ``u ~ U[0, 1)``: unbiased, so updates
-smaller than one step survive on average. The caller passes the generator (see
-:mod:`fsdp_int8._generators`).
+Stochastic rounding is ``round(x / scale + v)`` with ``v = (r + 1/2) / 2**16 - 1/2`` and
+``r`` a uniform 16-bit integer: ``floor(x / scale + u)`` with ``u`` uniform on the 2**16
+midpoints of ``[0, 1)``. It rounds up with probability equal to the fraction of a step to
+within 2**-17 (fp32 resolves ``x / scale`` to 2**-17 near 127 anyway), so it is unbiased,
+and updates smaller than one step survive on average. The 16 bits come four to a 64-bit
+draw of the caller's generator (see :mod:`fsdp_int8._generators`), a quarter of the draws
+of one fp32 uniform per element: the same seed and saved state give the same rounding.
+
+:func:`use_compiled_kernels` swaps the signed whole-row path and whole-row dequantization
+for one ``torch.compile``-fused pass each, with the same arithmetic in the same order (the
+same results, bit for bit); blocks, columns, uint8, ``nonfinite="propagate"`` and meta
+tensors stay eager.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+import math
+import warnings
+from typing import Callable, Literal
 
 import torch
 
-__all__ = ["INT8_MAX", "UINT8_MAX", "ceil_div", "absmax_quantize", "absmax_dequantize"]
+__all__ = [
+    "INT8_MAX", "UINT8_MAX", "ceil_div", "absmax_quantize", "absmax_dequantize",
+    "use_compiled_kernels", "compiled_kernels_enabled",
+]
 
 INT8_MAX = 127  # symmetric: -127..127, so negation never overflows
 UINT8_MAX = 255
@@ -81,6 +96,36 @@ def _raise_non_finite(values: torch.Tensor, what: str, bits: str) -> None:
     )
 
 
+NOISE_BITS = 16
+_NOISE_STEP = 2.0 ** -NOISE_BITS  # r * _NOISE_STEP, r in [-2**15, 2**15): the noise in steps
+_NOISE_OFFSET = 2.0 ** -(NOISE_BITS + 1)  # ... plus half a noise step: symmetric about 0
+_INT64_MIN = -(2**63)
+
+
+def rounding_noise(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """``int16`` uniform noise of ``shape``: four 16-bit values to each 64-bit draw."""
+    count = math.prod(shape)
+    words = torch.empty(ceil_div(count, 4), dtype=torch.int64, device=device)
+    words.random_(_INT64_MIN, None, generator=generator)  # all 64 bits
+    return words.view(torch.int16)[:count].view(shape)
+
+
+def _round(
+    x: torch.Tensor, divisor: torch.Tensor, noise: torch.Tensor | None, low: int, high: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``clamp(round(x / divisor [+ v]), low, high)`` in ``dtype``: the one rounding formula.
+
+    Eager and compiled paths run exactly these fp32 operations in this order (noise: the
+    fp32 sum of ``x / divisor + 2**-17`` and ``r * 2**-16``, ``r * 2**-16`` exact), so
+    they agree bit for bit.
+    """
+    if noise is None:
+        scaled = torch.div(x, divisor)
+    else:  # x / divisor + 2**-17 in one pass, then the noise
+        scaled = torch.addcdiv(x.new_full((), _NOISE_OFFSET), x, divisor).add_(noise, alpha=_NOISE_STEP)
+    return scaled.round_().clamp_(low, high).to(dtype)
+
+
 def _round_into(
     x: torch.Tensor,
     amax: torch.Tensor,
@@ -91,25 +136,104 @@ def _round_into(
     nonfinite: NonFinite,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rounded fp32 values, scale)`` of fp32 blocks ``x``; ``amax`` broadcasts against ``x``."""
+    """``(8-bit values, scale)`` of fp32 blocks ``x``; ``amax`` broadcasts against ``x``."""
     scale = amax / levels
     usable = scale > 0
     if nonfinite == "propagate":
         usable = usable & torch.isfinite(scale)
     # Zero (and, when propagating, non-finite) blocks divide by 1: their values stay
     # finite; a zero block rounds to 0, a non-finite one is carried by its scale.
-    scaled = x / torch.where(usable, scale, torch.ones_like(scale))
+    divisor = torch.where(usable, scale, torch.ones_like(scale))
     if rounding == "stochastic":
-        noise = torch.rand(scaled.shape, dtype=torch.float32, device=scaled.device, generator=generator)
-        scaled.add_(noise).floor_()
+        noise = rounding_noise(tuple(x.shape), generator, x.device)
     elif rounding == "nearest":
-        scaled.round_()
+        noise = None
     else:
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if nonfinite == "propagate":
-        scaled.nan_to_num_(0.0)
+        x = torch.where(usable, x, torch.zeros_like(x))  # NaN / Inf blocks: in-range values
     # |x / scale| <= levels up to one ulp of the division: the clamp keeps the range exact.
-    return scaled.clamp_(-levels if signed else 0, levels), scale
+    q = _round(x, divisor, noise, -levels if signed else 0, levels, torch.int8 if signed else torch.uint8)
+    return q, scale
+
+
+# ---------------------------------------------------------------- compiled kernels
+_COMPILED = {"enabled": False}
+
+
+def use_compiled_kernels(enabled: bool = True) -> None:
+    """Run whole-row quantization and dequantization (weights, their optimizer updates,
+    activations) as ``torch.compile``d kernels, one fused pass each instead of five to
+    ten, or eagerly again. Process-wide; off by default (``launch.train`` turns it on).
+
+    The results are the same bit for bit. Each kernel compiles once per process and input
+    dtype (dynamic shapes: seconds, cached on disk by inductor). If compiling fails (no C++
+    compiler, an unsupported device) the call warns once and runs eagerly from then on.
+    """
+    _COMPILED["enabled"] = bool(enabled)
+
+
+def compiled_kernels_enabled() -> bool:
+    """Whether :func:`use_compiled_kernels` is on."""
+    return _COMPILED["enabled"]
+
+
+def _int8_rows(values: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed int8, one scale per row, with ``_round_into``'s arithmetic (the compiled
+    kernels' body; no integer arguments, which would become symbols and scalar code)."""
+    x = values.float()
+    scale = x.abs().amax(dim=1, keepdim=True) / INT8_MAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return _round(x, divisor, noise, -INT8_MAX, INT8_MAX, torch.int8), scale.squeeze(1)
+
+
+def _int8_rows_nearest(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _int8_rows(values, None)
+
+
+def noise_from_bytes(noise_bytes: torch.Tensor) -> torch.Tensor:
+    """The int16 noise ``[rows, K]`` from its little-endian bytes ``[rows, 2K]`` (int8), as
+    int32. Inside a compiled kernel: inductor's CPU code vectorizes int8 loads, not int16."""
+    low, high = noise_bytes[:, 0::2], noise_bytes[:, 1::2]
+    return high.to(torch.int32) * 256 + (low.to(torch.int32) & 255)
+
+
+def _int8_rows_stochastic(values: torch.Tensor, noise_bytes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _int8_rows(values, noise_from_bytes(noise_bytes))
+
+
+def _dequantize_whole(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.mul(q, scale).to(dtype)  # (a dtype argument is a constant, not a symbol)
+
+
+@functools.cache
+def compiled(function: Callable) -> Callable:
+    """``torch.compile(function, dynamic=True)``, made once per function."""
+    return torch.compile(function, dynamic=True)
+
+
+def run_compiled(function: Callable, *args):
+    """``compiled(function)(*args)``; on a compile failure, warn once and go eager for good.
+
+    An error that the eager function raises too is the caller's: it propagates, and the
+    compiled kernels stay on.
+    """
+    try:
+        return compiled(function)(*args)
+    except Exception as error:  # noqa: BLE001 -- sorted out by the eager run below
+        result = function(*args)
+        _COMPILED["enabled"] = False
+        warnings.warn(
+            f"fsdp_int8: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
+            "quantization kernels run eagerly from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return result
+
+
+def _use_compiled(tensor: torch.Tensor) -> bool:
+    return _COMPILED["enabled"] and not tensor.is_meta and tensor.numel() > 0
 
 
 def absmax_quantize(
@@ -159,11 +283,22 @@ def absmax_quantize(
     levels = INT8_MAX if signed else UINT8_MAX
     q_dtype = torch.int8 if signed else torch.uint8
     rows, length = values.shape
+    if out is not None and (out.shape != values.shape or out.dtype != q_dtype):
+        raise ValueError(f"out must be {q_dtype} of shape {tuple(values.shape)}, got {out.dtype} {tuple(out.shape)}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    options = dict(signed=signed, rounding=rounding, nonfinite=nonfinite, generator=generator)
+    if block_size is None and dim == -1 and signed and nonfinite != "propagate" and _use_compiled(values):
+        if rounding == "stochastic":
+            noise = rounding_noise((rows, length), generator, values.device)
+            q, scale = run_compiled(_int8_rows_stochastic, values, noise.view(torch.int8))
+        else:
+            q, scale = run_compiled(_int8_rows_nearest, values)
+        if nonfinite == "raise" and not bool(torch.isfinite(scale).all()):
+            _raise_non_finite(values, what, "int8" if signed else "uint8")
+        return (q if out is None else out.copy_(q)), scale
     if out is None:
         out = torch.empty(rows, length, dtype=q_dtype, device=values.device)
-    elif out.shape != values.shape or out.dtype != q_dtype:
-        raise ValueError(f"out must be {q_dtype} of shape {tuple(values.shape)}, got {out.dtype} {tuple(out.shape)}")
-    options = dict(signed=signed, rounding=rounding, nonfinite=nonfinite, generator=generator)
     values32 = values.float()
 
     if block_size is None:  # one block per row (dim=-1) or per column (dim=0)
@@ -227,8 +362,10 @@ def absmax_dequantize(
         expected = (length,) if dim == 0 else (rows,)
         if tuple(scale.shape) != expected:
             raise ValueError(f"scales of shape {expected} expected for {tuple(q.shape)}, got {tuple(scale.shape)}")
-        # 8-bit x fp32 promotes to fp32 inside one kernel: no separate cast pass
-        return torch.mul(q, scale.unsqueeze(0 if dim == 0 else 1)).to(dtype)
+        scale = scale.unsqueeze(0 if dim == 0 else 1)
+        if _use_compiled(q):
+            return run_compiled(_dequantize_whole, q, scale, dtype)
+        return _dequantize_whole(q, scale, dtype)
     if tuple(scale.shape) != (rows, ceil_div(length, block_size)):
         raise ValueError(
             f"{rows} rows of {length} values in blocks of {block_size} need scales of shape "

@@ -171,3 +171,54 @@ def test_int8_gemms_meet_cuda_shape_rules_exactly(monkeypatch):
     assert len(seen) == 3
     for e, g in zip(expected, got):
         assert torch.equal(e, g)
+
+
+def _bf16_layer(config: Int8MatmulConfig | None) -> nn.Linear:
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48).to(torch.bfloat16)
+    fsdp_int8.quantize_(layer, Int8TrainingConfig(int8_matmul=config))
+    return layer
+
+
+def _forward_backward(layer: nn.Linear) -> tuple[torch.Tensor, ...]:
+    x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+    y = layer(x)
+    y.float().square().sum().backward()
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("matmuls", ["int8", "weight-only"])
+def test_compiled_kernels_give_the_eager_results_bit_for_bit(matmuls):
+    """Quantizing activations, dequantizing int32 results (with the bias) and the weight:
+    one torch.compile-fused pass each, the same fp32 operations as eagerly."""
+    def config(compile: bool) -> Int8MatmulConfig | None:
+        if matmuls == "int8":
+            return Int8MatmulConfig(grad_weight=True, compile=compile)
+        return None
+
+    eager = _forward_backward(_bf16_layer(config(False)))
+    try:
+        fsdp_int8.quant.use_compiled_kernels(matmuls == "weight-only")
+        compiled = _forward_backward(_bf16_layer(config(True)))
+    finally:
+        fsdp_int8.quant.use_compiled_kernels(False)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+
+
+def test_int8_gemms_read_the_weight_in_place():
+    """No int8 copy of the weight per matmul: on CPU both GEMMs that use it get views of
+    its own storage (FSDP2's gathered buffer when sharded), transposed or not."""
+    layer = _bf16_layer(Int8MatmulConfig())
+    storage = layer.weight.int_data.untyped_storage().data_ptr()
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._int_mm.default:
+                seen.append(args[1].untyped_storage().data_ptr())
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        _forward_backward(layer)
+    assert seen == [storage, storage]

@@ -282,3 +282,62 @@ def test_out_receives_the_values_in_place_even_strided():
     q, _ = absmax_quantize(x, out=buffer[:, :6])
     assert q.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:, :6], absmax_quantize(x)[0])
     assert not buffer[:, 6:].any()
+
+
+# ------------------------------------------------------------------ compiled kernels
+@pytest.fixture
+def compiled_kernels():
+    fsdp_int8.quant.use_compiled_kernels(True)
+    yield
+    fsdp_int8.quant.use_compiled_kernels(False)
+
+
+def test_compiled_kernels_match_eager_bit_for_bit(compiled_kernels):
+    """The fused kernels run the eager arithmetic in the same order: the same values,
+    scales and stochastic draws (from the same generator state)."""
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, 37)[:, None]
+    x[4] = 0.0
+    results = {}
+    for compiled in (False, True):
+        fsdp_int8.quant.use_compiled_kernels(compiled)
+        WEIGHT_ROUNDING.manual_seed(21, 0)
+        nearest = quantize_rowwise(x)
+        stochastic = quantize_rowwise(x, stochastic=True)
+        results[compiled] = (*nearest, *stochastic, dequantize_rowwise(*stochastic, torch.bfloat16))
+    for eager, fused in zip(results[False], results[True]):
+        assert torch.equal(eager, fused)
+
+
+def test_a_failing_compile_warns_once_and_falls_back_to_eager(compiled_kernels, monkeypatch):
+    import fsdp_int8.quant as quant
+
+    def broken(function):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    x = torch.randn(8, 16)
+    expected = quantize_rowwise(x)  # compiled: the fixture turned the kernels on
+    monkeypatch.setattr(quant, "compiled", broken)
+    quant.use_compiled_kernels(True)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        got = quantize_rowwise(x)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert not quant.compiled_kernels_enabled()
+
+
+def test_noise_is_16_bits_four_to_a_draw():
+    """One 64-bit draw of the generator gives four 16-bit noise values (a quarter of the
+    draws of an fp32 uniform per element); their low and high bytes are uniform (a byte
+    that never changed would leave rounding biased)."""
+    gen, reference = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    fsdp_int8.quant.rounding_noise((3, 4), gen, torch.device("cpu"))
+    torch.empty(3, dtype=torch.int64).random_(-(2**63), None, generator=reference)
+    assert torch.equal(gen.get_state(), reference.get_state())
+    noise = fsdp_int8.quant.rounding_noise((256, 1000), gen, torch.device("cpu"))
+    assert noise.dtype == torch.int16 and noise.shape == (256, 1000)
+    values = noise.int() + 32768  # 0..65535
+    for byte in (values & 255, values >> 8):
+        counts = torch.bincount(byte.flatten(), minlength=256).double()
+        # 256000 draws over 256 bins: 1000 expected each, sigma ~31.6
+        assert ((counts - 1000).abs() < 6 * 31.7).all()
