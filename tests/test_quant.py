@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import fsdp_int8
 from fsdp_int8._generators import WEIGHT_ROUNDING, seed_for
 from fsdp_int8.quant import INT8_MAX, absmax_dequantize, absmax_quantize
 
