@@ -42,8 +42,8 @@ from pathlib import Path
 
 KINDS = ("bf16", "int8", "int8-mm", "int8-grads")
 PROJECTED_KINDS = KINDS + ("int8-mm-grads",)
-LABELS = {"bf16": "bf16 FSDP2", "int8": "int8 weight-only", "int8-mm": "int8 matmuls", "int8-grads": "int8 + int8 grads",
-          "int8-mm-grads": "int8 mm + grads"}
+LABELS = {"bf16": "bf16 FSDP2", "int8": "int8 weight-only", "int8-mm": "int8 matmuls",
+          "int8-grads": "int8 + int8 grads", "int8-mm-grads": "int8 mm + grads"}
 GRAD_BLOCK = 256  # values per fp32 scale in the int8 reduce-scatter
 
 
@@ -220,7 +220,8 @@ def projection_lines() -> tuple[list[str], dict]:
         lines.append("")
         lines.append(f"{shape.name}: {shape.params / 1e9:.2f}B params ({shape.quantized / shape.params:.1%} in "
                      f"int8 linears), {tokens} tokens per GPU per step, sequence {shape.seq}")
-        header = f"{'GPUs':>5} {'network':<20} " + " ".join(f"{LABELS[k]:>18}" for k in PROJECTED_KINDS) + "  bound (bf16)"
+        header = (f"{'GPUs':>5} {'network':<20} " + " ".join(f"{LABELS[k]:>18}" for k in PROJECTED_KINDS)
+                  + "  bound (bf16)")
         lines.append(header)
         for network in NETWORKS:
             for world in WORLDS:
