@@ -187,8 +187,9 @@ def _int8_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, config: Int8MatmulCo
         # scales per output channel of grad_y and per input channel of x, over the tokens
         qg, sg = _run(_columns, config, g2d[chunk])
         qx, sx = _run(_columns, config, x2d[chunk])
-        one_chunk = tokens <= _MAX_TOKENS_PER_INT32_SUM
-        part = _run(_dequantize, config, _int_mm(_transposed(qg), qx), sg, sx, g2d.dtype if one_chunk else torch.float32)
+        # one chunk: straight to the compute dtype; several: summed in fp32 first
+        dtype = g2d.dtype if tokens <= _MAX_TOKENS_PER_INT32_SUM else torch.float32
+        part = _run(_dequantize, config, _int_mm(_transposed(qg), qx), sg, sx, dtype)
         grad = part if grad is None else grad.add_(part)
     return grad.to(g2d.dtype)
 

@@ -158,19 +158,22 @@ def _round_into(
 
 
 # ---------------------------------------------------------------- compiled kernels
-_COMPILED = {"enabled": False}
+_COMPILED = {"enabled": False, "failed": False}  # failed: compiling raised once, never again
 
 
 def use_compiled_kernels(enabled: bool = True) -> None:
     """Run whole-row quantization and dequantization (weights, their optimizer updates,
     activations) as ``torch.compile``d kernels, one fused pass each instead of five to
     ten, or eagerly again. Process-wide; off by default (``launch.train`` turns it on).
+    Turning it on again after a failed compile retries compiling.
 
     The results are the same bit for bit. Each kernel compiles once per process and input
     dtype (dynamic shapes: seconds, cached on disk by inductor). If compiling fails (no C++
     compiler, an unsupported device) the call warns once and runs eagerly from then on.
     """
     _COMPILED["enabled"] = bool(enabled)
+    if enabled:
+        _COMPILED["failed"] = False
 
 
 def compiled_kernels_enabled() -> bool:
@@ -218,11 +221,13 @@ def run_compiled(function: Callable, *args):
     An error that the eager function raises too is the caller's: it propagates, and the
     compiled kernels stay on.
     """
+    if _COMPILED["failed"]:
+        return function(*args)
     try:
         return compiled(function)(*args)
     except Exception as error:  # noqa: BLE001 -- sorted out by the eager run below
         result = function(*args)
-        _COMPILED["enabled"] = False
+        _COMPILED["enabled"], _COMPILED["failed"] = False, True
         warnings.warn(
             f"fsdp_int8: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
             "quantization kernels run eagerly from now on",

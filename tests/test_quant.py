@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -319,12 +320,18 @@ def test_a_failing_compile_warns_once_and_falls_back_to_eager(compiled_kernels, 
 
     x = torch.randn(8, 16)
     expected = quantize_rowwise(x)  # compiled: the fixture turned the kernels on
+    monkeypatch.setitem(quant._COMPILED, "failed", False)  # restored after the test
     monkeypatch.setattr(quant, "compiled", broken)
     quant.use_compiled_kernels(True)
     with pytest.warns(RuntimeWarning, match="no C.. compiler"):
         got = quantize_rowwise(x)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert not quant.compiled_kernels_enabled()
+    # a caller that asks for a compiled kernel anyway (Int8MatmulConfig(compile=True)) runs
+    # eagerly from now on, without trying (and warning) again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(quant.run_compiled(quant._int8_rows_nearest, x)[0], expected[0])
 
 
 def test_noise_is_16_bits_four_to_a_draw():
