@@ -68,6 +68,9 @@ class Int8Weight(torch.Tensor):
     _REFUSED: ClassVar[dict[OpKey, str]] = {}
     # torch-level functions handled above dispatch (F.linear); filled by fsdp_int8.linear
     _FUNCTION_TABLE: ClassVar[dict[Callable, Handler]] = {}
+    # op namespace -> handler of its ops that have no rule (collectives: refusing one on one
+    # rank would leave the others waiting in it); filled by fsdp_int8._ops.collectives
+    _NAMESPACE_FALLBACK: ClassVar[dict[str, Handler]] = {}
 
     @staticmethod
     def __new__(
@@ -141,6 +144,19 @@ class Int8Weight(torch.Tensor):
             if op in cls._OP_TABLE or op in cls._REFUSED:
                 raise ValueError(f"Int8Weight already has a rule for {op}")
             cls._REFUSED[op] = reason
+
+    @classmethod
+    def falls_back_in(cls, *namespaces: str) -> Callable[[Handler], Handler]:
+        """Register the handler of the ops of ``namespaces`` that have no rule of their own."""
+
+        def register(handler: Handler) -> Handler:
+            for namespace in namespaces:
+                if namespace in cls._NAMESPACE_FALLBACK:
+                    raise ValueError(f"Int8Weight already has a fallback for {namespace}")
+                cls._NAMESPACE_FALLBACK[namespace] = handler
+            return handler
+
+        return register
 
     @classmethod
     def implements_function(cls, *functions: Callable) -> Callable[[Handler], Handler]:
@@ -284,7 +300,8 @@ class Int8Weight(torch.Tensor):
             "dequantized values instead: model.save_pretrained(path, "
             "state_dict=fsdp_int8.export_full_state_dict(model, dtype)) or "
             "safetensors.torch.save_file(fsdp_int8.export_full_state_dict(model, dtype), file); "
-            "for an exact int8 checkpoint use fsdp_int8.save_checkpoint."
+            "a transformers Trainer: use fsdp_int8.integrations.hf.Int8Trainer (or its "
+            "Int8SaveMixin); for an exact int8 checkpoint use fsdp_int8.save_checkpoint."
         )
 
     def __deepcopy__(self, memo: dict) -> "Int8Weight":
@@ -396,6 +413,9 @@ class Int8Weight(torch.Tensor):
         reason = cls._REFUSED.get(func) or cls._REFUSED.get(func.overloadpacket)
         if reason is not None:
             raise NotImplementedError(f"Int8Weight does not support {func}: {reason}")
+        fallback = cls._NAMESPACE_FALLBACK.get(func.namespace)
+        if fallback is not None:
+            return fallback(func, *args, **(kwargs or {}))
         raise NotImplementedError(
             f"Int8Weight does not support {func} (int8 data + fp32 row scales). Call "
             ".dequantize() to work on a plain tensor; to initialise int8 weights with a "
