@@ -117,6 +117,42 @@ def _warn_about_full_precision(model: nn.Module, tied: list[str]) -> None:
         )
 
 
+class _RequantizeAssigned:
+    """``load_state_dict`` post-hook of a quantized layer: keeps its weight int8.
+
+    ``load_state_dict(state_dict, assign=True)`` replaces parameters by the state dict's
+    tensors instead of copying into them. A plain floating weight assigned that way (as
+    accelerate's ``cpu_ram_efficient_loading`` does on every rank but the first, with the
+    shards it scattered) is rounded to nearest into a new ``Int8Weight``, sharded like it;
+    an ``Int8Weight`` is kept as it is. A picklable object, not a closure: modules holding
+    it are still saved whole by ``torch.save`` and copied by ``copy.deepcopy``.
+    """
+
+    def __init__(self, stochastic_rounding: bool, int8_matmul) -> None:
+        self.stochastic_rounding = stochastic_rounding
+        self.int8_matmul = int8_matmul
+
+    def __call__(self, module: nn.Module, incompatible_keys) -> None:
+        weight = module._parameters.get("weight")
+        if weight is None:
+            return
+        local = local_shard(weight)
+        if isinstance(local, Int8Weight) or local.is_meta or not local.is_floating_point() or local.dim() != 2:
+            return
+        with torch.no_grad():
+            int8 = Int8Weight.from_float(
+                local.detach(), stochastic_rounding=self.stochastic_rounding,
+                int8_matmul=self.int8_matmul,
+            )
+            if isinstance(weight, DTensor):
+                int8.full_rows = weight.shape[0]  # FSDP2 pads every shard to the same rows
+                int8 = DTensor.from_local(
+                    int8, weight.device_mesh, weight.placements, run_check=False,
+                    shape=weight.shape, stride=weight.stride(),
+                )
+        module.weight = nn.Parameter(int8, requires_grad=weight.requires_grad)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``fully_shard`` (FSDP2) or another DTensor API has touched ``model``."""
     from torch.distributed.fsdp import FSDPModule
@@ -131,7 +167,10 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
 
     Quantization rounds to nearest; later optimizer updates use the config's rounding.
     Idempotent (already quantized weights are left alone), keeps tied weights tied, and
-    works on a model on the meta device (``to_empty`` then allocates int8 storage). When it
+    works on a model on the meta device (``to_empty`` then allocates int8 storage). A
+    quantized layer stays quantized when ``load_state_dict(..., assign=True)`` assigns it
+    a plain floating weight (accelerate's ``cpu_ram_efficient_loading`` does): the values
+    are rounded to nearest into a new int8 weight. When it
     quantizes anything it also seeds the stochastic-rounding generator from
     ``config.seed`` and shard coordinate 0 (the same on every process: replicas of an
     unsharded model, as under DDP, round alike).
@@ -176,6 +215,9 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         targets.append((module, id(weight)))
     for module, key in targets:
         module.weight = swapped[key]
+        module.register_load_state_dict_post_hook(
+            _RequantizeAssigned(config.stochastic_rounding, config.int8_matmul)
+        )
     if swapped:  # a repeated call changes nothing, not even the generator
         # Not sharded yet: every process holds every row, one shard (mesh=None).
         seed_weight_rounding(config.seed)
