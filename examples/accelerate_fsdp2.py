@@ -1,0 +1,122 @@
+"""accelerate's FSDP2 plugin with int8 weights and ``cpu_ram_efficient_loading``.
+
+    pip install "fsdp_int8[hf]"
+    torchrun --nproc-per-node 2 examples/accelerate_fsdp2.py
+
+Every process builds a tiny Llama (from a config, no download) and quantizes it before
+``accelerator.prepare``. With ``cpu_ram_efficient_loading`` accelerate moves the model to
+the meta device, shards it with FSDP2, then rank 0 broadcasts and scatters its full state
+dict into the shards: the int8 weights travel as float values and every rank rounds them
+back to nearest into int8 shards (exact for weights as quantized), so each rank ends with
+rank 0's weights, still int8. The loop trains a few steps; ``accelerator.save_state``
+writes a torch.distributed.checkpoint (``SHARDED_STATE_DICT``: each rank its int8 shards,
+exactly) or a full ``torch.save`` (``FULL_STATE_DICT``), and ``accelerator.load_state``
+restores every int8 byte. On CPU, accelerate would pick DDP: ``_accelerate_cpu`` switches
+it to FSDP2 (gloo); on GPUs it changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import fsdp_int8
+from _accelerate_cpu import accelerate_session, fsdp2_accelerator
+
+VOCAB, SEQ = 128, 16
+
+
+def tiny_llama(seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def int8_shards(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's int8 rows and scales of every int8 weight."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if isinstance(local, fsdp_int8.Int8Weight):
+            out[name] = (local.int_data.clone(), local.scale.clone())
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT",
+                        choices=["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+    args = parser.parse_args(argv)
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    with accelerate_session():
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, cpu_ram_efficient_loading=True, state_dict_type=args.state_dict_type,
+            auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        )
+        accelerator = fsdp2_accelerator(plugin)
+        rank = accelerator.process_index
+        model = fsdp_int8.quantize_(tiny_llama(seed=rank))  # each rank its own init: rank 0's must win
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        model, optimizer = accelerator.prepare(model, optimizer)
+
+        # What rank 0 loaded, sharded as accelerate sharded it: each rank's rows of it.
+        expected = fsdp_int8.quantize_(tiny_llama(seed=0))
+        world = accelerator.num_processes
+        rows = {n: (d.chunk(world)[rank], s.chunk(world)[rank]) for n, (d, s) in int8_shards(expected).items()}
+        loaded_from_rank0 = same(int8_shards(model), rows)
+
+        tokens = (torch.arange(SEQ) * 3 + torch.arange(4)[:, None] + 8 * rank) % VOCAB
+        losses = []
+        for _ in range(args.steps):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+
+        box = [tempfile.mkdtemp() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        try:
+            accelerator.save_state(box[0])
+            saved = int8_shards(model)
+            model(input_ids=tokens, labels=tokens).loss.backward()  # one more step moves the weights
+            optimizer.step()
+            optimizer.zero_grad()
+            moved = not same(int8_shards(model), saved)
+            accelerator.load_state(box[0])
+            reload_exact = moved and same(int8_shards(model), saved)
+            accelerator.wait_for_everyone()
+        finally:
+            if rank == 0:
+                shutil.rmtree(box[0], ignore_errors=True)
+        result = {
+            "losses": losses,
+            "int8_weights": len(int8_shards(model)),
+            "loaded_from_rank0_exact": loaded_from_rank0,
+            "state_dict_type": args.state_dict_type,
+            "reload_exact": reload_exact,
+        }
+    if rank == 0:
+        print(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
