@@ -167,7 +167,9 @@ def _resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
     if mesh.size() != world:
         raise ValueError(
             f"the mesh covers {mesh.size()} ranks but the world has {world}: pass a mesh over "
-            "all ranks, e.g. init_device_mesh(device_type, (world_size,))"
+            "all ranks, e.g. init_device_mesh(device_type, (world_size,)) (with Lightning's "
+            f"ModelParallelStrategy: data_parallel_size={world}, tensor_parallel_size=1 and "
+            "mesh=self.device_mesh['data_parallel'])"
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise ValueError("an HSDP mesh needs mesh_dim_names, e.g. ('replicate', 'shard')")

@@ -246,6 +246,7 @@ def _check_errors(rank: int, world: int) -> None:
             fsdp_int8.shard_model(MLPNet(), mesh=_FakeMesh(world + 1))
         except ValueError as error:
             assert f"covers {world + 1} ranks but the world has {world}" in str(error)
+            assert f"data_parallel_size={world}, tensor_parallel_size=1" in str(error)  # Lightning's default mesh
         else:
             raise AssertionError("no error")
 

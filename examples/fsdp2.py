@@ -1,0 +1,149 @@
+"""Plain PyTorch FSDP2 with int8 weights: what fsdp_int8 changes in an existing training loop.
+
+    pip install fsdp_int8
+    torchrun --nproc-per-node 2 examples/fsdp2.py
+
+Three calls replace their FSDP2 counterparts: ``shard_model`` (quantize every ``nn.Linear``,
+then ``fully_shard`` each block and the root), ``Int8AdamW`` (torch's AdamW works too) and
+``save_checkpoint`` / ``load_checkpoint`` (int8 bytes, optimizer state and rounding
+generators, exact). ``export_full_state_dict`` gives the unquantized model's plain float
+state dict. CPU with gloo, or one GPU per rank with nccl. ``launch/train.py`` is the full demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import fsdp_int8
+
+VOCAB, DIM, SEQ = 64, 64, 16
+
+
+class TinyLM(nn.Module):
+    """Stands for your model: embedding, residual MLP blocks in a ``ModuleList``, head."""
+
+    def __init__(self, n_layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+            for _ in range(n_layers)
+        )
+        self.head = nn.Linear(DIM, VOCAB)  # "head" stays full precision (Int8TrainingConfig.skip_names)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def batch(generator: torch.Generator, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens; the target of each is a fixed permutation of it (learnt in a few steps)."""
+    tokens = torch.randint(0, VOCAB, (8, SEQ), generator=generator)
+    return tokens.to(device), ((tokens * 5 + 3) % VOCAB).to(device)
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shards: parameters (an int8 weight as its int8 rows and scales) and optimizer state."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param.detach()
+        if isinstance(local, fsdp_int8.Int8Weight):
+            out[name + ".int_data"], out[name + ".scale"] = local.int_data, local.scale
+        else:
+            out[name] = local
+        for key, value in optimizer.state[param].items():
+            out[f"{name}:{key}"] = value.to_local() if isinstance(value, DTensor) else value
+    return out
+
+
+def pick_device() -> torch.device:
+    """One accelerator per local rank where there is one, else the CPU."""
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.accelerator.set_device_index(index)
+    return torch.device(torch.accelerator.current_accelerator().type, index)
+
+
+def build(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = fsdp_int8.shard_model(TinyLM().to(device))  # was: fully_shard per block + root
+    return model, fsdp_int8.Int8AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+
+    device = pick_device()
+    created = not dist.is_initialized()
+    if created:  # under torchrun; a caller's process group is used as it is
+        dist.init_process_group(dist.get_default_backend_for_device(device))
+    rank = dist.get_rank()
+    directory = [tempfile.mkdtemp(prefix="fsdp2_example_") if rank == 0 else None]
+    dist.broadcast_object_list(directory)  # every rank saves into rank 0's directory
+    try:
+        model, optimizer = build(device)
+        data = torch.Generator().manual_seed(rank)  # each rank its own batches
+        losses = []
+        for _ in range(args.steps):
+            loss = loss_of(model, *batch(data, device))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+
+        fsdp_int8.save_checkpoint(directory[0], model, optimizer, step=args.steps)
+        resumed, resumed_optimizer = build(device)  # a fresh run, as after a restart
+        info = fsdp_int8.load_checkpoint(directory[0], resumed, resumed_optimizer)
+        saved, loaded = local_state(model, optimizer), local_state(resumed, resumed_optimizer)
+
+        # A plain float state dict ({} on ranks > 0): the unquantized model loads it as it is
+        # and computes what the sharded int8 model computes.
+        full = fsdp_int8.export_full_state_dict(model, dtype=torch.float32)
+        tokens, _ = batch(torch.Generator().manual_seed(1234), device)  # one batch for all ranks
+        with torch.no_grad():
+            logits = model(tokens)
+            export_max_diff = None
+            if rank == 0:
+                plain = TinyLM().to(device)
+                plain.load_state_dict(full)
+                export_max_diff = ((plain(tokens) - logits).abs().max() / logits.abs().max()).item()
+        summary = {
+            "rank": rank,
+            "losses": losses,
+            "int8_weights": sum(k.endswith(".int_data") for k in saved),
+            "resumed_step": info.step,
+            "restored_exactly": saved.keys() == loaded.keys()
+            and all(torch.equal(v, loaded[k]) for k, v in saved.items()),
+            "export_max_diff": export_max_diff,  # relative to the largest logit
+        }
+        dist.barrier()  # every rank is done with the checkpoint before rank 0 removes it
+        return summary
+    finally:  # no collective here: a rank that failed must exit, not wait for the others
+        if rank == 0:
+            shutil.rmtree(directory[0], ignore_errors=True)
+        if created:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    summary = main()
+    if summary["rank"] == 0:
+        print(summary)

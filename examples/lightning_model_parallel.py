@@ -1,0 +1,180 @@
+"""Lightning's ModelParallelStrategy with int8 weights: fit, save, resume.
+
+    pip install "fsdp_int8[lightning]"
+    torchrun --nproc-per-node 2 examples/lightning_model_parallel.py
+
+(``python examples/lightning_model_parallel.py`` works too: Lightning then starts the
+second process itself.) The LightningModule's ``configure_model`` calls ``shard_model``
+on the strategy's data-parallel mesh: every ``nn.Linear`` becomes an int8 weight, then
+FSDP2 shards each block and the root. Lightning picks the backend from the device (gloo
+on CPU, nccl on CUDA). ``trainer.save_checkpoint`` writes a distributed checkpoint (each
+rank its int8 shards and optimizer state) and ``fit(ckpt_path=...)`` resumes from it,
+every int8 byte restored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+import fsdp_int8
+
+VOCAB, DIM, SEQ = 64, 64, 16
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shards: parameters (an int8 weight as its int8 rows and scales) and optimizer state."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param.detach()
+        if isinstance(local, fsdp_int8.Int8Weight):
+            out[name + ".int_data"], out[name + ".scale"] = local.int_data.clone(), local.scale.clone()
+        else:
+            out[name] = local.clone()
+        for key, value in optimizer.state[param].items():
+            out[f"{name}:{key}"] = (value.to_local() if isinstance(value, DTensor) else value).clone()
+    return out
+
+
+class TinyNet(nn.Module):
+    """Stands for your model: embedding, residual MLP blocks in a ``ModuleList``, head."""
+
+    def __init__(self, n_layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+            for _ in range(n_layers)
+        )
+        self.head = nn.Linear(DIM, VOCAB)  # "head" stays full precision (Int8TrainingConfig.skip_names)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+class TinyLM(L.LightningModule):
+    """Trains ``TinyNet``; ``configure_model`` makes it int8 and shards it."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model = TinyNet()
+        self.losses: list[float] = []
+        self.state_at_start: dict[str, torch.Tensor] = {}
+
+    def configure_model(self) -> None:
+        if isinstance(self.model, FSDPModule):
+            return  # Lightning calls this hook again for every fit/validate/test
+        # The strategy's mesh is (data_parallel, tensor_parallel); FSDP2 shards over the first.
+        fsdp_int8.shard_model(self.model, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        loss = F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_start(self) -> None:
+        # Runs after Lightning restored a checkpoint: what resuming loaded.
+        self.state_at_start = local_state(self.model, self.trainer.optimizers[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return fsdp_int8.Int8AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+def dataset(size: int) -> TensorDataset:
+    """Random tokens; the target of each is a fixed permutation of it (learnable in a few steps)."""
+    tokens = torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(0))
+    return TensorDataset(tokens, (tokens * 5 + 3) % VOCAB)
+
+
+def fit(args: argparse.Namespace, max_steps: int, ckpt_path: str | None = None) -> tuple[L.Trainer, TinyLM]:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = TinyLM()
+    trainer = L.Trainer(
+        accelerator="auto",  # CPU here, with gloo; one GPU per process, with nccl
+        devices=2,
+        # Plain FSDP2: all ranks shard (Lightning's default puts them all on tensor_parallel).
+        strategy=ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not args.single_file
+        ),
+        precision=args.precision,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    # One epoch is --steps steps (8 sequences per rank and step); Lightning gives each rank
+    # its part (a DistributedSampler over the data-parallel ranks).
+    data = DataLoader(dataset(2 * 8 * args.steps), batch_size=8, shuffle=True)
+    trainer.fit(model, data, ckpt_path=ckpt_path, weights_only=True)
+    return trainer, model
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps before the save; as many after")
+    parser.add_argument("--precision", default="32-true", help="Lightning's precision (e.g. bf16-mixed)")
+    parser.add_argument("--single-file", action="store_true",
+                        help="rank 0 saves one full checkpoint file instead of a directory of shards")
+    args = parser.parse_args(argv)
+
+    created = not dist.is_initialized()
+    environ = dict(os.environ)
+    if not created:  # a caller's process group on one node: Lightning must not start processes
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    directory = [None]
+    try:
+        trainer, model = fit(args, args.steps)  # creates the process group if there is none
+        rank = trainer.global_rank
+        directory = [tempfile.mkdtemp(prefix="lightning_example_") if rank == 0 else None]
+        dist.broadcast_object_list(directory)  # every rank saves into rank 0's directory
+        path = os.path.join(directory[0], "tiny.ckpt")
+        trainer.save_checkpoint(path, weights_only=False)  # weights, optimizer, loops
+
+        resumed_trainer, resumed = fit(args, 2 * args.steps, ckpt_path=path)
+        saved, loaded = local_state(model.model, trainer.optimizers[0]), resumed.state_at_start
+        after = local_state(resumed.model, resumed_trainer.optimizers[0])
+        summary = {
+            "rank": rank,
+            "losses": model.losses,
+            "resumed_losses": resumed.losses,
+            "int8_weights": sum(k.endswith(".int_data") for k in saved),
+            "resumed_int8_weights": sum(k.endswith(".int_data") for k in after),
+            "resumed_from_step": resumed_trainer.global_step - len(resumed.losses),
+            "restored_exactly": saved.keys() == loaded.keys()
+            and all(torch.equal(v, loaded[k]) for k, v in saved.items()),
+            # sharded: a directory (each rank's shards + Lightning's meta.pt); --single-file: a file
+            "checkpoint": sorted(os.listdir(path)) if os.path.isdir(path) else "file",
+        }
+        dist.barrier()  # every rank is done with the checkpoint before rank 0 removes it
+        return summary
+    finally:  # no collective here: a rank that failed must exit, not wait for the others
+        if directory[0] is not None:
+            shutil.rmtree(directory[0], ignore_errors=True)
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()  # Lightning's environment removes WORLD_SIZE on teardown
+        os.environ.update(environ)
+
+
+if __name__ == "__main__":
+    summary = main()
+    if summary["rank"] == 0:
+        print(summary)
