@@ -129,3 +129,28 @@ def test_model_wrapper_keeps_the_fused_qkv_split_current_where_torchtitans_canno
     assert state[key] is cached and isinstance(cached, Int8Weight)  # same tensor, refreshed
     assert torch.equal(cached.dequantize(), model.state_dict()[key].dequantize())
     assert state["layers.0.attention.wo.weight"] is not None
+
+
+def test_fsdp_int8_checkpoint_functions_name_the_working_path_for_fused_qkv_hooks(tmp_path):
+    """torch's get_model_state_dict cannot map the hook's wq / wk / wv keys, with or without
+    int8: our functions say so and name what works instead. Loading a plain state dict
+    (unsharded) goes through the model's own load_state_dict, whose hook merges the keys."""
+    from _frameworks import titan_model
+
+    fsdp_int8.save_checkpoint(tmp_path / "other", torch.nn.Linear(4, 4), step=1)  # to load from
+    for model in (titan_model(), fsdp_int8.quantize_(titan_model())):
+        calls = (
+            lambda: fsdp_int8.save_checkpoint(tmp_path / "titan", model, step=1),
+            lambda: fsdp_int8.load_checkpoint(tmp_path / "other", model),
+            lambda: fsdp_int8.export_full_state_dict(model),
+        )
+        for call in calls:
+            with pytest.raises(fsdp_int8.CheckpointError, match="fused QKV.*Int8CheckpointManager"):
+                call()
+    plain = titan_model()
+    titan_init(plain)
+    model = fsdp_int8.quantize_(titan_model())
+    fsdp_int8.load_full_state_dict(model, plain.state_dict())  # wq / wk / wv keys
+    wqkv = model.layers["1"].attention.qkv_linear.wqkv.weight
+    expected = Int8Weight.from_float(plain.layers["1"].attention.qkv_linear.wqkv.weight)
+    assert torch.equal(wqkv.int_data, expected.int_data) and torch.equal(wqkv.scale, expected.scale)
