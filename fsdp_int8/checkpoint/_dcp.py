@@ -17,10 +17,16 @@ import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
 # dcp's own key flattening ("optimizer.state.<fqn>.<name>"): the keys its index stores.
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
 from torch.utils._pytree import tree_map_only
 
 from fsdp_int8 import _dist
+from fsdp_int8.checkpoint.errors import CheckpointError
 from fsdp_int8.weight import Int8Weight, local_shard
 
 # A key as dcp stores it ("model.layers.0.weight") and its path in the nested state dict
@@ -29,12 +35,42 @@ FlatState = dict[str, Any]
 Paths = dict[str, tuple]
 
 
+def _unmapped_keys(model: nn.Module, error: AttributeError) -> CheckpointError:
+    return CheckpointError(
+        f"torch's get_model_state_dict / set_model_state_dict could not map a state-dict key "
+        f"of {type(model).__name__} to a parameter or buffer ({error}). State-dict hooks that "
+        "split or rename parameters do this (torchtitan's fused QKV saves wqkv as wq / wk / "
+        "wv; it fails without int8 too), and save_checkpoint, load_checkpoint and "
+        "export_full_state_dict go through those functions. "
+        "Checkpoint such a model through its own state dict: dcp.save(model.state_dict(), "
+        "checkpoint_id=path), then dcp.load into a fresh model.state_dict() and "
+        "model.load_state_dict(it) (int8 bytes round-trip exactly); in torchtitan use "
+        "fsdp_int8.integrations.torchtitan.Int8CheckpointManager."
+    )
+
+
+def model_state_dict(model: nn.Module, options: StateDictOptions | None = None) -> dict[str, Any]:
+    """torch's ``get_model_state_dict``, with a clear error for keys it cannot map."""
+    try:
+        return get_model_state_dict(model, options=options)
+    except AttributeError as error:  # a key that is no attribute path (a hook's)
+        raise _unmapped_keys(model, error) from error
+
+
+def set_model_state(model: nn.Module, state: dict[str, Any], options: StateDictOptions | None = None) -> None:
+    """torch's ``set_model_state_dict``, with a clear error for keys it cannot map."""
+    try:
+        set_model_state_dict(model, state, options=options)
+    except AttributeError as error:
+        raise _unmapped_keys(model, error) from error
+
+
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` as dcp saves and loads it (no optimizer: no entry).
 
     The tensors are the model's and optimizer's own: reading into them changes both.
     """
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from fsdp_int8 import _dist
+from fsdp_int8.checkpoint._dcp import model_state_dict, set_model_state
 from fsdp_int8.weight import Int8Weight
 
 __all__ = ["export_full_state_dict", "load_full_state_dict"]
@@ -30,7 +27,7 @@ def export_full_state_dict(
         dtype: Floating dtype of every floating entry.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(model, options=options)
+    full = model_state_dict(model, options)
     plain = {}
     for key, value in full.items():
         if isinstance(value, Int8Weight):
@@ -50,4 +47,4 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
     # a sharded model in a process group: only rank 0 holds the values
     distributed = _dist.is_distributed() and _dist.mesh_of(model) is not None
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
-    set_model_state_dict(model, state_dict, options=options)
+    set_model_state(model, state_dict, options)

@@ -23,7 +23,6 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -215,7 +214,7 @@ def _copies_and_fit(
 ) -> tuple[dict[str, Any], str, _fit.Fit]:
     """Copies of the model's (and optimizer's) state dicts to read into, the checkpoint's
     model-key prefix, and how the checkpoint fits them. Changes nothing."""
-    model_copy = _dcp.copy_tensors(get_model_state_dict(model))
+    model_copy = _dcp.copy_tensors(_dcp.model_state_dict(model))
     prefix = _fit.model_prefix(stored, list(model_copy), has_manifest)
     fit = _fit.model_fit(stored, model_copy, prefix)
     copies: dict[str, Any] = {"model": model_copy}

@@ -1,5 +1,7 @@
-"""Optional helpers for frameworks; each submodule imports its framework, this package none.
+"""Optional adapters for training frameworks.
 
-``import fsdp_int8`` never imports them: import the one you need, e.g.
-``from fsdp_int8.integrations.hf import Int8Trainer``.
+Each submodule imports its framework, so none is imported from here (nor by
+``import fsdp_int8``): import the one you need, e.g.
+``from fsdp_int8.integrations.hf import Int8Trainer`` or
+``from fsdp_int8.integrations.torchtitan import Int8LinearConverter``.
 """

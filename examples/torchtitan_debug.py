@@ -1,0 +1,240 @@
+"""Int8 training of torchtitan's Llama 3 debug model on CPU, checkpointed by torchtitan.
+
+Shows ``fsdp_int8.integrations.torchtitan``: ``enable_int8_training`` switches torchtitan's
+own ``llama3_debugmodel()`` trainer config to int8 (the ``Int8LinearConverter`` on the model
+config, ``int8_post_optimizer_build`` as the model spec's ``post_optimizer_build_fn``, the
+``Int8CheckpointManager`` as checkpoint component). The model is then built as torchtitan's
+``Trainer`` builds it (meta device, the spec's ``parallelize_fn``, which shards with
+``apply_fsdp_to_decoder``, ``to_empty``, ``init_weights``; the optimizer, the
+post-optimizer hook, the LR scheduler and the checkpoint manager from the config), trained
+a few steps on a synthetic task, saved with the checkpoint manager and loaded into a
+freshly built model, whose int8 bytes are compared with the trained ones.
+
+CPU changes to the debug config: SDPA instead of FlexAttention (no CPU backward), short
+sequences, fp32 compute. The Trainer itself is not run: it needs a tokenizer and a
+dataset that are not part of the torchtitan package.
+
+Install: ``pip install "fsdp_int8[torchtitan]"``
+Run:     ``torchrun --nproc-per-node 2 examples/torchtitan_debug.py [--steps 6]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+import fsdp_int8
+from fsdp_int8.integrations.torchtitan import enable_int8_training
+
+VOCAB_USED = 64  # the synthetic task's tokens (the debug model's vocabulary has 2048)
+
+
+class _TrainState:
+    """The step counter torchtitan's Trainer saves as ``train_state``."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+def _trainer_config(args: argparse.Namespace, dump_folder: str):
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    enable_int8_training(config)  # the one int8 switch
+    for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    config.training.seq_len = args.seq_len
+    config.training.local_batch_size = args.batch
+    config.training.steps = args.steps
+    config.training.mixed_precision_param = "float32"
+    # FSDP2 on plain parameters; torchtitan's default ("spmd_types") stops in fully_shard on
+    # this CPU setup with or without int8 ("all parameters must be DTensors on the full
+    # SPMD mesh").
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.optimizer.param_groups[0].optimizer_kwargs["lr"] = args.lr
+    config.dump_folder = dump_folder
+    config.checkpoint.enable = True
+    config.checkpoint.interval = args.steps
+    return config
+
+
+def _build(config, world: int) -> dict[str, Any]:
+    """Model, optimizers, scheduler and checkpointer, in the order torchtitan's Trainer uses."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.distributed import ParallelDims
+
+    if not torch.accelerator.is_available():
+        # torchtitan falls back to "cuda" when it finds no accelerator
+        # (torchtitan.tools.utils.get_device_info): point its device mesh at the CPU.
+        parallel_dims_module.device_type = "cpu"
+    spec = config.model_spec
+    parallel_dims = ParallelDims.from_config(config.parallelism, world)
+    parallel_dims.build_mesh()
+    spec.model.update_from_config(config=config)
+    with torch.device("meta"):
+        model = spec.model.build()
+    model = spec.parallelize_fn(
+        model, parallel_dims=parallel_dims, training=config.training,
+        parallelism=config.parallelism, compile_config=config.compile,
+        ac_config=config.activation_checkpoint, dump_folder=config.dump_folder,
+    )
+    if dist.get_backend() == "gloo":
+        # torchtitan turns FSDP2's gradient division off (it divides the loss by the global
+        # token count), which FSDP2 sends as PREMUL_SUM, an op gloo lacks: a plain sum.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = config.optimizer.build(model_parts=[model])
+    spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)
+    schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
+    state = _TrainState()
+    checkpointer = config.checkpoint.build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        states={"train_state": state}, sd_adapter=None, base_folder=config.dump_folder,
+    )
+    return dict(model=model, optimizers=optimizers, schedulers=schedulers, state=state,
+                checkpointer=checkpointer)
+
+
+def _batch(step: int, rank: int, batch: int, seq_len: int) -> torch.Tensor:
+    """Arithmetic progressions mod ``VOCAB_USED``: learnable next-token prediction."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    start = torch.randint(0, VOCAB_USED, (batch, 1), generator=gen)
+    stride = torch.randint(1, 4, (batch, 1), generator=gen)
+    return (start + stride * torch.arange(seq_len + 1)) % VOCAB_USED
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _int8_bytes(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's int8 rows and scales of every int8 weight, copied."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if isinstance(local, fsdp_int8.Int8Weight):
+            out[name] = (local.int_data.clone(), local.scale.clone())
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]) for k in a
+    )
+
+
+def _all_ranks(flag: bool) -> bool:
+    value = torch.tensor(int(flag))
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train, checkpoint and reload; returns the summary the test checks."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dump-folder", default=None, help="default: a temporary folder")
+    args = parser.parse_args(argv)
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = args.dump_folder or _shared_folder(tmp)
+            summary = _run(args, folder, rank, world)
+            dist.barrier()  # every rank is done with the checkpoint before it is removed
+    finally:
+        if created:
+            dist.destroy_process_group()
+    if rank == 0:
+        print(summary)
+    return summary
+
+
+def _shared_folder(tmp: str) -> str:
+    box = [tmp]
+    dist.broadcast_object_list(box, src=0)  # one folder for all ranks (a single host)
+    return box[0]
+
+
+def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    run = _build(_trainer_config(args, folder), world)
+    model, optimizers, schedulers = run["model"], run["optimizers"], run["schedulers"]
+
+    with torch.no_grad(), fsdp_int8.count_collectives() as counter:
+        model(_batch(0, rank, args.batch, args.seq_len)[:, :-1])
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())  # in fp32 (global sizes)
+    # what one forward gathers if every int8 weight travels as int8 rows + one fp32 scale
+    # per row and every other parameter in fp32 (the debug model's shards need no padding)
+    int8_names = set(_int8_bytes(model))
+    int8_gather_bytes = sum(
+        p.numel() + 4 * p.shape[0] if name in int8_names else 4 * p.numel()
+        for name, p in model.named_parameters()
+    )
+
+    losses = []
+    for step in range(1, args.steps + 1):
+        loss = _loss(model, _batch(step, rank, args.batch, args.seq_len))
+        (loss / world).backward()  # gradients are summed over ranks, as in torchtitan
+        optimizers.step()
+        schedulers.step()
+        optimizers.zero_grad()
+        run["state"].step = step
+        losses.append(float(loss.detach()))
+    int8_weights = len(_int8_bytes(model))
+    run["checkpointer"].save(curr_step=args.steps)
+    trained = _int8_bytes(model)
+
+    torch.manual_seed(1)  # a differently initialised model to load into
+    fresh = _build(_trainer_config(args, folder), world)
+    differed = not _same(_int8_bytes(fresh["model"]), trained)
+    loaded = fresh["checkpointer"].load(step=args.steps)
+    reloaded = _int8_bytes(fresh["model"])
+    probe = _batch(args.steps + 1, rank, args.batch, args.seq_len)
+    with torch.no_grad():
+        same_loss = torch.equal(_loss(model, probe), _loss(fresh["model"], probe))
+    for part in (run, fresh):
+        part["checkpointer"].close()
+    return {
+        "losses": losses,
+        "int8_weights": int8_weights,
+        "int8_weights_after_load": len(reloaded),
+        "all_gather_bytes_per_forward": counter.total_bytes("all_gather_into_tensor")
+        + counter.total_bytes("all_gather_single"),
+        "fp32_param_bytes": param_bytes,
+        "int8_all_gather_bytes_expected": int8_gather_bytes,
+        "checkpoint_loaded": loaded,
+        "step_after_load": fresh["state"].step,
+        "differed_before_load": _all_ranks(differed),
+        "reload_exact": _all_ranks(_same(reloaded, trained) and same_loss),
+    }
+
+
+if __name__ == "__main__":
+    main()

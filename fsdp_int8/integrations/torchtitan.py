@@ -1,0 +1,279 @@
+"""int8 training in torchtitan, switched on through torchtitan's own extension points.
+
+Install with ``pip install "fsdp_int8[torchtitan]"``; this module imports torchtitan, so
+``import fsdp_int8`` never imports it. Verified against torchtitan 0.3.0.
+
+torchtitan plugs quantization in as a converter of the model *config*, applied before the
+model is built (``model_registry(flavor, converters=[...])``), and lets a model spec run a
+function once the optimizers exist (``ModelSpec.post_optimizer_build_fn``). Here:
+
+* :class:`Int8LinearConverter` replaces each selected ``Linear.Config`` by the config of an
+  int8 subclass of the same module class, whose weight is an :class:`~fsdp_int8.Int8Weight`
+  from construction on (torchtitan builds on the meta device). torchtitan's
+  ``parallelize_fn`` (``apply_fsdp_to_decoder``) then shards int8 weights, so FSDP2
+  all-gathers int8 rows and scales; ``to_empty`` and torchtitan's ``init_states`` fill them.
+* :func:`int8_post_optimizer_build` (the ``post_optimizer_build_fn``) seeds stochastic
+  rounding from each rank's shard coordinate once the model is sharded, installs the int8
+  gradient reduce-scatter if asked for, and logs how much of the model is int8.
+* :class:`Int8CheckpointManager` is torchtitan's ``CheckpointManager`` whose model wrapper
+  tells weights apart by their int8 storage: torchtitan's ``ModelWrapper`` compares
+  ``untyped_storage().data_ptr()``, which ``Int8Weight`` does not have (it refuses storage
+  access so that raw-bytes writers such as safetensors cannot write wrong bytes).
+* :func:`enable_int8_training` applies all three to a ``Trainer.Config`` in one call.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.models.common.linear import Linear
+
+from fsdp_int8 import _dist
+from fsdp_int8._generators import seed_weight_rounding
+from fsdp_int8.config import Int8TrainingConfig
+from fsdp_int8.convert import int8_census
+from fsdp_int8.gradients import enable_quantized_reduce_scatter
+from fsdp_int8.weight import Int8Weight, local_shard
+
+__all__ = [
+    "Int8LinearConverter",
+    "Int8CheckpointManager",
+    "int8_post_optimizer_build",
+    "enable_int8_training",
+]
+
+logger = logging.getLogger("fsdp_int8")
+
+# module class -> its int8 subclass, made once per class (as torchtitan's LoRA does)
+_INT8_CLASSES: dict[type, type] = {}
+
+
+def _quantize_weight(module: nn.Linear, training: Int8TrainingConfig) -> None:
+    weight = module.weight
+    with torch.no_grad():
+        int8 = Int8Weight.from_float(
+            weight, stochastic_rounding=training.stochastic_rounding,
+            int8_matmul=training.int8_matmul,
+        )
+    module.weight = nn.Parameter(int8, requires_grad=weight.requires_grad)
+
+
+def _int8_class(parent: type) -> type:
+    """``parent`` (a torchtitan ``Linear`` class) whose weight is int8 from ``__init__`` on."""
+    if parent in _INT8_CLASSES:
+        return _INT8_CLASSES[parent]
+
+    class Int8Linear(parent):  # type: ignore[valid-type, misc]
+        @dataclass(kw_only=True, slots=True)
+        class Config(parent.Config):  # type: ignore[misc, name-defined]
+            # a leading underscore keeps it out of torchtitan's config dumps (to_dict)
+            _int8: Int8TrainingConfig = field(default_factory=Int8TrainingConfig)
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self._fsdp_int8_training = config._int8
+            _quantize_weight(self, config._int8)
+
+    Int8Linear.__name__ = Int8Linear.__qualname__ = f"Int8{parent.__name__}"
+    _INT8_CLASSES[parent] = Int8Linear
+    return Int8Linear
+
+
+def _is_int8_config(config: Any) -> bool:
+    return config._owner in _INT8_CLASSES.values()
+
+
+class Int8LinearConverter(QuantizationConverter):
+    """torchtitan model-config converter: selected linear layers get int8 weights.
+
+    Use it as torchtitan uses its float8 converter::
+
+        model_registry("debugmodel", converters=[Int8LinearConverter.Config()])
+
+    and set :func:`int8_post_optimizer_build` as the model spec's
+    ``post_optimizer_build_fn`` (or call :func:`enable_int8_training`, which does both).
+    Layers are selected as :func:`fsdp_int8.quantize_` selects them (the config's
+    ``module_filter``, ``skip_names`` and ``min_features``, given each layer's FQN), minus
+    those whose FQN contains one of ``filter_fqns``. Converting twice changes nothing.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        training: Int8TrainingConfig = field(default_factory=Int8TrainingConfig)
+        """Which layers and how they train (see ``fsdp_int8.Int8TrainingConfig``)."""
+
+        filter_fqns: list[str] = field(default_factory=list)
+        """Layers whose FQN contains any of these stay in full precision (as float8's)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def _selects(self, fqn: str, linear_config: Any) -> bool:
+        if not issubclass(linear_config._owner, Linear):
+            return False  # another converter's layer (float8): not ours to change
+        if any(part in fqn for part in self.config.filter_fqns):
+            return False
+        with torch.device("meta"):  # the filter looks at a module: a free one
+            probe = linear_config.build()
+        return self.config.training.should_quantize(probe, fqn)
+
+    def convert(self, model_config: Any) -> Any:
+        """Return ``model_config`` with every selected ``Linear.Config`` made int8."""
+        converted = []
+        for fqn, linear_config, parent, attr in list(model_config.traverse(Linear.Config)):
+            if _is_int8_config(linear_config) or not self._selects(fqn, linear_config):
+                continue
+            int8_config = _int8_class(linear_config._owner).Config(
+                **{f.name: getattr(linear_config, f.name) for f in fields(linear_config) if f.init},
+                _int8=self.config.training,
+            )
+            if parent is None:
+                model_config = int8_config
+            elif isinstance(parent, list):
+                parent[attr] = int8_config
+            else:
+                setattr(parent, attr, int8_config)
+            converted.append(fqn)
+        if converted:
+            logger.info("Int8LinearConverter: %d linear layers get int8 weights", len(converted))
+        elif not any(_is_int8_config(c) for _, c, _, _ in model_config.traverse(Linear.Config)):
+            warnings.warn(
+                "Int8LinearConverter selected no linear layer: the model trains in full "
+                "precision. Check Int8TrainingConfig's module_filter, skip_names and "
+                "min_features, and filter_fqns.",
+                stacklevel=2,
+            )
+        return model_config
+
+
+def _trainings(model: nn.Module) -> list[Int8TrainingConfig]:
+    return [m._fsdp_int8_training for m in model.modules() if hasattr(m, "_fsdp_int8_training")]
+
+
+def int8_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], parallel_dims: Any) -> None:
+    """torchtitan ``post_optimizer_build_fn``: finish what needs the sharded model.
+
+    Seeds the weights' stochastic rounding from the converter's seed and this rank's shard
+    coordinate (shards must draw different noise, replicas the same), installs the int8
+    gradient reduce-scatter when ``Int8TrainingConfig.quantize_gradients`` is set, and logs
+    how much of each model part is int8.
+
+    Raises:
+        RuntimeError: no model part has a layer built by :class:`Int8LinearConverter`.
+    """
+    trainings = [t for model in model_parts for t in _trainings(model)]
+    if not trainings:
+        raise RuntimeError(
+            "int8_post_optimizer_build found no layer built by Int8LinearConverter: add "
+            "Int8LinearConverter.Config() to the model's converters, e.g. "
+            "model_registry(flavor, converters=[Int8LinearConverter.Config()]), or call "
+            "fsdp_int8.integrations.torchtitan.enable_int8_training(trainer_config)."
+        )
+    seed = trainings[0].seed
+    if any(t.seed != seed for t in trainings):
+        raise ValueError("the int8 layers were converted with different seeds; use one converter")
+    # One bank for the process: any part's mesh gives this rank's shard coordinate.
+    seed_weight_rounding(seed, next(filter(None, map(_dist.mesh_of, model_parts)), None))
+    for model in model_parts:
+        if any(t.quantize_gradients for t in _trainings(model)):
+            enable_quantized_reduce_scatter(model, seed=seed)
+        logger.info("torchtitan: %s", int8_census(model))
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    local = local_shard(tensor)
+    return (local.int_data if isinstance(local, Int8Weight) else local).untyped_storage().data_ptr()
+
+
+class _Int8ModelWrapper(ModelWrapper):
+    """torchtitan's ``ModelWrapper`` (a cached state dict whose tensors keep their storage
+    from one save to the next), recognising an int8 weight by its int8 data's storage."""
+
+    def state_dict(self) -> dict[str, Any]:
+        for key, value in self._get_state_dict().items():
+            cached = self.cached_state_dict.get(key)
+            if cached is None or (cached.shape, cached.dtype) != (value.shape, value.dtype):
+                self.cached_state_dict[key] = value
+            elif _storage_address(cached) != _storage_address(value):
+                # made by a state-dict hook (a fused QKV split): refresh the cached copy
+                cached.copy_(value)
+        return self.cached_state_dict
+
+
+class Int8CheckpointManager(CheckpointManager):
+    """torchtitan's ``CheckpointManager`` for models with int8 weights.
+
+    Select it as the trainer's checkpoint component (``Trainer.Config.checkpoint =
+    Int8CheckpointManager.Config(...)``, with ``CheckpointManager.Config``'s fields);
+    :func:`enable_int8_training` does it for you. Saves and loads through dcp exactly as
+    ``CheckpointManager`` does, int8 bytes and scales included. The stochastic-rounding
+    generator is not saved: a resumed run reseeds it (see docs/integrations.md).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module], **kwargs: Any) -> None:
+        super().__init__(config, model_parts=model_parts, **kwargs)
+        if self.enable:
+            self.states[MODEL] = _Int8ModelWrapper(model_parts)
+
+
+def _chain(first: Callable | None, then: Callable) -> Callable:
+    if first is None or first is then:
+        return then
+
+    def both(optimizers: Any, model_parts: list[nn.Module], parallel_dims: Any) -> None:
+        first(optimizers, model_parts, parallel_dims)
+        then(optimizers, model_parts, parallel_dims)
+
+    return both
+
+
+def _int8_checkpoint_config(config: Any) -> Int8CheckpointManager.Config:
+    if isinstance(config, Int8CheckpointManager.Config):
+        return config
+    if type(config) is not CheckpointManager.Config:
+        raise TypeError(
+            f"enable_int8_training cannot adapt a {type(config).__qualname__} checkpoint "
+            "component: it replaces torchtitan's CheckpointManager.Config by "
+            "Int8CheckpointManager.Config. Give your manager the int8-aware model wrapper "
+            "(see Int8CheckpointManager) and leave the checkpoint config as it is."
+        )
+    values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    return Int8CheckpointManager.Config(**values)
+
+
+def enable_int8_training(trainer_config: Any, converter: Int8LinearConverter.Config | None = None) -> Any:
+    """Switch a torchtitan ``Trainer.Config`` to int8 training, in place; returns it.
+
+    Converts ``trainer_config.model_spec.model`` with :class:`Int8LinearConverter`, adds
+    :func:`int8_post_optimizer_build` to the model spec's ``post_optimizer_build_fn``
+    (after any it had) and makes the checkpoint component an
+    :class:`Int8CheckpointManager` with the same settings.
+
+    Raises:
+        ValueError: the config has no ``model_spec`` yet.
+        TypeError: its checkpoint component is neither torchtitan's ``CheckpointManager``
+            nor :class:`Int8CheckpointManager`.
+    """
+    spec = trainer_config.model_spec
+    if spec is None:
+        raise ValueError(
+            "enable_int8_training needs trainer_config.model_spec (set by torchtitan's model "
+            "registry, e.g. config.model_spec = model_registry('debugmodel'))"
+        )
+    checkpoint = _int8_checkpoint_config(trainer_config.checkpoint)  # refuse before changing
+    spec.model = (converter or Int8LinearConverter.Config()).build().convert(spec.model)
+    spec.post_optimizer_build_fn = _chain(spec.post_optimizer_build_fn, int8_post_optimizer_build)
+    trainer_config.checkpoint = checkpoint
+    return trainer_config

@@ -1,0 +1,156 @@
+"""fsdp_int8.integrations.torchtitan in one process: the converter on torchtitan's model
+config, the post-optimizer hook's refusal, enable_int8_training's refusal, and the
+checkpoint manager's model wrapper on the fused-QKV hooks (torchtitan's own wrapper fails
+there). The 2-rank run (torchtitan's FSDP, CheckpointManager save and load) is
+tests/distributed/test_examples_torchtitan.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fsdp_int8
+from fsdp_int8 import Int8TrainingConfig, Int8Weight
+
+from _frameworks import VOCAB, titan_config, titan_init, titan_loss
+
+# torchtitan is in the test extra: these tests run in CI, never skip
+import fsdp_int8.integrations.torchtitan as titan  # noqa: E402
+from torchtitan.components.checkpointer.base import ModelWrapper  # noqa: E402
+from torchtitan.models.common.linear import Linear  # noqa: E402
+
+
+def _int8_names(model: torch.nn.Module) -> list[str]:
+    return sorted(n for n, p in model.named_parameters() if isinstance(p, Int8Weight))
+
+
+def _build(config, device: str = "cpu") -> torch.nn.Module:
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())  # FlexAttention: no CPU backward
+    with torch.device(device):
+        return config.build()
+
+
+def test_converter_selects_what_quantize_selects_and_keeps_module_classes():
+    converter = titan.Int8LinearConverter.Config().build()
+    model = _build(converter.convert(titan_config()), "meta")
+    reference = fsdp_int8.quantize_(_build(titan_config(), "meta"))
+    assert _int8_names(model) == _int8_names(reference) and len(_int8_names(model)) == 10
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):  # still torchtitan's Linear: its TP plans, param_init
+            assert isinstance(module.weight, Int8Weight) == (name != "lm_head"), name
+    # converting again changes nothing; filter_fqns leaves layers in full precision
+    again = converter.convert(converter.convert(titan_config()))
+    assert _int8_names(_build(again, "meta")) == _int8_names(model)
+    ffn_off = titan.Int8LinearConverter.Config(filter_fqns=["feed_forward"]).build()
+    assert _int8_names(_build(ffn_off.convert(titan_config()), "meta")) == [
+        n for n in _int8_names(model) if "feed_forward" not in n
+    ]
+
+
+def test_converted_model_initialises_and_trains_with_torchtitans_init():
+    training = Int8TrainingConfig(stochastic_rounding=False)
+    config = titan.Int8LinearConverter.Config(training=training).build().convert(titan_config())
+    model = _build(config, "meta")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    titan_init(model)  # trunc_normal_ through the int8 weights (fused QKV views)
+    weight = model.layers["0"].attention.qkv_linear.wqkv.weight
+    assert isinstance(weight, Int8Weight) and not weight.stochastic_rounding
+    assert 0.015 < weight.dequantize().std() < 0.025  # torchtitan's std 0.02, rounded to int8
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
+    before = weight.int_data.clone()
+    losses = []
+    for _ in range(3):
+        loss = titan_loss(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] and not torch.equal(before, weight.int_data), losses
+
+
+def test_converter_warns_when_it_selects_nothing():
+    nothing = titan.Int8LinearConverter.Config(training=Int8TrainingConfig(min_features=10**6))
+    with pytest.warns(UserWarning, match="selected no linear layer"):
+        nothing.build().convert(titan_config())
+
+
+def test_post_optimizer_hook_refuses_a_model_without_int8_layers():
+    with pytest.raises(RuntimeError, match="Int8LinearConverter.Config"):
+        titan.int8_post_optimizer_build(None, [_build(titan_config(), "meta")], None)
+
+
+def test_enable_int8_training_refuses_a_foreign_checkpoint_manager_before_changing_anything():
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    class MyManager(CheckpointManager):
+        from dataclasses import dataclass
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(CheckpointManager.Config):
+            pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = llama3_debugmodel()
+        config.checkpoint = MyManager.Config()
+    model_config = config.model_spec.model
+    with pytest.raises(TypeError, match="Int8CheckpointManager"):
+        titan.enable_int8_training(config)
+    assert config.model_spec.model is model_config and config.model_spec.post_optimizer_build_fn is None
+    config.checkpoint = CheckpointManager.Config(interval=7)
+    titan.enable_int8_training(config)
+    assert type(config.checkpoint) is titan.Int8CheckpointManager.Config
+    assert config.checkpoint.interval == 7
+    assert config.model_spec.post_optimizer_build_fn is titan.int8_post_optimizer_build
+    assert any(titan._is_int8_config(c) for _, c, _, _ in config.model_spec.model.traverse(Linear.Config))
+
+
+def test_model_wrapper_keeps_the_fused_qkv_split_current_where_torchtitans_cannot_run():
+    config = titan.Int8LinearConverter.Config().build().convert(titan_config())
+    model = _build(config)
+    titan_init(model)
+    with pytest.raises(RuntimeError, match="storage"):  # why Int8CheckpointManager exists
+        ModelWrapper(model).state_dict()
+    wrapper = titan._Int8ModelWrapper(model)
+    key = "layers.0.attention.qkv_linear.wq.weight"  # made by torchtitan's split hook
+    cached = wrapper.state_dict()[key]
+    wqkv = model.layers["0"].attention.qkv_linear.wqkv.weight
+    with torch.no_grad():
+        wqkv.mul_(0.5)  # scales halve exactly: the split's values must follow
+    state = wrapper.state_dict()
+    assert state[key] is cached and isinstance(cached, Int8Weight)  # same tensor, refreshed
+    assert torch.equal(cached.dequantize(), model.state_dict()[key].dequantize())
+    assert state["layers.0.attention.wo.weight"] is not None
+
+
+def test_fsdp_int8_checkpoint_functions_name_the_working_path_for_fused_qkv_hooks(tmp_path):
+    """torch's get_model_state_dict cannot map the hook's wq / wk / wv keys, with or without
+    int8: our functions say so and name what works instead. Loading a plain state dict
+    (unsharded) goes through the model's own load_state_dict, whose hook merges the keys."""
+    from _frameworks import titan_model
+
+    fsdp_int8.save_checkpoint(tmp_path / "other", torch.nn.Linear(4, 4), step=1)  # to load from
+    for model in (titan_model(), fsdp_int8.quantize_(titan_model())):
+        calls = (
+            lambda: fsdp_int8.save_checkpoint(tmp_path / "titan", model, step=1),
+            lambda: fsdp_int8.load_checkpoint(tmp_path / "other", model),
+            lambda: fsdp_int8.export_full_state_dict(model),
+        )
+        for call in calls:
+            with pytest.raises(fsdp_int8.CheckpointError, match="fused QKV.*Int8CheckpointManager"):
+                call()
+    plain = titan_model()
+    titan_init(plain)
+    model = fsdp_int8.quantize_(titan_model())
+    fsdp_int8.load_full_state_dict(model, plain.state_dict())  # wq / wk / wv keys
+    wqkv = model.layers["1"].attention.qkv_linear.wqkv.weight
+    expected = Int8Weight.from_float(plain.layers["1"].attention.qkv_linear.wqkv.weight)
+    assert torch.equal(wqkv.int_data, expected.int_data) and torch.equal(wqkv.scale, expected.scale)
