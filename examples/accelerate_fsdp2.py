@@ -27,19 +27,9 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_int8
 from _accelerate_cpu import accelerate_session, fsdp2_accelerator
+from _common import tiny_llama
 
 VOCAB, SEQ = 128, 16
-
-
-def tiny_llama(seed: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
 
 
 def int8_shards(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -25,23 +25,12 @@ import tempfile
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 
 import fsdp_int8
 from _accelerate_cpu import accelerate_session, fsdp2_accelerator, on_cpu
+from _common import int8_count, tiny_llama
 
 VOCAB, SEQ = 128, 16
-
-
-def tiny_llama(seed: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
 
 
 class Patterns(torch.utils.data.Dataset):
@@ -53,11 +42,6 @@ class Patterns(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         tokens = (torch.arange(SEQ) * 3 + i) % VOCAB
         return {"input_ids": tokens, "labels": tokens}
-
-
-def int8_count(model: torch.nn.Module) -> int:
-    locals_ = (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters())
-    return sum(isinstance(p, fsdp_int8.Int8Weight) for p in locals_)
 
 
 def losses_of(trainer) -> dict[int, float]:

@@ -22,49 +22,15 @@ import tempfile
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_int8
+from _common import TinyLM as TinyNet, local_state
 
-VOCAB, DIM, SEQ = 64, 64, 16
-
-
-def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """This rank's shards: parameters (an int8 weight as its int8 rows and scales) and optimizer state."""
-    out = {}
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param.detach()
-        if isinstance(local, fsdp_int8.Int8Weight):
-            out[name + ".int_data"], out[name + ".scale"] = local.int_data.clone(), local.scale.clone()
-        else:
-            out[name] = local.clone()
-        for key, value in optimizer.state[param].items():
-            out[f"{name}:{key}"] = (value.to_local() if isinstance(value, DTensor) else value).clone()
-    return out
-
-
-class TinyNet(nn.Module):
-    """Stands for your model: embedding, residual MLP blocks in a ``ModuleList``, head."""
-
-    def __init__(self, n_layers: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
-            for _ in range(n_layers)
-        )
-        self.head = nn.Linear(DIM, VOCAB)  # "head" stays full precision (Int8TrainingConfig.skip_names)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = x + layer(x)
-        return self.head(x)
+VOCAB, SEQ = 64, 16  # TinyNet's default vocabulary
 
 
 class TinyLM(L.LightningModule):

@@ -21,7 +21,6 @@ Run:     ``torchrun --nproc-per-node 2 examples/torchtitan_debug.py [--steps 6]`
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from typing import Any
 

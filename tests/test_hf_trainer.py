@@ -1,5 +1,5 @@
 """Single-process checks of ``fsdp_int8.integrations.hf`` and of ``load_state_dict(assign=True)``
-into a quantized model (the multi-process flows are in tests/distributed/test_examples_hf.py).
+into a quantized model (the multi-process flows are in tests/distributed/test_examples.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 config, the post-optimizer hook's refusal, enable_int8_training's refusal, and the
 checkpoint manager's model wrapper on the fused-QKV hooks (torchtitan's own wrapper fails
 there). The 2-rank run (torchtitan's FSDP, CheckpointManager save and load) is
-tests/distributed/test_examples_torchtitan.py."""
+tests/distributed/test_examples.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,73 @@
+"""What the examples share: their tiny models and how they read back a rank's int8 state.
+
+Not an example itself; the scripts import it from their own folder.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import fsdp_int8
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor.detach()
+
+
+class TinyLM(nn.Module):
+    """Stands for your model: embedding, residual MLP blocks in a ``ModuleList``, head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 64, n_layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            for _ in range(n_layers)
+        )
+        self.head = nn.Linear(dim, vocab)  # "head" stays full precision (Int8TrainingConfig.skip_names)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def tiny_llama(seed: int, vocab: int = 128, seq: int = 16) -> nn.Module:
+    """A 2-block Hugging Face Llama built from a config (nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def int8_count(model: nn.Module) -> int:
+    """How many of this rank's parameters are ``Int8Weight`` shards."""
+    return sum(isinstance(_local(p), fsdp_int8.Int8Weight) for p in model.parameters())
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """Copies of this rank's shards: parameters (an int8 weight as its int8 rows and scales)
+    and, given the optimizer, its state."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = _local(param)
+        if isinstance(local, fsdp_int8.Int8Weight):
+            out[name + ".int_data"], out[name + ".scale"] = local.int_data.clone(), local.scale.clone()
+        else:
+            out[name] = local.clone()
+        if optimizer is not None:
+            for key, value in optimizer.state[param].items():
+                out[f"{name}:{key}"] = _local(value).clone()
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two ``local_state`` results hold the same keys and bytes."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
