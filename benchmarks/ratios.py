@@ -18,11 +18,14 @@ Rows (every fsdp_int8 row with bf16 compute, as the launcher runs it):
 
 * ``bf16``: bf16 FSDP2 (bf16 parameters, fp32 gradient reduction: torchtitan's policy),
   the baseline;
-* ``int8-mm``: int8 weights, the output and grad_input matmuls as int8 GEMMs
-  (``Int8MatmulConfig()``), compiled kernels on: what the launcher runs by default;
+* ``int8-mm``: int8 weights, all three matmuls (output, grad_input, grad_weight) as int8
+  GEMMs (``Int8MatmulConfig()``), compiled kernels on: what the launcher runs by default;
 * ``int8``: weight-only int8 (bf16 matmuls), compiled kernels on;
 * ``int8-mm-eager``: ``int8-mm`` without torch.compile anywhere;
-* ``int8-mm-all``: the weight gradient's matmul in int8 too;
+* ``int8-mm-all``: the same as ``int8-mm`` (the name from when the default kept the weight
+  gradient in bf16);
+* ``int8-mm-wgrad-bf16``: output and grad_input in int8, the weight gradient in bf16
+  (``Int8MatmulConfig(grad_weight=False)``, the default before);
 * ``int8-grads``: weight-only int8 plus the int8 gradient reduce-scatter;
 * ``fp32``: fp32 FSDP2, for context; ``all-bf16``: bf16 FSDP2 with a bf16 reduction.
 
@@ -52,12 +55,14 @@ from launch.model import Transformer
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ALL_BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-ROWS = ("bf16", "int8-mm", "int8", "int8-mm-eager", "int8-mm-all", "int8-grads", "fp32", "all-bf16")
+ROWS = ("bf16", "int8-mm", "int8", "int8-mm-eager", "int8-mm-all", "int8-mm-wgrad-bf16", "int8-grads", "fp32",
+        "all-bf16")
 DEFAULT_ROWS = ("bf16", "int8-mm", "int8")
 _MATMULS = {
     "int8-mm": fsdp_int8.Int8MatmulConfig(),
     "int8-mm-eager": fsdp_int8.Int8MatmulConfig(),
     "int8-mm-all": fsdp_int8.Int8MatmulConfig(grad_weight=True),
+    "int8-mm-wgrad-bf16": fsdp_int8.Int8MatmulConfig(grad_weight=False),
 }
 
 

@@ -34,10 +34,11 @@ import fsdp_int8
 from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, ModelArgs, Transformer
 
-# int8-mm: output and grad_input GEMMs in int8 (the default Int8MatmulConfig); int8-mm-all:
-# the weight gradient's GEMM too; +compile: activation quantization fused by torch.compile;
+# int8-mm: all three GEMMs in int8 (the default Int8MatmulConfig; int8-mm-all: the same);
+# int8-mm-wgrad-bf16: the weight gradient's GEMM in the compute dtype; +compile: activation quantization fused by torch.compile;
 # int8-bf16: int8 weights of a bf16 model (bf16 compute, gradients and reduction).
-PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm+compile", "int8-mm-all", "int8-bf16")
+PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm+compile", "int8-mm-all", "int8-mm-wgrad-bf16",
+              "int8-bf16")
 EIGHT_BIT_BLOCK = 128  # values per scale of 8-bit Adam states
 OPTIMIZERS = ("torch AdamW", "fused AdamW", "8-bit AdamW")
 
@@ -78,7 +79,7 @@ def build(precision: str, preset: ModelArgs) -> Transformer:
     if precision.startswith("int8"):
         matmuls = (
             fsdp_int8.Int8MatmulConfig(
-                compile=precision.endswith("+compile"), grad_weight=precision == "int8-mm-all"
+                compile=precision.endswith("+compile"), grad_weight=precision != "int8-mm-wgrad-bf16"
             )
             if precision.startswith("int8-mm") else None
         )

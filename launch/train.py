@@ -36,7 +36,7 @@ from launch.data import Corpus, load_corpus, sample_batch
 from launch.metrics import MetricsLog, Progress, bits_per_byte, plot_losses, read_metrics
 from launch.model import PRESETS, ModelArgs, Transformer
 
-PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-all")
+PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-all", "int8-mm-wgrad-bf16")
 
 
 # ---------------------------------------------------------------- arguments
@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--n-heads", type=int, help="override the preset's attention heads")
     train = parser.add_argument_group("training")
     train.add_argument("--precision", default="int8-mm", choices=PRECISIONS,
-                       help="int8 weights + int8 GEMMs (int8-mm, default; int8-mm-all: the weight "
-                       "gradient's GEMM too), int8 weights only (int8), or the fp32 / bf16-mixed FSDP2 baselines")
+                       help="int8 weights + int8 GEMMs for all three matmuls (int8-mm, default; "
+                       "int8-mm-all is the same; int8-mm-wgrad-bf16 keeps the weight gradient's GEMM in the "
+                       "compute dtype), int8 weights only (int8), or the fp32 / bf16-mixed FSDP2 baselines")
     train.add_argument("--compute-dtype", default="bf16", choices=("fp32", "bf16"),
                        help="compute dtype of int8 runs (default bf16; the all-gather is int8 either way)")
     train.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
@@ -151,7 +152,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Transformer:
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if args.precision.startswith("int8"):
         fsdp_int8.quant.use_compiled_kernels(args.compile == "on" or (args.compile == "auto" and args.model.dim >= 512))
-        matmuls = (fsdp_int8.Int8MatmulConfig(grad_weight=args.precision == "int8-mm-all")
+        matmuls = (fsdp_int8.Int8MatmulConfig(grad_weight=args.precision != "int8-mm-wgrad-bf16")
                    if args.precision.startswith("int8-mm") else None)
         fsdp_int8.shard_model(
             model, mesh=mesh, config=fsdp_int8.Int8TrainingConfig(seed=args.seed, int8_matmul=matmuls),

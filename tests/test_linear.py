@@ -112,7 +112,7 @@ def test_grad_weight_sums_in_int32_chunks(monkeypatch):
 
 
 def test_int8_matmul_mode_trains_like_weight_only():
-    """A small MLP regression: int8 matmuls (output + grad_input) end within 10% of the
+    """A small MLP regression: int8 matmuls (the default: all three) end within 10% of the
     weight-only run's loss (per-step errors of ~0.5% average out over the updates)."""
     def run(config):
         torch.manual_seed(0)
@@ -207,8 +207,9 @@ def test_compiled_kernels_give_the_eager_results_bit_for_bit(matmuls):
 
 
 def test_int8_gemms_read_the_weight_in_place():
-    """No int8 copy of the weight per matmul: on CPU both GEMMs that use it get views of
-    its own storage (FSDP2's gathered buffer when sharded), transposed or not."""
+    """No int8 copy of the weight per matmul: on CPU both GEMMs that use it (output and
+    grad_input) get views of its own storage (FSDP2's gathered buffer when sharded),
+    transposed or not; the third (grad_weight) multiplies two quantized activations."""
     layer = _bf16_layer(Int8MatmulConfig())
     storage = layer.weight.int_data.untyped_storage().data_ptr()
     seen = []
@@ -221,4 +222,31 @@ def test_int8_gemms_read_the_weight_in_place():
 
     with Record():
         _forward_backward(layer)
-    assert seen == [storage, storage]
+    assert len(seen) == 3 and seen.count(storage) == 2
+
+
+def test_default_config_runs_all_three_matmuls_in_int8():
+    """The default, like torchao's int8 mixed-precision training: the weight gradient too."""
+    config = Int8MatmulConfig()
+    assert (config.output, config.grad_input, config.grad_weight) == (True, True, True)
+
+
+@pytest.mark.parametrize("grad_weight", [True, False])
+def test_compiled_passes_run_int8_gemms_and_no_float_gemm(grad_weight):
+    """With the compiled kernels, each direction is one compiled call: the profiler (which
+    sees the aten calls inductor's code makes) must count one int8 GEMM per enabled
+    matmul, a float GEMM only for a matmul left in bf16, and the eager results."""
+    from torch.profiler import ProfilerActivity, profile
+
+    config = Int8MatmulConfig(grad_weight=grad_weight)
+    eager = _forward_backward(_bf16_layer(config))
+    layer = _bf16_layer(Int8MatmulConfig(grad_weight=grad_weight, compile=True))
+    _forward_backward(layer)  # compile outside the profiled run
+    layer.weight.grad = layer.bias.grad = None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled = _forward_backward(layer)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("aten::_int_mm", 0) == 2 + int(grad_weight)
+    assert counts.get("aten::mm", 0) == int(not grad_weight)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)

@@ -349,3 +349,47 @@ def test_noise_is_16_bits_four_to_a_draw():
         counts = torch.bincount(byte.flatten(), minlength=256).double()
         # 256000 draws over 256 bins: 1000 expected each, sigma ~31.6
         assert ((counts - 1000).abs() < 6 * 31.7).all()
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_adamw_update_fused_when_compiled_gives_the_eager_bits(stochastic, monkeypatch):
+    """torch AdamW's last op, ``param.addcdiv_``, is one compiled pass (dequantize, update,
+    requantize) with the compiled kernels on: the same int8 values and scales as the
+    general eager path after several steps (same generator state, same noise)."""
+    from fsdp_int8 import Int8Weight
+    from fsdp_int8._ops import updates
+
+    fused_calls = []
+    original = updates._fused_addcdiv_
+    monkeypatch.setattr(updates, "_fused_addcdiv_", lambda *a, **k: fused_calls.append(1) or original(*a, **k))
+
+    def train(compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        fsdp_int8.quant.use_compiled_kernels(compiled)
+        try:
+            weight = torch.nn.Parameter(Int8Weight.from_float(
+                torch.randn(24, 80, generator=torch.Generator().manual_seed(0)), stochastic_rounding=stochastic))
+            WEIGHT_ROUNDING.manual_seed(3, 0)
+            optimizer = torch.optim.AdamW([weight], lr=1e-2, weight_decay=0.1)
+            grads = torch.Generator().manual_seed(1)
+            for _ in range(4):
+                weight.grad = torch.randn(24, 80, generator=grads)
+                optimizer.step()
+            return weight.int_data.clone(), weight.scale.clone()
+        finally:
+            fsdp_int8.quant.use_compiled_kernels(False)
+
+    eager = train(False)
+    assert not fused_calls
+    compiled = train(True)
+    assert len(fused_calls) == 4
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def test_fused_update_refuses_a_non_finite_result(compiled_kernels):
+    from fsdp_int8 import Int8Weight
+
+    weight = Int8Weight.from_float(torch.randn(4, 16))
+    before = weight.int_data.clone()
+    with pytest.raises(ValueError, match="non-finite"):
+        weight.addcdiv_(torch.ones(4, 16), torch.zeros(4, 16))  # 1 / 0: Inf
+    assert torch.equal(weight.int_data, before)

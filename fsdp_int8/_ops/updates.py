@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from fsdp_int8 import quant
+from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.weight import Int8Weight, dequantize_all
 
 aten = torch.ops.aten
@@ -75,10 +77,67 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             )
         if factor is not None and _rescale(func, target, factor):
             return target
+    if func is aten.addcdiv_.default and _fusable_addcdiv(target, args, kwargs):
+        return _fused_addcdiv_(target, *args, **kwargs)
     values = target.dequantize(torch.float32)
     func(values, *_as_fp32(args), **_as_fp32(kwargs))
     stochastic = target.stochastic_rounding and func not in _DETERMINISTIC
     return target.assign_(values, stochastic=stochastic)
+
+
+# ---------------------------------------------------------------- fused addcdiv_
+# torch's AdamW ends with ``param.addcdiv_(exp_avg, denom, value=-step_size)``. With the
+# compiled kernels on, that update is one compiled pass: dequantize the rows, add
+# ``value * t1 / t2``, take each row's new scale and round (stochastically) to int8,
+# instead of writing an fp32 copy of the weight, updating it, and reading it twice more.
+# The arithmetic is the general path's (``q * scale`` in fp32; aten's CPU addcdiv
+# computes ``self + value * t1 / t2`` in that order; then the weights' rounding), so the
+# results are the same bit for bit. ``value`` travels as a 0-dim tensor: a Python float
+# that changes every step (the learning-rate schedule) must not become a constant of
+# the compiled graph.
+
+def _addcdiv_rows(q, scale, t1, t2, value, noise_bytes):
+    values = torch.mul(q, scale.unsqueeze(1))
+    values = values + value * t1.float() / t2.float()
+    return quant._int8_rows(values, quant.noise_from_bytes(noise_bytes))
+
+
+def _addcdiv_rows_nearest(q, scale, t1, t2, value):
+    values = torch.mul(q, scale.unsqueeze(1))
+    values = values + value * t1.float() / t2.float()
+    return quant._int8_rows(values, None)
+
+
+def _fusable_addcdiv(target: Int8Weight, args: tuple, kwargs: dict) -> bool:
+    if not quant.compiled_kernels_enabled() or len(args) != 2 or set(kwargs) - {"value"}:
+        return False
+    value = kwargs.get("value", 1)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    t1, t2 = args
+    return (
+        target.int_data.dim() <= 2 and target.numel() > 0 and not target.is_meta
+        and all(
+            type(t) is torch.Tensor and t.is_floating_point() and t.shape == target.shape
+            and t.device == target.device
+            for t in (t1, t2)
+        )
+    )
+
+
+def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, value: float = 1) -> Int8Weight:
+    rows = target.int_rows()
+    shape = (target.rows, target.row_len)
+    operands = (rows, target.scale, t1.reshape(shape), t2.reshape(shape),
+                torch.tensor(float(value), dtype=torch.float32, device=target.device))
+    if target.stochastic_rounding:
+        noise = quant.rounding_noise(shape, WEIGHT_ROUNDING.generator(target.device), target.device)
+        q, scale = quant.run_compiled(_addcdiv_rows, *operands, noise.view(torch.int8))
+    else:
+        q, scale = quant.run_compiled(_addcdiv_rows_nearest, *operands)
+    if not bool(torch.isfinite(scale).all()):
+        quant._raise_non_finite(target.dequantize(torch.float32).addcdiv_(t1, t2, value=value), "a weight", "int8")
+    return target.write_rows_(q, scale)
 
 
 def _as_fp32(tree: Any) -> Any:

@@ -290,9 +290,13 @@ def _check_int8_matmuls_under_fsdp(rank: int, world: int) -> None:
     with CountIntMM():
         result = train_parity(
             rank, world, hidden=33, mp_policy=None, reshard_after_forward=True, steps=STEPS,
-            int8_matmul=fsdp_int8.Int8MatmulConfig(),
+            int8_matmul=fsdp_int8.Int8MatmulConfig(grad_weight=False),
         )
-    # per step and model (reference, FSDP): 4 forward GEMMs, 3 grad_input GEMMs (the
+    # Output and grad_input quantize per token row: the same on each rank as in the one-
+    # process reference, so the fp32 parity tolerances hold. (grad_weight quantizes per
+    # channel over the tokens, and each rank sees only its own: its int8 weight gradient
+    # differs from the reference's by design, and is not part of this exact check.)
+    # Per step and model (reference, FSDP): 4 forward GEMMs, 3 grad_input GEMMs (the
     # first layer's input needs no gradient)
     assert CountIntMM.calls == STEPS * 2 * (4 + 3), CountIntMM.calls
     assert_parity(result, bf16=False)
