@@ -302,6 +302,53 @@ def _check_int8_matmuls_under_fsdp(rank: int, world: int) -> None:
     assert_parity(result, bf16=False)
 
 
+def _check_int8_weight_gradient_under_fsdp(rank: int, world: int) -> None:
+    """The default ``Int8MatmulConfig`` runs the weight gradient's GEMM in int8 too, with
+    scales per channel over the tokens of each rank; FSDP2 then averages the ranks'
+    results. Reference: the same layer unsharded in this process, fed every rank's tokens
+    in turn, the int8 gradients summed and divided by the world size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountIntMM(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._int_mm.default:
+                type(self).calls += 1
+            return func(*args, **(kwargs or {}))
+
+    config = Int8TrainingConfig(int8_matmul=fsdp_int8.Int8MatmulConfig())
+    assert config.int8_matmul.grad_weight  # the default under test
+
+    def layer() -> nn.Module:
+        torch.manual_seed(0)
+        return fsdp_int8.quantize_(nn.Sequential(nn.Linear(64, 48, bias=False)), config)
+
+    inputs = [torch.randn(24, 64, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    reference = layer()
+    for x in inputs:  # .grad accumulates the ranks' int8 weight gradients
+        reference(x).square().sum().backward()
+    expected = reference[0].weight.grad / world
+
+    sharded = fully_shard(layer())
+    with CountIntMM():
+        sharded(inputs[rank]).square().sum().backward()
+    # forward and weight gradient; the input needs no gradient, so no grad_input GEMM
+    assert CountIntMM.calls == 2, CountIntMM.calls
+    got = sharded[0].weight.grad.full_tensor()
+    # Each rank's int8 GEMM and its dequantization are the reference's for the same tokens,
+    # bit for bit; only the average differs in order (a/2 + b/2 against (a + b)/2, exact
+    # in fp32 for two ranks, one rounding per add for more): a few ulps at most.
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    # and it is a quantized gradient: not the fp32 one (int8 operands move it by ~1%)
+    plain = nn.Linear(64, 48, bias=False)
+    with torch.no_grad():
+        plain.weight.copy_(reference[0].weight.dequantize())
+    for x in inputs:
+        plain(x).square().sum().backward()
+    assert not torch.allclose(plain.weight.grad / world, expected, rtol=1e-4, atol=1e-4)
+
+
 def _check_quantized_gradients_switch(rank: int, world: int) -> None:
     """Int8TrainingConfig(quantize_gradients=True) replaces every gradient reduce-scatter
     with int8 all-to-alls, and checkpoints carry its noise generator for exact resume."""
@@ -374,6 +421,7 @@ def _two_rank_body(rank: int, world: int) -> None:
     _check_dtensor_ops_on_uneven_shards(rank, world, rows=21)
     _parity_matrix(rank, world, hiddens=(32, 33, 31) if FULL_MATRIX else (32, 33))
     _check_int8_matmuls_under_fsdp(rank, world)
+    _check_int8_weight_gradient_under_fsdp(rank, world)
     _check_quantized_gradients_switch(rank, world)
     _check_bytes(rank, world)
     _check_optimizer_step_is_local(rank, world)
