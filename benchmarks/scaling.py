@@ -165,15 +165,18 @@ def compute_seconds(shape: Shape, kind: str, tokens: int, device: Device) -> dic
     """GEMM, attention and fsdp_int8's memory-bound passes, per rank and step."""
     gemm = 6 * shape.matmul_params * tokens
     if kind.startswith("int8-mm"):
-        int8_part = 4 * shape.quantized * tokens  # output + grad_input
+        # the default Int8MatmulConfig: output, grad_input and the weight gradient in int8
+        int8_part = 6 * shape.quantized * tokens
         gemm_s = int8_part / device.int8 + (gemm - int8_part) / device.bf16
     else:
         gemm_s = gemm / device.bf16
     attention_s = 6 * shape.n_layers * shape.seq * shape.dim * tokens / device.bf16
     extra = 0.0
     rows = shape.linear_rows()
-    if kind.startswith("int8-mm"):  # quantize x / grad_y (2 bytes in, 1 out), dequantize int32 (4 in, 2 out)
-        extra = sum(9 * (o + i) for o, i in rows) * tokens
+    if kind.startswith("int8-mm"):
+        # x and grad_y quantized by rows and by columns (2 bytes in, 1 out, twice each); the
+        # int32 output and grad_input dequantized (4 in, 2 out); the int32 weight gradient too
+        extra = sum(12 * (o + i) * tokens + 6 * o * i for o, i in rows)
     elif kind in ("int8", "int8-grads"):  # the weight in bf16 for each of its 2 matmuls: 1 byte in, 2 out
         extra = sum(2 * 3 * o * i for o, i in rows)
     extra_s = extra / device.memory
