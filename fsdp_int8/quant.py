@@ -209,6 +209,33 @@ def _dequantize_whole(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return torch.mul(q, scale).to(dtype)  # (a dtype argument is a constant, not a symbol)
 
 
+def _dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[...] = (q * scale)`` rounded to ``out``'s dtype: :func:`_dequantize_whole`'s
+    values, written in place (compiled: one pass that stores straight into ``out``)."""
+    out.copy_(torch.mul(q, scale))
+
+
+def dequantize_rows_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write ``q [rows, K] * scale [rows]`` into the floating ``out [rows, K]`` in place.
+
+    The same values as ``absmax_dequantize(q, scale, dtype=out.dtype)`` (fp32 products,
+    rounded once to ``out``'s dtype), without a temporary of ``out``'s size where the
+    compiled kernels are on. ``q`` may be strided (FSDP2's gathered buffer).
+    """
+    if q.shape != out.shape or tuple(scale.shape) != (q.shape[0],):
+        raise ValueError(
+            f"dequantize_rows_into needs q and out of one shape and one scale per row, got "
+            f"q {tuple(q.shape)}, scale {tuple(scale.shape)}, out {tuple(out.shape)}"
+        )
+    with torch.no_grad():  # `out` may be a parameter (FSDP2's unsharded weight)
+        target = out.detach()
+        if _use_compiled(q):
+            run_compiled(_dequantize_into, q, scale.unsqueeze(1), target)
+        else:
+            _dequantize_into(q, scale.unsqueeze(1), target)
+    return out
+
+
 @functools.cache
 def compiled(function: Callable) -> Callable:
     """``torch.compile(function, dynamic=True)``, made once per function."""

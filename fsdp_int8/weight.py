@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map_only
 from fsdp_int8._all_gather import pack_rows, padded_rows, unpack_rows
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.config import Int8MatmulConfig
-from fsdp_int8.quant import absmax_dequantize, absmax_quantize
+from fsdp_int8.quant import absmax_dequantize, absmax_quantize, dequantize_rows_into
 
 __all__ = ["Int8Weight"]
 
@@ -381,11 +381,21 @@ class Int8Weight(torch.Tensor):
         metadata: int,
         param_dtype: torch.dtype,
         *,
-        out: "Int8Weight | None" = None,
-    ) -> "tuple[Int8Weight, tuple[torch.Tensor, ...]] | None":
-        """FSDP2 hook: the unsharded weight over the gathered buffer (in place into ``out``)."""
+        out: "torch.Tensor | None" = None,
+    ) -> "tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None":
+        """FSDP2 hook: the unsharded weight, built from the gathered int8 rows and scales.
+
+        Weight-only (no ``int8_matmul``): a plain ``param_dtype`` tensor, the rows
+        dequantized once per unshard, so the layer's forward and backward run plain
+        ``F.linear`` (no subclass dispatch, no weight rebuilt per matmul): the same values
+        that ``F.linear`` on an ``Int8Weight`` multiplies by. The gathered bytes stay int8.
+        Int8 matmuls: an ``Int8Weight`` over the gathered buffer (its GEMMs read the int8
+        rows). Later unshards refill ``out`` in place.
+        """
         (gathered,) = outputs
         data, scale = unpack_rows(gathered, metadata, self.row_len)
+        if self.int8_matmul is None:
+            return _dequantized_unshard(data, scale, param_dtype, out)
         if out is not None:
             if out.int_data.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
                 out.int_data.copy_(data)  # FSDP2 gave a new buffer: keep `out` current anyway
@@ -437,6 +447,36 @@ def _rebuild_int8_weight(
     if is_param:  # a pickled module's parameter comes back as a parameter
         return torch.nn.Parameter(weight, requires_grad=requires_grad)
     return weight.requires_grad_(requires_grad) if requires_grad else weight
+
+
+def _dequantized_unshard(
+    data: torch.Tensor, scale: torch.Tensor, param_dtype: torch.dtype, out: torch.Tensor | None
+) -> "tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None":
+    """A weight-only unshard: ``data * scale`` in ``param_dtype``, into ``out`` when given.
+
+    The first unshard returns the new tensor as FSDP2's unsharded parameter AND as its
+    inner tensor: FSDP2 frees that storage at every reshard and re-allocates it before
+    calling again with ``out`` (a view of the same storage), which is refilled in place.
+    """
+    if out is None:
+        values = torch.empty(data.shape, dtype=param_dtype, device=data.device)
+        dequantize_rows_into(data, scale, values)
+        return values, (values,)
+    if out.dtype != param_dtype or tuple(out.shape) != tuple(data.shape):
+        raise RuntimeError(
+            f"FSDP2 passed out= of {out.dtype} {tuple(out.shape)} for a weight-only unshard "
+            f"of {param_dtype} {tuple(data.shape)}: the unsharded weight changed between "
+            "unshards, which fsdp_int8 does not expect; please report it"
+        )
+    if out.is_inference():
+        dequantize_rows_into(data, scale, out)
+        return None
+    # The same refill FSDP2 does into its own all-gather outputs: autograd saved this
+    # weight in forward, FSDP2 freed it at reshard and we write the same values back for
+    # backward, so the mutation is hidden from autograd's version check as FSDP2 hides its own.
+    with torch.autograd._unsafe_preserve_version_counter(out):
+        dequantize_rows_into(data, scale, out)
+    return None
 
 
 # torch.load(weights_only=True) rebuilds Int8Weights through these two names only.

@@ -310,6 +310,26 @@ def test_compiled_kernels_match_eager_bit_for_bit(compiled_kernels):
         assert torch.equal(eager, fused)
 
 
+def test_dequantize_rows_into_writes_absmax_dequantize_values_in_place(compiled_kernels):
+    """FSDP2's weight-only unshard: strided int8 rows (a view of the gathered buffer)
+    written into an existing tensor, eagerly and compiled, equal ``absmax_dequantize``'s
+    values (fp32 products rounded once) bit for bit, without replacing the tensor."""
+    gathered = torch.randint(-127, 128, (40, 36), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    q = gathered[:37, :32]  # padding rows and scale bytes cut off: strided
+    scale = torch.logspace(-4, 1, 37)
+    for compiled in (False, True):
+        fsdp_int8.quant.use_compiled_kernels(compiled)
+        for dtype in (torch.bfloat16, torch.float32):
+            out = torch.nn.Parameter(torch.full((37, 32), float("nan"), dtype=dtype))
+            pointer = out.data_ptr()
+            fsdp_int8.quant.dequantize_rows_into(q, scale, out)
+            assert out.data_ptr() == pointer and out.requires_grad
+            expected = fsdp_int8.quant.absmax_dequantize(q.contiguous(), scale, dtype=dtype)
+            assert torch.equal(out.detach(), expected), (compiled, dtype)
+    with pytest.raises(ValueError, match="one scale per row"):
+        fsdp_int8.quant.dequantize_rows_into(q, scale[:5], torch.empty(37, 32))
+
+
 def test_a_failing_compile_warns_once_and_falls_back_to_eager(compiled_kernels, monkeypatch):
     import fsdp_int8.quant as quant
 

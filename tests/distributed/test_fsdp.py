@@ -95,6 +95,57 @@ def _check_bytes(rank: int, world: int) -> None:
     )
 
 
+def _check_weight_only_unshards_plain(rank: int, world: int) -> None:
+    """Weight-only under FSDP2: each unshard hands the layer a plain ``param_dtype`` weight
+    (the gathered int8 rows dequantized once: plain ``F.linear``, no subclass), equal to the
+    sharded ``Int8Weight``'s values, refilled in place on later unshards (backward after a
+    reshard, the next step after an optimizer update); the all-gather still carries int8.
+    With int8 matmuls the unsharded weight stays an ``Int8Weight`` (its GEMMs read int8)."""
+    for matmul in (None, fsdp_int8.Int8MatmulConfig()):
+        with case(f"unsharded weight type, int8_matmul={matmul}"):
+            torch.manual_seed(0)
+            model = fsdp_int8.shard_model(  # 33 rows: uneven shards, padding rows on the wire
+                MLPNet(hidden=33, bias=False), mp_policy=BF16_POLICY,
+                config=Int8TrainingConfig(int8_matmul=matmul),
+            )
+            seen: list[tuple[str, type, torch.Tensor]] = []  # a copy: FSDP2 frees the storage
+
+            def record(module: nn.Module, args, name: str) -> None:
+                weight = module.weight.detach()
+                seen.append((name, type(weight), weight if isinstance(weight, Int8Weight) else weight.clone()))
+
+            for i, block in enumerate(model.layers):
+                for lin in ("up", "down"):
+                    getattr(block, lin).register_forward_pre_hook(
+                        lambda mod, args, name=f"layers.{i}.{lin}.weight": record(mod, args, name)
+                    )
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
+            for step in range(2):  # step 1 refills the buffers of step 0 (out=)
+                expected = {n: p.full_tensor().dequantize(torch.bfloat16) for n, p in int8_params(model)}
+                seen.clear()
+                with fsdp_int8.count_collectives() as counter:
+                    model(x).float().sum().backward()
+                assert len(seen) == 4, [n for n, _, _ in seen]
+                for name, kind, weight in seen:
+                    if matmul is None:
+                        assert kind is torch.Tensor and weight.dtype == torch.bfloat16, (name, kind)
+                        assert torch.equal(weight, expected[name]), f"step {step}: {name} differs from its shard"
+                    else:
+                        assert kind is Int8Weight and weight.dtype == torch.bfloat16, name
+                # the blocks' all-gathers (forward, and backward after the reshard) are int8 bytes
+                # ([33, 32] and [32, 33] weights: padded rows of K + 4 bytes each)
+                block_numel = world * (-(-33 // world) * (32 + 4) + -(-32 // world) * (33 + 4))
+                gathers = [(r.dtype, r.numel) for r in counter.of("all_gather_single")]
+                assert gathers.count((torch.int8, block_numel)) == 3, gathers
+                # gradients still land on the sharded Int8Weights, in the outer dtype
+                for name, param in int8_params(model):
+                    assert param.grad is not None and param.grad.dtype == torch.float32, name
+                opt.step()
+                opt.zero_grad()
+            assert all(isinstance(local_of(p), Int8Weight) for _, p in int8_params(model))
+
+
 def _check_optimizer_step_is_local(rank: int, world: int) -> None:
     """Each rank requantizes only its own rows: the step runs no collective."""
     torch.manual_seed(0)
@@ -424,6 +475,7 @@ def _two_rank_body(rank: int, world: int) -> None:
     _check_int8_weight_gradient_under_fsdp(rank, world)
     _check_quantized_gradients_switch(rank, world)
     _check_bytes(rank, world)
+    _check_weight_only_unshards_plain(rank, world)
     _check_optimizer_step_is_local(rank, world)
     _check_pre_all_gather_hook_runs(rank, world)
     _check_training_features(rank, world)
