@@ -35,9 +35,10 @@ def padded_rows(full_rows: int, shard_world_size: int) -> int:
 def pack_rows(int_rows: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
     """``int8 [rows, K + 4]``: each row's values, then its scale's bytes; zero rows after."""
     held, row_len = int_rows.shape
-    wire = torch.zeros(rows, row_len + SCALE_BYTES, dtype=torch.int8, device=int_rows.device)
-    wire[:held, :row_len] = int_rows
-    wire[:held, row_len:] = scale.view(torch.int8).view(held, SCALE_BYTES)
+    wire = torch.empty(rows, row_len + SCALE_BYTES, dtype=torch.int8, device=int_rows.device)
+    # one pass writes both parts; only the padding rows are zeroed
+    torch.cat((int_rows, scale.view(torch.int8).view(held, SCALE_BYTES)), dim=1, out=wire[:held])
+    wire[held:].zero_()
     return wire
 
 

@@ -99,13 +99,15 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 def _addcdiv_rows(q, scale, t1, t2, value, noise_bytes):
     values = torch.mul(q, scale.unsqueeze(1))
     values = values + value * t1.float() / t2.float()
-    return quant._int8_rows(values, quant.noise_from_bytes(noise_bytes))
+    q, scale = quant._int8_rows(values, quant.noise_from_bytes(noise_bytes))
+    return q, scale, torch.isfinite(scale).all()  # the check rides in the same kernel call
 
 
 def _addcdiv_rows_nearest(q, scale, t1, t2, value):
     values = torch.mul(q, scale.unsqueeze(1))
     values = values + value * t1.float() / t2.float()
-    return quant._int8_rows(values, None)
+    q, scale = quant._int8_rows(values, None)
+    return q, scale, torch.isfinite(scale).all()
 
 
 def _fusable_addcdiv(target: Int8Weight, args: tuple, kwargs: dict) -> bool:
@@ -132,10 +134,10 @@ def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, v
                 torch.tensor(float(value), dtype=torch.float32, device=target.device))
     if target.stochastic_rounding:
         noise = quant.rounding_noise(shape, WEIGHT_ROUNDING.generator(target.device), target.device)
-        q, scale = quant.run_compiled(_addcdiv_rows, *operands, noise.view(torch.int8))
+        q, scale, finite = quant.run_compiled(_addcdiv_rows, *operands, noise.view(torch.int8))
     else:
-        q, scale = quant.run_compiled(_addcdiv_rows_nearest, *operands)
-    if not bool(torch.isfinite(scale).all()):
+        q, scale, finite = quant.run_compiled(_addcdiv_rows_nearest, *operands)
+    if not bool(finite):
         quant._raise_non_finite(target.dequantize(torch.float32).addcdiv_(t1, t2, value=value), "a weight", "int8")
     return target.write_rows_(q, scale)
 
