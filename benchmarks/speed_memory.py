@@ -8,7 +8,9 @@ processes (so each peak RSS is its own), one after another in this one run: read
 ratios, not the absolute times (these machines are noisy). Columns:
 
 * step: median wall time of a training step (forward, backward, clip, optimizer), rank 0;
-* vs fp32: that median against the fp32 FSDP2 + torch AdamW row of this run;
+* vs bf16, vs fp32: the bf16 FSDP2 (bf16 parameters, fp32 reduction: the baseline users
+  run) and fp32 FSDP2 rows with torch AdamW of this run, over that median (higher is faster);
+  every int8 row computes in bf16 like the launcher, with its compiled kernels from width 512;
 * bytes/param: storage of each rank's own parameters + gradients + optimizer states,
   divided by its parameter count (fp32 + Adam: 16); 8-bit AdamW keeps its moments in
   blocks of 128 values per scale;
@@ -34,11 +36,13 @@ import fsdp_int8
 from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, ModelArgs, Transformer
 
-# int8-mm: all three GEMMs in int8 (the default Int8MatmulConfig; int8-mm-all: the same);
-# int8-mm-wgrad-bf16: the weight gradient's GEMM in the compute dtype; +compile: activation quantization fused by torch.compile;
-# int8-bf16: int8 weights of a bf16 model (bf16 compute, gradients and reduction).
-PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm+compile", "int8-mm-all", "int8-mm-wgrad-bf16",
-              "int8-bf16")
+# Every int8 row computes in bf16 (bf16 parameters, fp32 reduction), as the launcher does, with
+# the compiled quantization kernels on from width 512 (the launcher's --compile auto).
+# int8: weight-only; int8-mm: all three GEMMs in int8 (the default Int8MatmulConfig);
+# int8-mm-wgrad-bf16: the weight gradient's GEMM in bf16; int8-bf16: int8 weights of a bf16
+# model (bf16 gradients and reduction too).
+PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16", "int8-bf16")
+LABELS = {"bf16": "bf16 FSDP2", "fp32": "fp32 FSDP2", "int8": "int8 weight-only"}
 EIGHT_BIT_BLOCK = 128  # values per scale of 8-bit Adam states
 OPTIMIZERS = ("torch AdamW", "fused AdamW", "8-bit AdamW")
 
@@ -78,12 +82,12 @@ def build(precision: str, preset: ModelArgs) -> Transformer:
     bf16 = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if precision.startswith("int8"):
         matmuls = (
-            fsdp_int8.Int8MatmulConfig(
-                compile=precision.endswith("+compile"), grad_weight=precision != "int8-mm-wgrad-bf16"
-            )
+            fsdp_int8.Int8MatmulConfig(grad_weight=precision != "int8-mm-wgrad-bf16")
             if precision.startswith("int8-mm") else None
         )
-        fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig(int8_matmul=matmuls))
+        fsdp_int8.quant.use_compiled_kernels(preset.dim >= 512)
+        fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig(int8_matmul=matmuls),
+                              mp_policy=None if precision == "int8-bf16" else bf16)
     else:
         fsdp_int8.shard_model(model, quantize=False, mp_policy=bf16 if precision == "bf16" else None)
     return model
@@ -158,23 +162,26 @@ def main(argv: list[str] | None = None) -> None:
           f"blocks, {preset.n_heads} heads ({params / 1e6:.2f}M params), batch {args.batch_size} x {args.seq_len} per rank, world size "
           f"{args.world_size}, {args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup}")
     say(f"CPU: {cpu_description()}; torch {torch.__version__}")
-    header = f"{'precision':<15} {'optimizer':<12} {'step ms':>8} {'vs fp32':>8} {'bytes/param':>12} {'peak RSS MB':>12}"
+    header = (f"{'precision':<19} {'optimizer':<12} {'step ms':>8} {'vs bf16':>8} {'vs fp32':>8} {'bytes/param':>12} "
+              f"{'peak RSS MB':>12}")
     say(header)
     say("-" * len(header))
-    baseline = None
+    baselines: dict[str, float] = {}  # fp32 / bf16 FSDP2 with torch AdamW: step seconds
     for precision in args.precisions:
         for optimizer in args.optimizers:
+            label = LABELS.get(precision, precision)
             try:
                 row = run_distributed(_row, args.world_size, precision, optimizer, settings)[0]
             except Exception as error:  # print the failure in its row, keep the table going
-                say(f"{precision:<15} {optimizer:<12} failed: {str(error).strip().splitlines()[-1][:90]}")
+                say(f"{label:<19} {optimizer:<12} failed: {str(error).strip().splitlines()[-1][:90]}")
                 continue
-            if baseline is None and precision == "fp32" and optimizer == "torch AdamW":
-                baseline = row["step_s"]
-            ratio = f"{baseline / row['step_s']:.2f}x" if baseline else "-"
-            say(f"{precision:<15} {optimizer:<12} {row['step_s'] * 1e3:8.1f} {ratio:>8} "
+            if precision in ("fp32", "bf16") and optimizer == "torch AdamW":
+                baselines[precision] = row["step_s"]
+            ratios = [f"{baselines[b] / row['step_s']:.2f}x" if b in baselines else "-" for b in ("bf16", "fp32")]
+            say(f"{label:<19} {optimizer:<12} {row['step_s'] * 1e3:8.1f} {ratios[0]:>8} {ratios[1]:>8} "
                 f"{row['bytes_per_param']:12.2f} {row['peak_rss_mb']:12.0f}")
-    say("vs fp32: speed-up over fp32 FSDP2 + torch AdamW (higher is faster)")
+    say("vs bf16 / vs fp32: speed-up over bf16 FSDP2 (bf16 params, fp32 reduce; the baseline users run) and over "
+        "fp32 FSDP2, each with torch AdamW (higher is faster); int8 rows compute in bf16, int8-bf16 holds a bf16 model")
     if args.write_docs:
         from benchmarks.report import write_verbatim
 
