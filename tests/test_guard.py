@@ -78,3 +78,20 @@ def test_the_guard_can_be_removed():
     handle.remove()
     optimizer.step()  # torch applies it: the guard is off
     assert not torch.isfinite(model[1].bias).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_check_tells_huge_finite_gradients_from_non_finite_ones(dtype):
+    # The fast check is a 2-norm: values whose squares overflow (1e30 in fp32; 300 in fp16,
+    # whose norm 424 is fine, but 3e4 overflows it) must still count as finite, and NaN,
+    # +Inf and -Inf next to finite values as non-finite.
+    from fsdp_int8.guard import _all_finite
+
+    huge = 1e30 if dtype != torch.float16 else 3e4
+    finite = [torch.full((5, 7), huge, dtype=dtype), torch.randn(3, dtype=dtype)]
+    assert _all_finite(finite)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensor = torch.randn(5, 7, dtype=dtype)
+        tensor[2, 3] = bad
+        assert not _all_finite([finite[1], tensor]), bad
+        assert not _all_finite([torch.full((4,), huge, dtype=dtype), tensor]), bad

@@ -430,3 +430,29 @@ def test_bad_parameters_and_gradients_raise_clearly():
     model[0].weight.grad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         opt.step()
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: Int8AdamW(p, lr=1e-2, weight_decay=0.1),
+    lambda p: Int8AdamW(p, lr=1e-2, state_bits=8, block_size=16),
+    lambda p: Int8SGD(p, lr=1e-2, momentum=0.9),
+], ids=["adamw", "adamw_8bit", "sgd"])
+def test_chunks_of_many_parameters_give_the_bits_of_one_at_a_time(make, monkeypatch):
+    # CPU steps update one parameter at a time; accelerators update chunks of many with
+    # _foreach_ ops. Both must give the same bits (stochastic rounding included): run the
+    # many-parameter path on CPU by raising the CPU limit, against the default.
+    from fsdp_int8.optim import _base
+
+    results = []
+    for limit in (_base._CHUNK_ELEMENTS_CPU, _base._CHUNK_ELEMENTS):
+        monkeypatch.setattr(_base, "_CHUNK_ELEMENTS_CPU", limit)
+        model = _net(stochastic_rounding=True)
+        opt = make(model.parameters())
+        for step in range(3):
+            _backward(model, step)
+            opt.step()
+        results.append(([_values(p) for p in model.parameters()], copy.deepcopy(opt.state_dict()["state"])))
+    (params_a, state_a), (params_b, state_b) = results
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    flat_a, flat_b = (torch.utils._pytree.tree_leaves(s) for s in (state_a, state_b))
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(flat_a, flat_b))

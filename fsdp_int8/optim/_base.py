@@ -24,8 +24,12 @@ from fsdp_int8.weight import Int8Weight, contiguous_strides, local_shard
 # The update of a chunk of parameters runs on fp32 copies (dequantized weights, moments,
 # the denominator): at most this many elements at a time (one parameter at least), so the
 # step's transient memory stays ~16 bytes x 2^24 = 256 MiB instead of growing into an fp32
-# copy of the whole model.
+# copy of the whole model. On CPU one parameter at a time: torch runs CPU ``_foreach_`` ops
+# as a loop of single ops anyway, and one parameter's copies, freed before the next
+# parameter's are made, reuse the same memory instead of faulting fresh pages in every step
+# (measured: Int8AdamW over 8 weights of 2.45 M values, 18.3-19.0 ms -> 15.7-16.3 ms).
 _CHUNK_ELEMENTS = 1 << 24
+_CHUNK_ELEMENTS_CPU = 0
 
 # 32-bit state entries: always fp32 (also when loaded from a torch.optim checkpoint of a
 # bf16 model, whose states are bf16).
@@ -56,13 +60,13 @@ def _placement_text(tensor: torch.Tensor) -> str:
     return "plain tensor"
 
 
-def _chunks(params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    """Consecutive parameters, at most ``_CHUNK_ELEMENTS`` local elements per chunk."""
+def _chunks(params: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive parameters, at most ``limit`` local elements per chunk (one at least)."""
     chunk: list[torch.Tensor] = []
     total = 0
     for param in params:
         size = local_shard(param).numel()
-        if chunk and total + size > _CHUNK_ELEMENTS:
+        if chunk and total + size > limit:
             yield chunk
             chunk, total = [], 0
         chunk.append(param)
@@ -119,8 +123,9 @@ class FusedInt8Optimizer(Optimizer):
             by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
             for param in with_grad:
                 by_device[local_shard(param).device].append(param)
-            for params in by_device.values():
-                for chunk in _chunks(params):
+            for device, params in by_device.items():
+                limit = _CHUNK_ELEMENTS_CPU if device.type == "cpu" else _CHUNK_ELEMENTS
+                for chunk in _chunks(params, limit):
                     slots = [self._slot(param, group) for param in chunk]
                     self._update(slots, group)
                     self._write_back(slots, skip_int8=float(group["lr"]) == 0.0)
