@@ -13,19 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fsdp_int8
 from fsdp_int8 import Int8MatmulConfig, Int8TrainingConfig, Int8Weight, quantize_
 from fsdp_int8 import linear as int8_linear
-
-
-class CountIntMM(TorchDispatchMode):
-    """Counts aten._int_mm where aten sees it: below every Python wrapper of ours."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._int_mm.default:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
+from _quant import CountIntMM
 
 
 def _linear(config: Int8MatmulConfig | None, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:

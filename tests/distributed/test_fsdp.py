@@ -328,17 +328,9 @@ def _check_int8_matmuls_under_fsdp(rank: int, world: int) -> None:
     dispatcher) and the sharded run matches one process. Activations are quantized per
     token row, so splitting the batch over ranks changes nothing; the weight gradient
     (full precision by default) is summed in another order: the fp32 tolerances hold."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from _quant import CountIntMM
 
-    class CountIntMM(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._int_mm.default:
-                type(self).calls += 1
-            return func(*args, **(kwargs or {}))
-
-    with CountIntMM():
+    with CountIntMM() as counter:
         result = train_parity(
             rank, world, hidden=33, mp_policy=None, reshard_after_forward=True, steps=STEPS,
             int8_matmul=fsdp_int8.Int8MatmulConfig(grad_weight=False),
@@ -349,7 +341,7 @@ def _check_int8_matmuls_under_fsdp(rank: int, world: int) -> None:
     # differs from the reference's by design, and is not part of this exact check.)
     # Per step and model (reference, FSDP): 4 forward GEMMs, 3 grad_input GEMMs (the
     # first layer's input needs no gradient)
-    assert CountIntMM.calls == STEPS * 2 * (4 + 3), CountIntMM.calls
+    assert counter.calls == STEPS * 2 * (4 + 3), counter.calls
     assert_parity(result, bf16=False)
 
 
@@ -358,15 +350,7 @@ def _check_int8_weight_gradient_under_fsdp(rank: int, world: int) -> None:
     scales per channel over the tokens of each rank; FSDP2 then averages the ranks'
     results. Reference: the same layer unsharded in this process, fed every rank's tokens
     in turn, the int8 gradients summed and divided by the world size."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountIntMM(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._int_mm.default:
-                type(self).calls += 1
-            return func(*args, **(kwargs or {}))
+    from _quant import CountIntMM
 
     config = Int8TrainingConfig(int8_matmul=fsdp_int8.Int8MatmulConfig())
     assert config.int8_matmul.grad_weight  # the default under test
@@ -382,10 +366,10 @@ def _check_int8_weight_gradient_under_fsdp(rank: int, world: int) -> None:
     expected = reference[0].weight.grad / world
 
     sharded = fully_shard(layer())
-    with CountIntMM():
+    with CountIntMM() as counter:
         sharded(inputs[rank]).square().sum().backward()
     # forward and weight gradient; the input needs no gradient, so no grad_input GEMM
-    assert CountIntMM.calls == 2, CountIntMM.calls
+    assert counter.calls == 2, counter.calls
     got = sharded[0].weight.grad.full_tensor()
     # Each rank's int8 GEMM and its dequantization are the reference's for the same tokens,
     # bit for bit; only the average differs in order (a/2 + b/2 against (a + b)/2, exact
