@@ -119,6 +119,26 @@ class Int8Weight(torch.Tensor):
         return self
 
     # ------------------------------------------------------------------ the op table
+    @staticmethod
+    def _add_rules(table: dict, keys: tuple, rule: Any, taken: str, *others: dict) -> None:
+        """``table[key] = rule`` for each key; a key that ``table`` or ``others`` already
+        holds raises ``ValueError(taken.format(key=key))`` (two rules for one key would make
+        the tables depend on import order)."""
+        for key in keys:
+            if key in table or any(key in other for other in others):
+                raise ValueError(taken.format(key=key))
+            table[key] = rule
+
+    @classmethod
+    def _registers(cls, table: dict, keys: tuple, taken: str, *others: dict) -> Callable[[Handler], Handler]:
+        """A decorator adding its handler to ``table`` under each of ``keys``."""
+
+        def register(handler: Handler) -> Handler:
+            cls._add_rules(table, keys, handler, taken, *others)
+            return handler
+
+        return register
+
     @classmethod
     def implements(cls, *ops: OpKey) -> Callable[[Handler], Handler]:
         """Register the handler of aten ops (overloads, or whole packets such as ``aten._foreach_add_``).
@@ -127,49 +147,22 @@ class Int8Weight(torch.Tensor):
             ValueError: if an op already has a handler (two rules for one op would make
                 the table depend on import order).
         """
-
-        def register(handler: Handler) -> Handler:
-            for op in ops:
-                if op in cls._OP_TABLE or op in cls._REFUSED:
-                    raise ValueError(f"Int8Weight already has a rule for {op}")
-                cls._OP_TABLE[op] = handler
-            return handler
-
-        return register
+        return cls._registers(cls._OP_TABLE, ops, "Int8Weight already has a rule for {key}", cls._REFUSED)
 
     @classmethod
     def refuses(cls, *packets: OpKey, reason: str) -> None:
         """Refuse aten ops with ``reason`` (in the ``NotImplementedError`` they raise)."""
-        for op in packets:
-            if op in cls._OP_TABLE or op in cls._REFUSED:
-                raise ValueError(f"Int8Weight already has a rule for {op}")
-            cls._REFUSED[op] = reason
+        cls._add_rules(cls._REFUSED, packets, reason, "Int8Weight already has a rule for {key}", cls._OP_TABLE)
 
     @classmethod
     def falls_back_in(cls, *namespaces: str) -> Callable[[Handler], Handler]:
         """Register the handler of the ops of ``namespaces`` that have no rule of their own."""
-
-        def register(handler: Handler) -> Handler:
-            for namespace in namespaces:
-                if namespace in cls._NAMESPACE_FALLBACK:
-                    raise ValueError(f"Int8Weight already has a fallback for {namespace}")
-                cls._NAMESPACE_FALLBACK[namespace] = handler
-            return handler
-
-        return register
+        return cls._registers(cls._NAMESPACE_FALLBACK, namespaces, "Int8Weight already has a fallback for {key}")
 
     @classmethod
     def implements_function(cls, *functions: Callable) -> Callable[[Handler], Handler]:
         """Register the handler of torch-level functions (``F.linear``), seen before dispatch."""
-
-        def register(handler: Handler) -> Handler:
-            for function in functions:
-                if function in cls._FUNCTION_TABLE:
-                    raise ValueError(f"Int8Weight already handles {function.__name__}")
-                cls._FUNCTION_TABLE[function] = handler
-            return handler
-
-        return register
+        return cls._registers(cls._FUNCTION_TABLE, functions, "Int8Weight already handles {key.__name__}")
 
     @classmethod
     def supported_ops(cls) -> list[str]:
