@@ -897,6 +897,10 @@ def test_chunk_reaching_dispatch_cuts_whole_rows():
     assert [tuple(p.shape) for p in pieces] == [(3, K), (3, K), (1, K)]
     assert torch.equal(torch.cat(pieces), w)
     assert torch.equal(torch.ops.aten.chunk.default(w.view(7, 1, K), 2, 1)[0], w.view(7, 1, K))
+    with torch.inference_mode():  # no decomposition into split here: the op itself arrives
+        w_inference = make(rows=7)[0]
+        pieces = torch.ops.aten.chunk.default(w_inference, 3)
+        assert [tuple(p.shape) for p in pieces] == [(3, K), (3, K), (1, K)]
 
 
 # ---------------------------------------------------------------- DDP's flat buckets, comparisons

@@ -179,7 +179,9 @@ def _split(func, weight: Int8Weight, split_size: int, dim: int = 0) -> list[Int8
 
 @_implements(aten.chunk.default)
 def _chunk(func, weight: Int8Weight, chunks: int, dim: int = 0) -> list[Int8Weight]:
-    # DTensor's Replicate -> Shard redistribution calls torch.chunk itself.
+    # DTensor's Replicate -> Shard redistribution calls torch.chunk itself. Outside
+    # inference mode aten.chunk decomposes into split before dispatch; inside it, it
+    # arrives here whole.
     dim = _row_dim(dim, weight.dim(), "chunk")
     length = weight.shape[dim]
     return _split_along(weight, _split_sizes(length, max(1, ceil_div(length, chunks))), dim)

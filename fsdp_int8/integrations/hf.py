@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Trainer
 
 from fsdp_int8._generators import WEIGHT_ROUNDING
-from fsdp_int8.weight import Int8Weight, local_shard
+from fsdp_int8.weight import Int8Weight, dequantize_all, local_shard
 
 __all__ = ["Int8SaveMixin", "Int8Trainer"]
 
@@ -58,7 +58,7 @@ def _plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
             "with fsdp_version 2 and state_dict_type FULL_STATE_DICT), or save "
             "fsdp_int8.export_full_state_dict(model) yourself on every rank."
         )
-    return {k: v.dequantize() if isinstance(v, Int8Weight) else v for k, v in state_dict.items()}
+    return dequantize_all(state_dict)
 
 
 class Int8SaveMixin:
