@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_int8 import _dist
+from fsdp_int8.weight import local_shard
 
 __all__ = ["NonFiniteGradientError", "check_finite_gradients", "guard_finite_steps"]
 
@@ -29,39 +30,46 @@ class NonFiniteGradientError(ValueError):
     """An optimizer step refused because a gradient holds NaN or Inf (nothing was changed)."""
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every tensor on every rank is finite: one fused reduction per device and
     dtype, one host sync, and (with a process group) one all-reduce of the verdict."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for tensor in tensors:
-        local = _local(tensor)
+        local = local_shard(tensor)
         # Sparse gradients are the optimizer's to refuse (or handle): strided ones only.
         if local.layout == torch.strided and local.is_floating_point() and local.numel():
             groups[(local.device, local.dtype)].append(local)
-    verdict = torch.tensor(int(all(_group_finite(group) for group in groups.values())), dtype=torch.int32)
-    if _dist.is_distributed():
-        device = _dist.collective_device()
-        verdict = verdict.to(device)
-        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
-    return bool(verdict)
+    if _agreed([norms_finite(group) for group in groups.values()]):
+        return True
+    # Rare: a norm is NaN or Inf, on some rank. Every rank gets here (the verdict is
+    # shared): look at the values themselves, since a norm may only have overflowed.
+    return _agreed([torch.stack([t.isfinite().all() for t in group]).all() for group in groups.values()])
 
 
-def _group_finite(group: list[torch.Tensor]) -> bool:
-    """Whether every tensor of one device and dtype is finite.
+def norms_finite(group: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every tensor of one device and dtype has a finite 2-norm: a 0-dim bool
+    tensor on their device (no host sync).
 
     A tensor's 2-norm is NaN or Inf exactly when one of its values is, or when the sum of
-    squares overflows (values ~1e19 in fp32, norms past 65504 in fp16): only then are
-    the values themselves checked. The 2-norm, not the max-norm: both are one fused
-    call, but on CPU torch 2.13 vectorizes only the 2-norm (the max-norm and ``isfinite``
-    are ~20x slower: 8.3 ms against 0.38 ms over 3.1 M fp32 values on one thread).
+    squares overflows (values ~1e19 in fp32, norms past 65504 in fp16): a False needs the
+    values themselves checked. The 2-norm, not the max-norm: both are one fused call, but
+    on CPU torch 2.13 vectorizes only the 2-norm (the max-norm and ``isfinite`` are ~20x
+    slower: 8.3 ms against 0.38 ms over 3.1 M fp32 values on one thread).
     """
-    if bool(torch.stack(torch._foreach_norm(group, 2)).isfinite().all()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in group)
+    return torch.stack(torch._foreach_norm(group, 2)).isfinite().all()
+
+
+def _agreed(flags: list[torch.Tensor]) -> bool:
+    """Whether every flag is true on every rank: one all-reduce (with a process group) and
+    one host sync, whatever the number of flags and devices."""
+    device = _dist.collective_device()
+    if flags:
+        verdict = torch.stack([flag.to(device, torch.int32) for flag in flags]).min()
+    else:
+        verdict = torch.ones((), dtype=torch.int32, device=device)
+    if _dist.is_distributed():
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    return bool(verdict)
 
 
 def check_finite_gradients(optimizer: torch.optim.Optimizer) -> None:

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map_only
 
 from fsdp_int8 import _dist
 from fsdp_int8.checkpoint.errors import CheckpointError
+from fsdp_int8.guard import norms_finite
 from fsdp_int8.weight import Int8Weight, local_shard
 
 # A key as dcp stores it ("model.layers.0.weight") and its path in the nested state dict
@@ -109,18 +110,18 @@ def _values_to_check(value: Any) -> torch.Tensor | None:
 
 
 def non_finite_keys(state: dict[str, Any]) -> list[str]:
-    """The keys of entries holding NaN or Inf on this rank: one host sync per device."""
+    """The keys of entries holding NaN or Inf on this rank: one fused 2-norm check and
+    one host sync per device and dtype (``guard.norms_finite``)."""
     flat, _ = flatten(state)
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = defaultdict(list)
     for key, value in flat.items():
         values = _values_to_check(value)
         if values is not None and values.numel():
-            by_device[values.device].append((key, values))
+            groups[(values.device, values.dtype)].append((key, values))
     bad = []
-    for entries in by_device.values():
-        finite = torch.stack([values.isfinite().all() for _, values in entries]).cpu()
-        if not bool(finite.all()):  # rare: only then look at which entries
-            bad += [key for (key, _), ok in zip(entries, finite.tolist()) if not ok]
+    for entries in groups.values():
+        if not bool(norms_finite([values for _, values in entries])):  # rare: only then look closer
+            bad += [key for key, values in entries if not bool(values.isfinite().all())]
     return sorted(bad)
 
 

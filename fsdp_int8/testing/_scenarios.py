@@ -43,11 +43,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 import fsdp_int8
 from fsdp_int8.testing.conformance import _INJECTED, FAILED, NOT_APPLICABLE, PASSED, SubclassSpec
 from fsdp_int8.testing.processes import device_type_for
+from fsdp_int8.weight import local_shard
 
 DIM = 16            # features in and out of every block
 BATCH_PER_RANK = 4
@@ -207,10 +207,6 @@ def _flat_mesh(ctx: _Ctx) -> tuple[DeviceMesh, _Shard]:
     return mesh, _Shard(ctx.group, ctx.rank, ctx.world)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param._local_tensor if isinstance(param, DTensor) else param
-
-
 def _chunk(rows: int, shard: _Shard) -> slice:
     """This rank's rows as ``torch.chunk`` (FSDP2) splits them: the last ranks may get none."""
     size = -(-rows // shard.size)
@@ -230,7 +226,7 @@ def _gather_full(ctx: _Ctx, model: nn.Module, shard: _Shard,
     subclass = set(names)
     full = {}
     for name, param in model.named_parameters():
-        local = _local(param)
+        local = local_shard(param)
         values = ctx.values(local) if name in subclass else local.detach().float()
         rows = param.shape[0]
         padded_rows = -(-rows // shard.size)
@@ -275,7 +271,7 @@ def _compare_start(ctx: _Ctx, model: nn.Module, reference: nn.Module, shard: _Sh
     ref = dict(reference.named_parameters())
     subclass = set(names)
     for name, param in model.named_parameters():
-        local, expected, chunk = _local(param), ref[name], _chunk(param.shape[0], shard)
+        local, expected, chunk = local_shard(param), ref[name], _chunk(param.shape[0], shard)
         mine = ctx.values(local) if name in subclass else local.detach().float()
         rows = (ctx.values(expected) if name in subclass else expected.detach().float())[chunk]
         ctx.expect(mine.shape == rows.shape and torch.equal(mine, rows),
@@ -290,7 +286,7 @@ def _compare_grads(ctx: _Ctx, model: nn.Module, reference: nn.Module, shard: _Sh
         if param.grad is None:
             ctx.problems.append(f"{name}: no gradient")
             continue
-        grad = _local(param.grad).detach().float()
+        grad = local_shard(param.grad).detach().float()
         expected = ref[name].grad[_chunk(param.shape[0], shard)].float()
         if grad.shape != expected.shape:
             ctx.problems.append(
@@ -326,7 +322,7 @@ def _compare_weights(ctx: _Ctx, model: nn.Module, reference: nn.Module, shard: _
     for name, param in model.named_parameters():
         is_subclass = name in subclass
         rows = _chunk(param.shape[0], shard)
-        local = _local(param)
+        local = local_shard(param)
         mine = ctx.values(local) if is_subclass else local.detach().float()
         full = ctx.values(ref[name]) if is_subclass else ref[name].detach().float()
         expected = full[rows]
@@ -336,7 +332,7 @@ def _compare_weights(ctx: _Ctx, model: nn.Module, reference: nn.Module, shard: _
             continue
         if not expected.numel() or param.grad is None:
             continue
-        update_gap = LR * _row_scale(_local(param.grad).float() - ref[name].grad[rows].float())
+        update_gap = LR * _row_scale(local_shard(param.grad).float() - ref[name].grad[rows].float())
         scale = _row_scale(expected)
         step = ctx.spec.rounding_step if is_subclass else 0.0
         beyond_update = ((mine - expected).abs() - update_gap).clamp_min(0)
@@ -456,9 +452,9 @@ def _meta_init(ctx: _Ctx) -> dict[str, tuple[str, str]]:
         full = (torch.randn(param.shape, generator=init) * 0.2).to(ctx.device)
         mine = full[_chunk(param.shape[0], shard)]
         with torch.no_grad():
-            _local(param).copy_(mine)
+            local_shard(param).copy_(mine)
         if name in names:
-            got = ctx.values(_local(param))
+            got = ctx.values(local_shard(param))
             allowed = (ctx.spec.rounding_step * 1.001 + FP32_RTOL) * _row_scale(mine)
             ctx.expect(got.shape == mine.shape and bool(((got - mine).abs() <= allowed).all()),
                        f"{name}: after to_empty and copy_ the shard does not hold the initial values "
@@ -514,7 +510,7 @@ def _dcp(ctx: _Ctx, load_from: str | None, save_to: str) -> dict[str, tuple[str,
         set_model_state_dict(model, state)
         expected = torch.load(Path(load_from) / "expected.pt")
         for name, param in model.named_parameters():
-            local = _local(param)
+            local = local_shard(param)
             mine = (ctx.values(local) if name in names else local.detach().float()).cpu()
             want = expected["values"][name][_chunk(param.shape[0], shard)]
             ctx.expect(mine.shape == want.shape and torch.equal(mine, want),
@@ -540,7 +536,7 @@ def _asymmetric_failure(ctx: _Ctx) -> dict[str, tuple[str, str]]:
     model(x).sum().backward()
     message = f"{_INJECTED} on rank {ctx.rank} (raised by the conformance suite on purpose)"
     if ctx.rank == ctx.world - 1:
-        local = _local(model.layers[0].up.weight)
+        local = local_shard(model.layers[0].up.weight)
         hook = getattr(local, "fsdp_pre_all_gather", None)
         if hook is None:
             raise RuntimeError(message + "; the weight has no fsdp_pre_all_gather")
