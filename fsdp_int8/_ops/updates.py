@@ -96,29 +96,30 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 # that changes every step (the learning-rate schedule) must not become a constant of
 # the compiled graph.
 
-def _addcdiv_rows(q, scale, t1, t2, value, noise_bytes):
+def _addcdiv_then_round(q, scale, t1, t2, value, noise):
     values = torch.mul(q, scale.unsqueeze(1))
     values = values + value * t1.float() / t2.float()
-    q, scale = quant._int8_rows(values, quant.noise_from_bytes(noise_bytes))
+    q, scale = quant._int8_rows(values, noise)
     return q, scale, torch.isfinite(scale).all()  # the check rides in the same kernel call
 
 
+def _addcdiv_rows(q, scale, t1, t2, value, noise_bytes):
+    return _addcdiv_then_round(q, scale, t1, t2, value, quant.noise_from_bytes(noise_bytes))
+
+
 def _addcdiv_rows_nearest(q, scale, t1, t2, value):
-    values = torch.mul(q, scale.unsqueeze(1))
-    values = values + value * t1.float() / t2.float()
-    q, scale = quant._int8_rows(values, None)
-    return q, scale, torch.isfinite(scale).all()
+    return _addcdiv_then_round(q, scale, t1, t2, value, None)
 
 
 def _fusable_addcdiv(target: Int8Weight, args: tuple, kwargs: dict) -> bool:
-    if not quant.compiled_kernels_enabled() or len(args) != 2 or set(kwargs) - {"value"}:
+    if not quant._use_compiled(target) or len(args) != 2 or set(kwargs) - {"value"}:
         return False
     value = kwargs.get("value", 1)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     t1, t2 = args
     return (
-        target.int_data.dim() <= 2 and target.numel() > 0 and not target.is_meta
+        target.int_data.dim() <= 2
         and all(
             type(t) is torch.Tensor and t.is_floating_point() and t.shape == target.shape
             and t.device == target.device
