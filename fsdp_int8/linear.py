@@ -83,7 +83,7 @@ def _dequantize_rows(acc: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dt
     return (acc.float() * row_scale.unsqueeze(1)).to(dtype)
 
 
-_EAGER = {quant._int8_rows_nearest: _rows_eager, _columns: _columns_eager, _scaled_rows: _scaled_rows_eager}
+_EAGER = {quant._int8_rows_nearest: _rows_eager, _columns: _columns_eager}
 
 
 def _compiled_kernels(config: Int8MatmulConfig | None) -> bool:

@@ -234,7 +234,8 @@ def _joins_whole_rows(tensors: Sequence[torch.Tensor]) -> bool:
 
 @_implements(aten.cat.default)
 def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
-    if not _joins_whole_rows(tensors) and all(t.dim() == 1 for t in tensors):
+    whole_rows = _joins_whole_rows(tensors)
+    if not whole_rows and all(t.dim() == 1 for t in tensors):
         # A flat bucket of values (torch's flatten_dense_tensors: DDP's parameter
         # broadcast) mixing int8 weights with plain tensors or other row lengths: its
         # values, plain. Whoever unpacks it copies them back (rounding to nearest).
@@ -247,7 +248,7 @@ def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
         )
     first = tensors[0]
     dim = _row_dim(dim, first.dim(), "cat")
-    if not _joins_whole_rows(tensors):
+    if not whole_rows:
         raise NotImplementedError("cat needs Int8Weights of one row length and one rank")
     joined = first.derive(
         torch.cat([t.int_data for t in tensors], dim), torch.cat([t.scale for t in tensors], dim)
