@@ -47,20 +47,34 @@ def tiny_llama(seed: int, vocab: int = 128, seq: int = 16) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def int8_names(model: nn.Module) -> list[str]:
+    """The names of this rank's parameters that are ``Int8Weight`` shards."""
+    return [name for name, p in model.named_parameters() if isinstance(_local(p), fsdp_int8.Int8Weight)]
+
+
 def int8_count(model: nn.Module) -> int:
     """How many of this rank's parameters are ``Int8Weight`` shards."""
-    return sum(isinstance(_local(p), fsdp_int8.Int8Weight) for p in model.parameters())
+    return len(int8_names(model))
 
 
-def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
-    """Copies of this rank's shards: parameters (an int8 weight as its int8 rows and scales)
-    and, given the optimizer, its state."""
+def int8_shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of this rank's int8 rows and scales of every int8 weight (``name.int_data``,
+    ``name.scale``)."""
     out = {}
     for name, param in model.named_parameters():
         local = _local(param)
         if isinstance(local, fsdp_int8.Int8Weight):
             out[name + ".int_data"], out[name + ".scale"] = local.int_data.clone(), local.scale.clone()
-        else:
+    return out
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """Copies of this rank's shards: parameters (an int8 weight as its int8 rows and scales,
+    as :func:`int8_shards`) and, given the optimizer, its state."""
+    out = int8_shards(model)
+    for name, param in model.named_parameters():
+        local = _local(param)
+        if not isinstance(local, fsdp_int8.Int8Weight):
             out[name] = local.clone()
         if optimizer is not None:
             for key, value in optimizer.state[param].items():
@@ -69,5 +83,5 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """Whether two ``local_state`` results hold the same keys and bytes."""
+    """Whether two ``local_state`` (or ``int8_shards``) results hold the same keys and bytes."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -23,27 +23,12 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import fsdp_int8
 from _accelerate_cpu import accelerate_session, fsdp2_accelerator
-from _common import tiny_llama
+from _common import int8_count, int8_shards, same, tiny_llama
 
 VOCAB, SEQ = 128, 16
-
-
-def int8_shards(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's int8 rows and scales of every int8 weight."""
-    out = {}
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        if isinstance(local, fsdp_int8.Int8Weight):
-            out[name] = (local.int_data.clone(), local.scale.clone())
-    return out
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         # What rank 0 loaded, sharded as accelerate sharded it: each rank's rows of it.
         expected = fsdp_int8.quantize_(tiny_llama(seed=0))
         world = accelerator.num_processes
-        rows = {n: (d.chunk(world)[rank], s.chunk(world)[rank]) for n, (d, s) in int8_shards(expected).items()}
+        rows = {key: value.chunk(world)[rank] for key, value in int8_shards(expected).items()}
         loaded_from_rank0 = same(int8_shards(model), rows)
 
         tokens = (torch.arange(SEQ) * 3 + torch.arange(4)[:, None] + 8 * rank) % VOCAB
@@ -98,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
                 shutil.rmtree(box[0], ignore_errors=True)
         result = {
             "losses": losses,
-            "int8_weights": len(int8_shards(model)),
+            "int8_weights": int8_count(model),
             "loaded_from_rank0_exact": loaded_from_rank0,
             "state_dict_type": args.state_dict_type,
             "reload_exact": reload_exact,

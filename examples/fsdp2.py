@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_int8
-from _common import TinyLM, local_state
+from _common import TinyLM, local_state, same
 
 VOCAB, SEQ = 64, 16  # TinyLM's default vocabulary
 
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
             "losses": losses,
             "int8_weights": sum(k.endswith(".int_data") for k in saved),
             "resumed_step": info.step,
-            "restored_exactly": saved.keys() == loaded.keys()
-            and all(torch.equal(v, loaded[k]) for k, v in saved.items()),
+            "restored_exactly": same(saved, loaded),
             "export_max_diff": export_max_diff,  # relative to the largest logit
         }
         dist.barrier()  # every rank is done with the checkpoint before rank 0 removes it

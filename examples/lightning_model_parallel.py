@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_int8
-from _common import TinyLM as TinyNet, local_state
+from _common import TinyLM as TinyNet, local_state, same
 
 VOCAB, SEQ = 64, 16  # TinyNet's default vocabulary
 
@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
             "int8_weights": sum(k.endswith(".int_data") for k in saved),
             "resumed_int8_weights": sum(k.endswith(".int_data") for k in after),
             "resumed_from_step": resumed_trainer.global_step - len(resumed.losses),
-            "restored_exactly": saved.keys() == loaded.keys()
-            and all(torch.equal(v, loaded[k]) for k, v in saved.items()),
+            "restored_exactly": same(saved, loaded),
             # sharded: a directory (each rank's shards + Lightning's meta.pt); --single-file: a file
             "checkpoint": sorted(os.listdir(path)) if os.path.isdir(path) else "file",
         }

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import fsdp_int8
 from fsdp_int8.integrations.torchtitan import enable_int8_training
+from _common import int8_count, int8_names, int8_shards, same
 
 VOCAB_USED = 64  # the synthetic task's tokens (the debug model's vocabulary has 2048)
 
@@ -126,22 +127,6 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def _int8_bytes(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's int8 rows and scales of every int8 weight, copied."""
-    out = {}
-    for name, param in model.named_parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        if isinstance(local, fsdp_int8.Int8Weight):
-            out[name] = (local.int_data.clone(), local.scale.clone())
-    return out
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]) for k in a
-    )
-
-
 def _all_ranks(flag: bool) -> bool:
     value = torch.tensor(int(flag))
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
@@ -191,9 +176,9 @@ def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
     param_bytes = sum(p.numel() * 4 for p in model.parameters())  # in fp32 (global sizes)
     # what one forward gathers if every int8 weight travels as int8 rows + one fp32 scale
     # per row and every other parameter in fp32 (the debug model's shards need no padding)
-    int8_names = set(_int8_bytes(model))
+    int8_weight_names = set(int8_names(model))
     int8_gather_bytes = sum(
-        p.numel() + 4 * p.shape[0] if name in int8_names else 4 * p.numel()
+        p.numel() + 4 * p.shape[0] if name in int8_weight_names else 4 * p.numel()
         for name, p in model.named_parameters()
     )
 
@@ -206,15 +191,15 @@ def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
         optimizers.zero_grad()
         run["state"].step = step
         losses.append(float(loss.detach()))
-    int8_weights = len(_int8_bytes(model))
+    int8_weights = int8_count(model)
     run["checkpointer"].save(curr_step=args.steps)
-    trained = _int8_bytes(model)
+    trained = int8_shards(model)
 
     torch.manual_seed(1)  # a differently initialised model to load into
     fresh = _build(_trainer_config(args, folder), world)
-    differed = not _same(_int8_bytes(fresh["model"]), trained)
+    differed = not same(int8_shards(fresh["model"]), trained)
     loaded = fresh["checkpointer"].load(step=args.steps)
-    reloaded = _int8_bytes(fresh["model"])
+    reloaded = int8_shards(fresh["model"])
     probe = _batch(args.steps + 1, rank, args.batch, args.seq_len)
     with torch.no_grad():
         same_loss = torch.equal(_loss(model, probe), _loss(fresh["model"], probe))
@@ -223,7 +208,7 @@ def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
     return {
         "losses": losses,
         "int8_weights": int8_weights,
-        "int8_weights_after_load": len(reloaded),
+        "int8_weights_after_load": int8_count(fresh["model"]),
         "all_gather_bytes_per_forward": counter.total_bytes("all_gather_into_tensor")
         + counter.total_bytes("all_gather_single"),
         "fp32_param_bytes": param_bytes,
@@ -231,7 +216,7 @@ def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
         "checkpoint_loaded": loaded,
         "step_after_load": fresh["state"].step,
         "differed_before_load": _all_ranks(differed),
-        "reload_exact": _all_ranks(_same(reloaded, trained) and same_loss),
+        "reload_exact": _all_ranks(same(reloaded, trained) and same_loss),
     }
 
 
