@@ -152,7 +152,7 @@ def publish(tmp: Path, final: Path) -> None:
 
 def next_sequence(root: Path) -> int:
     """The save counter of the next checkpoint under ``root``: after every existing one."""
-    return 1 + max((sequence(p) for p in complete_checkpoints(root)), default=0)
+    return 1 + max((sequence(p) for p in root.glob("step_*") if is_complete(p)), default=0)
 
 
 def prune(root: Path, keep: int, newest: Path) -> None:

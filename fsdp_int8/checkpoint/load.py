@@ -24,7 +24,6 @@ from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
@@ -131,7 +130,7 @@ def _optimizer_copy(model: nn.Module, optimizer: torch.optim.Optimizer, model_co
         return _dcp.copy_tensors(get_optimizer_state_dict(model, optimizer))
     finally:
         optimizer.state.clear()
-        set_model_state_dict(model, model_copy)
+        _dcp.set_model_state(model, model_copy)
         _generator_states.restore(generators, model)
 
 
@@ -211,23 +210,20 @@ def _read(path: Path, state: dict, same_layout: bool, verified: bool) -> dict | 
 
 def _copies_and_fit(
     stored: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None, has_manifest: bool
-) -> tuple[dict[str, Any], str, _fit.Fit]:
+) -> tuple[dict[str, Any], str, _fit.Fit, set[str]]:
     """Copies of the model's (and optimizer's) state dicts to read into, the checkpoint's
-    model-key prefix, and how the checkpoint fits them. Changes nothing."""
+    model-key prefix, how the checkpoint fits them, and the model keys whose entries are
+    read. Changes nothing."""
     model_copy = _dcp.copy_tensors(_dcp.model_state_dict(model))
     prefix = _fit.model_prefix(stored, list(model_copy), has_manifest)
     fit = _fit.model_fit(stored, model_copy, prefix)
+    loaded = {key[len(prefix):] for key in fit.read}  # the model's entries only, so far
     copies: dict[str, Any] = {"model": model_copy}
     if optimizer is not None:
         copies["optimizer"] = _optimizer_copy(model, optimizer, model_copy)
         ours, _ = _dcp.flatten({"optimizer": copies["optimizer"]})
-        fit.add(_fit.optimizer_fit(stored, ours, _loaded_params(fit, prefix)))
-    return copies, prefix, fit
-
-
-def _loaded_params(fit: _fit.Fit, prefix: str) -> set[str]:
-    """The model keys whose entries are read."""
-    return {key[len(prefix):] for key in fit.read if key.startswith(prefix) and not key.startswith(_fit.STATE)}
+        fit.add(_fit.optimizer_fit(stored, ours, loaded))
+    return copies, prefix, fit, loaded
 
 
 def _to_read(copies: dict[str, Any], prefix: str, fit: _fit.Fit, stored: dict[str, Any]) -> dict[str, Any]:
@@ -285,7 +281,7 @@ def _commit(
     """Load what was read into place; nothing here is expected to fail."""
     if optimizer is not None:  # first: priming a fresh optimizer may touch the weights
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(strict=strict))
-    set_model_state_dict(model, model_copy)
+    _dcp.set_model_state(model, model_copy)
     if generators is not None:
         _generator_states.restore(generators, model)
     else:  # another world size or mesh: rows move between ranks, no stream can continue
@@ -347,11 +343,10 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path} holds no optimizer state")
     fresh = optimizer is not None and not optimizer.state
     with _as_checkpoint_error(path, "preparing to read"):
-        copies, prefix, fit = _copies_and_fit(stored, model, optimizer, manifest is not None)
+        copies, prefix, fit, loaded = _copies_and_fit(stored, model, optimizer, manifest is not None)
     _refuse(path, fit, strict, "this model" if optimizer is None else "this model and optimizer")
     read = _to_read(copies, prefix, fit, stored)
     generators = _read(path, read, _same_layout(manifest, model), verified=manifest is not None and verify)
-    loaded = _loaded_params(fit, prefix)
     optimizer_state = None
     if optimizer is not None:
         optimizer_state = _optimizer_state(optimizer, copies["optimizer"], read, loaded, fresh, strict, path)

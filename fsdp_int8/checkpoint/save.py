@@ -87,7 +87,6 @@ def save_checkpoint(
             "world_size": _dist.world_size(),
             "mesh_shape": _generator_states.layout(model),
             "int8_keys": _dcp.int8_keys(state["model"]),
-            "has_optimizer": optimizer is not None,
             "extra": extra or {},
             "versions": {"torch": torch.__version__, "fsdp_int8": __version__},
             "files": {k: v for per_rank in gathered for k, v in per_rank.items()},
