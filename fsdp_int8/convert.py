@@ -153,6 +153,16 @@ class _RequantizeAssigned:
         module.weight = nn.Parameter(int8, requires_grad=weight.requires_grad)
 
 
+def int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Parameter:
+    """``weight`` quantized (round to nearest) into a new parameter with ``config``'s
+    rounding and matmuls, keeping ``requires_grad``."""
+    with torch.no_grad():
+        int8 = Int8Weight.from_float(
+            weight, stochastic_rounding=config.stochastic_rounding, int8_matmul=config.int8_matmul
+        )
+    return nn.Parameter(int8, requires_grad=weight.requires_grad)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``fully_shard`` (FSDP2) or another DTensor API has touched ``model``."""
     from torch.distributed.fsdp import FSDPModule
@@ -206,12 +216,7 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         if isinstance(weight, Int8Weight):
             continue
         if id(weight) not in swapped:
-            with torch.no_grad():
-                int8_weight = Int8Weight.from_float(
-                    weight, stochastic_rounding=config.stochastic_rounding,
-                    int8_matmul=config.int8_matmul,
-                )
-            swapped[id(weight)] = nn.Parameter(int8_weight, requires_grad=weight.requires_grad)
+            swapped[id(weight)] = int8_parameter(weight, config)
         targets.append((module, id(weight)))
     for module, key in targets:
         module.weight = swapped[key]

@@ -163,9 +163,10 @@ def _values_on_the_wire(func, *args, **kwargs) -> Any:
         wire_args, wire_kwargs, images = _images(args, kwargs, _poison)
     result = func(*wire_args, **wire_kwargs)
     names = [a.name for a in func._schema.arguments]
+    positions = _written(func)
     written = [
         pair for key, pairs in images.items() for pair in pairs
-        if (key if isinstance(key, int) else names.index(key)) in _written(func)
+        if (key if isinstance(key, int) else names.index(key)) in positions
     ]
     _complete(func, result, [image for _, image in written])
     if error is not None:

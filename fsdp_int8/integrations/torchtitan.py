@@ -39,7 +39,7 @@ from torchtitan.models.common.linear import Linear
 from fsdp_int8 import _dist
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
-from fsdp_int8.convert import int8_census
+from fsdp_int8.convert import int8_census, int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
 from fsdp_int8.weight import Int8Weight, local_shard
 
@@ -56,16 +56,6 @@ logger = logging.getLogger("fsdp_int8")
 _INT8_CLASSES: dict[type, type] = {}
 
 
-def _quantize_weight(module: nn.Linear, training: Int8TrainingConfig) -> None:
-    weight = module.weight
-    with torch.no_grad():
-        int8 = Int8Weight.from_float(
-            weight, stochastic_rounding=training.stochastic_rounding,
-            int8_matmul=training.int8_matmul,
-        )
-    module.weight = nn.Parameter(int8, requires_grad=weight.requires_grad)
-
-
 def _int8_class(parent: type) -> type:
     """``parent`` (a torchtitan ``Linear`` class) whose weight is int8 from ``__init__`` on."""
     if parent in _INT8_CLASSES:
@@ -80,7 +70,7 @@ def _int8_class(parent: type) -> type:
         def __init__(self, config: Any) -> None:
             super().__init__(config)
             self._fsdp_int8_training = config._int8
-            _quantize_weight(self, config._int8)
+            self.weight = int8_parameter(self.weight, config._int8)
 
     Int8Linear.__name__ = Int8Linear.__qualname__ = f"Int8{parent.__name__}"
     _INT8_CLASSES[parent] = Int8Linear
