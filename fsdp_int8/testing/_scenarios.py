@@ -100,6 +100,10 @@ class _Ctx:
             raise _Wrong(f"to_float of a {tuple(tensor.shape)} tensor has shape {tuple(out.shape)}")
         return out.detach().float()
 
+    def floats(self, tensor: torch.Tensor, subclass: bool) -> torch.Tensor:
+        """fp32 values of a parameter: :meth:`values` for the subclass under test, else a copy."""
+        return self.values(tensor) if subclass else tensor.detach().float()
+
     def expect(self, ok: bool, message: str) -> None:
         if not ok:
             self.problems.append(message)
@@ -227,7 +231,7 @@ def _gather_full(ctx: _Ctx, model: nn.Module, shard: _Shard,
     full = {}
     for name, param in model.named_parameters():
         local = local_shard(param)
-        values = ctx.values(local) if name in subclass else local.detach().float()
+        values = ctx.floats(local, name in subclass)
         rows = param.shape[0]
         padded_rows = -(-rows // shard.size)
         padded = values.new_zeros(padded_rows, *values.shape[1:])
@@ -272,8 +276,8 @@ def _compare_start(ctx: _Ctx, model: nn.Module, reference: nn.Module, shard: _Sh
     subclass = set(names)
     for name, param in model.named_parameters():
         local, expected, chunk = local_shard(param), ref[name], _chunk(param.shape[0], shard)
-        mine = ctx.values(local) if name in subclass else local.detach().float()
-        rows = (ctx.values(expected) if name in subclass else expected.detach().float())[chunk]
+        mine = ctx.floats(local, name in subclass)
+        rows = ctx.floats(expected, name in subclass)[chunk]
         ctx.expect(mine.shape == rows.shape and torch.equal(mine, rows),
                    f"{name}: the shard after fully_shard is not the weight's rows "
                    f"{chunk.start}:{chunk.stop} (shapes {tuple(mine.shape)} vs {tuple(rows.shape)})")
@@ -323,8 +327,8 @@ def _compare_weights(ctx: _Ctx, model: nn.Module, reference: nn.Module, shard: _
         is_subclass = name in subclass
         rows = _chunk(param.shape[0], shard)
         local = local_shard(param)
-        mine = ctx.values(local) if is_subclass else local.detach().float()
-        full = ctx.values(ref[name]) if is_subclass else ref[name].detach().float()
+        mine = ctx.floats(local, is_subclass)
+        full = ctx.floats(ref[name], is_subclass)
         expected = full[rows]
         if mine.shape != expected.shape:
             ctx.problems.append(
@@ -511,7 +515,7 @@ def _dcp(ctx: _Ctx, load_from: str | None, save_to: str) -> dict[str, tuple[str,
         expected = torch.load(Path(load_from) / "expected.pt")
         for name, param in model.named_parameters():
             local = local_shard(param)
-            mine = (ctx.values(local) if name in names else local.detach().float()).cpu()
+            mine = ctx.floats(local, name in names).cpu()
             want = expected["values"][name][_chunk(param.shape[0], shard)]
             ctx.expect(mine.shape == want.shape and torch.equal(mine, want),
                        f"{name}: loaded values differ from the saved ones")
