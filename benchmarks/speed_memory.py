@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import fsdp_int8
 from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, ModelArgs, Transformer
+from launch.train import compiled_kernels_wanted, int8_matmuls
 
 # Every int8 row computes in bf16 (bf16 parameters, fp32 reduction), as the launcher does, with
 # the compiled quantization kernels on from width 512 (the launcher's --compile auto).
@@ -81,12 +82,8 @@ def build(precision: str, preset: ModelArgs) -> Transformer:
         model.to(torch.bfloat16)
     bf16 = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if precision.startswith("int8"):
-        matmuls = (
-            fsdp_int8.Int8MatmulConfig(grad_weight=precision != "int8-mm-wgrad-bf16")
-            if precision.startswith("int8-mm") else None
-        )
-        fsdp_int8.quant.use_compiled_kernels(preset.dim >= 512)
-        fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig(int8_matmul=matmuls),
+        fsdp_int8.quant.use_compiled_kernels(compiled_kernels_wanted("auto", preset.dim))
+        fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig(int8_matmul=int8_matmuls(precision)),
                               mp_policy=None if precision == "int8-bf16" else bf16)
     else:
         fsdp_int8.shard_model(model, quantize=False, mp_policy=bf16 if precision == "bf16" else None)

@@ -140,6 +140,18 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def int8_matmuls(precision: str) -> fsdp_int8.Int8MatmulConfig | None:
+    """Which matmuls an int8 ``--precision`` runs in int8 (``None``: weight-only)."""
+    if not precision.startswith("int8-mm"):
+        return None
+    return fsdp_int8.Int8MatmulConfig(grad_weight=precision != "int8-mm-wgrad-bf16")
+
+
+def compiled_kernels_wanted(compile: str, dim: int) -> bool:
+    """``--compile``: on, off, or auto (on from width 512, where its start-up cost pays)."""
+    return compile == "on" or (compile == "auto" and dim >= 512)
+
+
 def build_model(args: argparse.Namespace, device: torch.device) -> Transformer:
     """Build on meta, shard (quantizing for int8), allocate on the device, initialise."""
     with torch.device("meta"):
@@ -151,11 +163,10 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Transformer:
     )
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if args.precision.startswith("int8"):
-        fsdp_int8.quant.use_compiled_kernels(args.compile == "on" or (args.compile == "auto" and args.model.dim >= 512))
-        matmuls = (fsdp_int8.Int8MatmulConfig(grad_weight=args.precision != "int8-mm-wgrad-bf16")
-                   if args.precision.startswith("int8-mm") else None)
+        fsdp_int8.quant.use_compiled_kernels(compiled_kernels_wanted(args.compile, args.model.dim))
         fsdp_int8.shard_model(
-            model, mesh=mesh, config=fsdp_int8.Int8TrainingConfig(seed=args.seed, int8_matmul=matmuls),
+            model, mesh=mesh,
+            config=fsdp_int8.Int8TrainingConfig(seed=args.seed, int8_matmul=int8_matmuls(args.precision)),
             mp_policy=bf16 if args.compute_dtype == "bf16" else None,
         )
     else:
