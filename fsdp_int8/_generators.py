@@ -3,7 +3,10 @@
 Two banks exist. :data:`WEIGHT_ROUNDING` rounds the weights' optimizer updates: it is
 seeded from the configured seed and the *shard coordinate* (see
 :func:`seed_weight_rounding`), because FSDP shards must draw different noise while HSDP or
-DDP replicas of one shard must draw the same, or they would drift apart. Each
+DDP replicas of one shard must draw the same, or they would drift apart. Seeded before
+the model is sharded (``quantize_``, then ``fully_shard`` by hand or by a framework), it
+learns the coordinate from the first all-gather of a weight shard (see
+:meth:`GeneratorBank.adopt_shard_coordinate`). Each
 :class:`~fsdp_int8.gradients.QuantizedReduceScatter` owns a bank of its own, seeded by
 global rank. Both save and restore their states for exact resumption.
 """
@@ -41,14 +44,35 @@ class GeneratorBank:
 
     def __init__(self, salt: int = 0) -> None:
         self._salt = salt
+        self._base_seed = 0
         self._seed = seed_for(salt, 0)
+        self._awaiting_coordinate = False
         self._generators: dict[str, torch.Generator] = {}
 
-    def manual_seed(self, seed: int, coordinate: int = 0) -> None:
-        """Reset every device's generator to the stream of ``(seed, coordinate)``."""
-        self._seed = seed_for(seed ^ self._salt, coordinate)
+    def manual_seed(self, seed: int, coordinate: int | None = 0) -> None:
+        """Reset every device's generator to the stream of ``(seed, coordinate)``.
+
+        ``coordinate=None``: not known yet; the stream is coordinate 0's until
+        :meth:`adopt_shard_coordinate` supplies it.
+        """
+        self._base_seed = seed
+        self._awaiting_coordinate = coordinate is None
+        self._seed = seed_for(seed ^ self._salt, coordinate or 0)
         for gen in self._generators.values():
             gen.manual_seed(self._seed)
+
+    def adopt_shard_coordinate(self, coordinate: int) -> None:
+        """Reseed for ``coordinate`` if the bank was seeded without one; else do nothing.
+
+        Without this, a model quantized and then sharded by ``fully_shard`` itself would
+        round every shard with the same noise (rows ``i`` and ``i + rows / world`` alike).
+        Coordinate 0 keeps the stream it has; the check is one attribute read.
+        """
+        if not self._awaiting_coordinate:
+            return
+        self._awaiting_coordinate = False
+        if coordinate != 0:
+            self.manual_seed(self._base_seed, coordinate)
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """The generator for ``device`` (``None`` on meta: nothing is drawn there)."""
@@ -67,7 +91,9 @@ class GeneratorBank:
         return {key: gen.get_state().clone() for key, gen in self._generators.items()}
 
     def set_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore states returned by :meth:`get_state`."""
+        """Restore states returned by :meth:`get_state` (which already hold the stream of
+        this rank's shard: no coordinate is adopted after this)."""
+        self._awaiting_coordinate = False
         for key, value in state.items():
             self.generator(key).set_state(value.clone())
 
@@ -80,7 +106,8 @@ def seed_weight_rounding(seed: int, mesh: DeviceMesh | None = None) -> None:
 
     The one place that seeds :data:`WEIGHT_ROUNDING` (``quantize_``, ``shard_model`` and
     ``load_checkpoint`` call it). Only the shard coordinate is mixed in: replicas of one
-    shard (HSDP's replicate dimension, DDP, an unsharded model: ``mesh=None``) draw the
-    same noise and so stay bit-identical.
+    shard (HSDP's replicate dimension, DDP, an unsharded model) draw the same noise and so
+    stay bit-identical. ``mesh=None`` (not sharded yet): coordinate 0 until a sharded
+    weight's first all-gather tells the coordinate (``Int8Weight.fsdp_pre_all_gather``).
     """
-    WEIGHT_ROUNDING.manual_seed(seed, _dist.shard_coordinate(mesh))
+    WEIGHT_ROUNDING.manual_seed(seed, None if mesh is None else _dist.shard_coordinate(mesh))

@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Union
 import torch
 from torch.utils._pytree import tree_map_only
 
+from fsdp_int8 import _dist
 from fsdp_int8._all_gather import pack_rows, padded_rows, unpack_rows
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.config import Int8MatmulConfig
@@ -359,7 +360,13 @@ class Int8Weight(torch.Tensor):
     # could never pass on an uneven shard (the wire format and why: fsdp_int8/_all_gather.py;
     # tests/distributed fail loudly if torch stops calling it).
     def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], int]:
-        """FSDP2 hook: this shard's rows and scales packed into one padded int8 buffer."""
+        """FSDP2 hook: this shard's rows and scales packed into one padded int8 buffer.
+
+        ``mesh`` is the shard mesh: a model quantized before ``fully_shard`` learns here
+        which shard this rank rounds (its own noise stream, see ``_generators``).
+        """
+        if not torch.compiler.is_compiling():
+            WEIGHT_ROUNDING.adopt_shard_coordinate(_dist.shard_coordinate(mesh))
         rows = padded_rows(self.full_rows, mesh.size())
         if self.rows > rows:
             raise RuntimeError(

@@ -211,6 +211,32 @@ def test_sr_stream_reproducible_per_seed_and_rank():
     assert seed_for(7, 0) != seed_for(7, 1) != seed_for(8, 0)
 
 
+def test_a_stream_seeded_before_sharding_adopts_the_first_shard_coordinate_it_sees():
+    """``quantize_`` seeds without a mesh; FSDP2's first all-gather names this rank's shard
+    (``adopt_shard_coordinate``). Coordinate 0 keeps its stream; another one switches to
+    the stream it would have had if seeded with the mesh; later calls, a seed with a
+    known coordinate and a restored state are never overridden."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+
+    def draws_after(seed_coordinate, adopt=(), restore=None) -> torch.Tensor:
+        WEIGHT_ROUNDING.manual_seed(7, seed_coordinate)
+        if restore is not None:
+            WEIGHT_ROUNDING.set_state(restore)
+        for coordinate in adopt:
+            WEIGHT_ROUNDING.adopt_shard_coordinate(coordinate)
+        return _draw(x)
+
+    shard0, shard1 = draws_after(0), draws_after(1)
+    assert not torch.equal(shard0, shard1)
+    assert torch.equal(draws_after(None, adopt=[0]), shard0)
+    assert torch.equal(draws_after(None, adopt=[1]), shard1)
+    assert torch.equal(draws_after(None, adopt=[1, 0]), shard1)  # the first one counts
+    assert torch.equal(draws_after(0, adopt=[1]), shard0)  # seeded with a mesh: known
+    WEIGHT_ROUNDING.manual_seed(7, 0)
+    saved = WEIGHT_ROUNDING.get_state()
+    assert torch.equal(draws_after(None, adopt=[1], restore=saved), shard0)
+
+
 def test_sr_stream_is_independent_of_torch_global_rng():
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
     WEIGHT_ROUNDING.manual_seed(3, 0)

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_int8
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
@@ -184,6 +184,40 @@ def _check_pre_all_gather_hook_runs(rank: int, world: int) -> None:
         Int8Weight.fsdp_pre_all_gather = original
     # 2 blocks x 2 weights in forward, + first block again in backward
     assert len(calls) == 6 and set(calls) == {world}, calls
+
+
+def _check_hand_sharded_model_rounds_each_shard_with_its_own_noise(rank: int, world: int) -> None:
+    """``quantize_`` then ``fully_shard`` by hand (as frameworks do): the rounding stream
+    learns this rank's shard at the first all-gather, so training gives the bytes that
+    ``shard_model`` (seeded with the mesh up front) gives, and the shards' streams differ.
+    Before, every rank drew coordinate 0's noise: rows ``i`` and ``i + rows / 2`` rounded
+    alike."""
+    from fsdp_int8._generators import WEIGHT_ROUNDING
+
+    config = Int8TrainingConfig(seed=11, min_features=1)
+    results = {}
+    for path in ("shard_model", "by hand"):
+        torch.manual_seed(0)
+        model = MLPNet(hidden=32)  # even shards: without their own streams, equal states
+        if path == "shard_model":
+            fsdp_int8.shard_model(model, config=config)
+        else:
+            fsdp_int8.quantize_(model, config)
+            _shard_blocks_plain(model, None, MixedPrecisionPolicy())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            model(torch.randn(4, 32, generator=data)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        results[path] = [local_of(p).int_data.clone() for _, p in int8_params(model)]
+        device = str(local_of(int8_params(model)[0][1]).device)
+        states = [None] * world
+        dist.all_gather_object(states, WEIGHT_ROUNDING.get_state()[device].cpu())
+        with case(path):
+            assert not torch.equal(states[0], states[1]), "both shards drew the same noise"
+    with case("fully_shard by hand rounds as shard_model does"):
+        assert all(torch.equal(a, b) for a, b in zip(results["shard_model"], results["by hand"]))
 
 
 def _check_training_features(rank: int, world: int) -> None:
@@ -462,6 +496,7 @@ def _two_rank_body(rank: int, world: int) -> None:
     _check_weight_only_unshards_plain(rank, world)
     _check_optimizer_step_is_local(rank, world)
     _check_pre_all_gather_hook_runs(rank, world)
+    _check_hand_sharded_model_rounds_each_shard_with_its_own_noise(rank, world)
     _check_training_features(rank, world)
     _check_errors(rank, world)
     _check_transformer_learns(rank, world)
@@ -474,11 +509,19 @@ def _four_rank_body(rank: int, world: int) -> None:
     _check_dtensor_ops_on_uneven_shards(rank, world, rows=3)  # one rank holds no row
     mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("replicate", "shard"))
     _parity_matrix(rank, world, hiddens=(7,), mesh=mesh)
-    with case("HSDP replicas round identically under stochastic rounding"):
+    for path in ("shard_model", "quantize_ then fully_shard by hand"):
+        _check_hsdp_replicas_round_alike(rank, mesh, path)
+
+
+def _check_hsdp_replicas_round_alike(rank: int, mesh, path: str) -> None:
+    with case(f"HSDP replicas round identically under stochastic rounding ({path})"):
         torch.manual_seed(0)
-        model = fsdp_int8.shard_model(
-            MLPNet(hidden=7), mesh=mesh, config=Int8TrainingConfig(seed=5, min_features=1)
-        )
+        config = Int8TrainingConfig(seed=5, min_features=1)
+        if path == "shard_model":
+            model = fsdp_int8.shard_model(MLPNet(hidden=7), mesh=mesh, config=config)
+        else:
+            model = fsdp_int8.quantize_(MLPNet(hidden=7), config)
+            _shard_blocks_plain(model, mesh, MixedPrecisionPolicy())
         assert int8_params(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
