@@ -285,36 +285,36 @@ def main(argv: list[str] | None = None) -> None:
     say()
     say("How bytes and time grow with the world size (same model, batch per rank fixed; rows interleaved "
         "at every point):")
-    world_rows = []
-    for world in (1, 2, 4):
-        point = _run(_timed_rows, world, kinds, sweep)
-        if isinstance(point, str):
-            say(f"  world {world}: failed: {point}")
-            continue
-        for kind in kinds:
-            row = point[kind]
-            world_rows.append((world, labels[kind], row))
-            say(f"  world {world}, {labels[kind]:<12}: all-gather {_mb(row['all_gather']):>12}/step, each rank "
-                f"sends {_mb(row['sent_per_rank']):>12}/step (all collectives), step {row['step_s'] * 1e3:7.1f} ms"
-                f" ({_paired(row, point['bf16']):.2f}x bf16)")
+    world_rows = _sweep("world", [(world, world, sweep) for world in (1, 2, 4)], kinds, labels, say,
+                        sends=True)
     say()
     say(f"How bytes and time grow with the model width ({args.world_size} ranks; rows interleaved at every point):")
-    width_rows = []
-    for dim in (128, 256, 512) if args.quick else (128, 256, 512, 1024):
-        point = _run(_timed_rows, args.world_size, kinds, dict(sweep, dim=dim))
-        if isinstance(point, str):
-            say(f"  dim {dim:5d}: failed: {point}")
-            continue
-        for kind in kinds:
-            row = point[kind]
-            width_rows.append((dim, labels[kind], row))
-            say(f"  dim {dim:5d}, {labels[kind]:<12}: all-gather {_mb(row['all_gather']):>12}/step, "
-                f"step {row['step_s'] * 1e3:7.1f} ms ({_paired(row, point['bf16']):.2f}x bf16)")
+    dims = (128, 256, 512) if args.quick else (128, 256, 512, 1024)
+    width_rows = _sweep("dim", [(dim, args.world_size, dict(sweep, dim=dim)) for dim in dims], kinds, labels, say)
     if args.write_docs:
         from benchmarks.report import write_report
 
         command = "python -m benchmarks.compare " + " ".join(argv if argv is not None else os.sys.argv[1:])
         write_report(args.write_docs, command, lines, results, world_rows, width_rows)
+
+
+def _sweep(name: str, points: list[tuple[int, int, dict]], kinds: list[str], labels: dict[str, str],
+           say, *, sends: bool = False) -> list[tuple]:
+    """Time every row at each ``(key, world size, settings)`` point, interleaved, and say a
+    line per row (with the bytes each rank sends if ``sends``); the ``(key, label, row)``s."""
+    rows = []
+    for key, world, settings in points:
+        point = _run(_timed_rows, world, kinds, settings)
+        if isinstance(point, str):
+            say(f"  {name} {key}: failed: {point}")
+            continue
+        for kind in kinds:
+            row = point[kind]
+            rows.append((key, labels[kind], row))
+            sent = f"each rank sends {_mb(row['sent_per_rank']):>12}/step (all collectives), " if sends else ""
+            say(f"  {name} {key:5d}, {labels[kind]:<12}: all-gather {_mb(row['all_gather']):>12}/step, {sent}"
+                f"step {row['step_s'] * 1e3:7.1f} ms ({_paired(row, point['bf16']):.2f}x bf16)")
+    return rows
 
 
 def _full_precision_share(args: ModelArgs) -> float:

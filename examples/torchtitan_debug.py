@@ -8,7 +8,9 @@ config, ``int8_post_optimizer_build`` as the model spec's ``post_optimizer_build
 ``apply_fsdp_to_decoder``, ``to_empty``, ``init_weights``; the optimizer, the
 post-optimizer hook, the LR scheduler and the checkpoint manager from the config), trained
 a few steps on a synthetic task, saved with the checkpoint manager and loaded into a
-freshly built model, whose int8 bytes are compared with the trained ones.
+freshly built model, whose int8 bytes are compared with the trained ones; then both the
+original run and the resumed one train two more steps, and their bytes must agree (the
+checkpoint holds the stochastic-rounding generators).
 
 CPU changes to the debug config: SDPA instead of FlexAttention (no CPU backward), short
 sequences, fp32 compute. The Trainer itself is not run: it needs a tokenizer and a
@@ -169,7 +171,7 @@ def _shared_folder(tmp: str) -> str:
 def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     run = _build(_trainer_config(args, folder), world)
-    model, optimizers, schedulers = run["model"], run["optimizers"], run["schedulers"]
+    model = run["model"]
 
     with torch.no_grad(), fsdp_int8.count_collectives() as counter:
         model(_batch(0, rank, args.batch, args.seq_len)[:, :-1])
@@ -182,27 +184,26 @@ def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
         for name, p in model.named_parameters()
     )
 
-    losses = []
-    for step in range(1, args.steps + 1):
-        loss = _loss(model, _batch(step, rank, args.batch, args.seq_len))
-        (loss / world).backward()  # gradients are summed over ranks, as in torchtitan
-        optimizers.step()
-        schedulers.step()
-        optimizers.zero_grad()
-        run["state"].step = step
-        losses.append(float(loss.detach()))
+    losses = _train(run, range(1, args.steps + 1), args, rank, world)
     int8_weights = int8_count(model)
     run["checkpointer"].save(curr_step=args.steps)
     trained = int8_shards(model)
+    probe = _batch(args.steps + 1, rank, args.batch, args.seq_len)
+    with torch.no_grad():
+        probe_loss = _loss(model, probe)
+    more = range(args.steps + 1, args.steps + 3)  # the uninterrupted run goes on
+    _train(run, more, args, rank, world)
+    went_on = int8_shards(model)
 
     torch.manual_seed(1)  # a differently initialised model to load into
     fresh = _build(_trainer_config(args, folder), world)
     differed = not same(int8_shards(fresh["model"]), trained)
     loaded = fresh["checkpointer"].load(step=args.steps)
-    reloaded = int8_shards(fresh["model"])
-    probe = _batch(args.steps + 1, rank, args.batch, args.seq_len)
+    reloaded, loaded_step = int8_shards(fresh["model"]), fresh["state"].step
     with torch.no_grad():
-        same_loss = torch.equal(_loss(model, probe), _loss(fresh["model"], probe))
+        same_loss = torch.equal(probe_loss, _loss(fresh["model"], probe))
+    _train(fresh, more, args, rank, world)  # resumed: the same steps, stochastic rounding included
+    resumed_exact = same(int8_shards(fresh["model"]), went_on)
     for part in (run, fresh):
         part["checkpointer"].close()
     return {
@@ -214,10 +215,25 @@ def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
         "fp32_param_bytes": param_bytes,
         "int8_all_gather_bytes_expected": int8_gather_bytes,
         "checkpoint_loaded": loaded,
-        "step_after_load": fresh["state"].step,
+        "step_after_load": loaded_step,
         "differed_before_load": _all_ranks(differed),
         "reload_exact": _all_ranks(same(reloaded, trained) and same_loss),
+        "resume_exact": _all_ranks(resumed_exact),
     }
+
+
+def _train(run: dict, steps: range, args: argparse.Namespace, rank: int, world: int) -> list[float]:
+    """Train ``run``'s model for ``steps`` (each step's batch is fixed by its number)."""
+    losses = []
+    for step in steps:
+        loss = _loss(run["model"], _batch(step, rank, args.batch, args.seq_len))
+        (loss / world).backward()  # gradients are summed over ranks, as in torchtitan
+        run["optimizers"].step()
+        run["schedulers"].step()
+        run["optimizers"].zero_grad()
+        run["state"].step = step
+        losses.append(float(loss.detach()))
+    return losses
 
 
 if __name__ == "__main__":

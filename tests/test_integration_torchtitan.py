@@ -154,3 +154,23 @@ def test_fsdp_int8_checkpoint_functions_name_the_working_path_for_fused_qkv_hook
     wqkv = model.layers["1"].attention.qkv_linear.wqkv.weight
     expected = Int8Weight.from_float(plain.layers["1"].attention.qkv_linear.wqkv.weight)
     assert torch.equal(wqkv.int_data, expected.int_data) and torch.equal(wqkv.scale, expected.scale)
+
+
+def test_rounding_streams_round_trip_through_dcp_and_are_found_only_for_this_rank(tmp_path):
+    """The checkpoint manager's rounding entry: dcp saves and loads it (the stream goes on
+    where it was saved), and a checkpoint without this rank's key (another world size, or
+    torchtitan's own manager) is told apart, so the load leaves the entry out."""
+    import torch.distributed.checkpoint as dcp
+    from fsdp_int8._generators import WEIGHT_ROUNDING
+
+    model = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 64)), Int8TrainingConfig(min_features=1))
+    streams = titan._RoundingStreams([model])
+    dcp.save({titan.ROUNDING_STATES: streams}, checkpoint_id=str(tmp_path / "with"))
+    expected = torch.rand(4, generator=WEIGHT_ROUNDING.generator("cpu"))
+    dcp.load({titan.ROUNDING_STATES: streams}, checkpoint_id=str(tmp_path / "with"))
+    assert torch.equal(torch.rand(4, generator=WEIGHT_ROUNDING.generator("cpu")), expected)
+    assert titan._holds_rounding_states(str(tmp_path / "with"), from_hf=False)
+
+    dcp.save({"other": torch.zeros(2)}, checkpoint_id=str(tmp_path / "without"))
+    assert not titan._holds_rounding_states(str(tmp_path / "without"), from_hf=False)
+    assert not titan._holds_rounding_states(str(tmp_path / "with"), from_hf=True)

@@ -18,7 +18,9 @@ function once the optimizers exist (``ModelSpec.post_optimizer_build_fn``). Here
 * :class:`Int8CheckpointManager` is torchtitan's ``CheckpointManager`` whose model wrapper
   tells weights apart by their int8 storage: torchtitan's ``ModelWrapper`` compares
   ``untyped_storage().data_ptr()``, which ``Int8Weight`` does not have (it refuses storage
-  access so that raw-bytes writers such as safetensors cannot write wrong bytes).
+  access so that raw-bytes writers such as safetensors cannot write wrong bytes). It also
+  saves each rank's stochastic-rounding generators, so a resumed run repeats the
+  uninterrupted one bit for bit.
 * :func:`enable_int8_training` applies all three to a ``Trainer.Config`` in one call.
 """
 
@@ -32,12 +34,15 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torchtitan.components.checkpointer import CheckpointManager
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
 
 from fsdp_int8 import _dist
 from fsdp_int8._generators import seed_weight_rounding
+from fsdp_int8.checkpoint import _generator_states
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
@@ -198,14 +203,39 @@ class _Int8ModelWrapper(ModelWrapper):
         return self.cached_state_dict
 
 
+ROUNDING_STATES = "fsdp_int8_rounding"  # the checkpoint's key of the rounding generators
+
+
+class _RoundingStreams(Stateful):
+    """This rank's generator states (``_generator_states.capture``), under a key naming the
+    rank and the world size: dcp keeps every rank's (the keys differ), and a run at another
+    world size finds none of its own (its rows moved between ranks: no stream continues)."""
+
+    def __init__(self, model_parts: list[nn.Module]) -> None:
+        self._model = model_parts[0] if len(model_parts) == 1 else nn.ModuleList(model_parts)
+
+    @staticmethod
+    def key() -> str:
+        return f"world{_dist.world_size()}_rank{_dist.rank()}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key(): _generator_states.capture(self._model)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _generator_states.restore(state_dict[self.key()], self._model)
+
+
 class Int8CheckpointManager(CheckpointManager):
     """torchtitan's ``CheckpointManager`` for models with int8 weights.
 
     Select it as the trainer's checkpoint component (``Trainer.Config.checkpoint =
     Int8CheckpointManager.Config(...)``, with ``CheckpointManager.Config``'s fields);
     :func:`enable_int8_training` does it for you. Saves and loads through dcp exactly as
-    ``CheckpointManager`` does, int8 bytes and scales included. The stochastic-rounding
-    generator is not saved: a resumed run reseeds it (see docs/integrations.md).
+    ``CheckpointManager`` does, int8 bytes and scales included, plus each rank's
+    stochastic-rounding generators (key ``fsdp_int8_rounding``): a run resumed at the same
+    world size rounds exactly as the uninterrupted run. A checkpoint without them (another
+    world size, or written by ``CheckpointManager``) loads as before and the rounding
+    keeps the stream seeded at start-up (see docs/integrations.md).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -216,6 +246,24 @@ class Int8CheckpointManager(CheckpointManager):
         super().__init__(config, model_parts=model_parts, **kwargs)
         if self.enable:
             self.states[MODEL] = _Int8ModelWrapper(model_parts)
+            self.states[ROUNDING_STATES] = _RoundingStreams(model_parts)
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        """torchtitan's load, without the rounding generators where the checkpoint has none
+        for this rank (dcp would refuse the missing key)."""
+        if ROUNDING_STATES in state_dict and not _holds_rounding_states(checkpoint_id, from_hf):
+            logger.info("fsdp_int8: %s holds no rounding generators for %s; the rounding keeps "
+                        "its start-up stream", checkpoint_id, _RoundingStreams.key())
+            state_dict = {k: v for k, v in state_dict.items() if k != ROUNDING_STATES}
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+
+def _holds_rounding_states(checkpoint_id: str, from_hf: bool) -> bool:
+    if from_hf:
+        return False
+    prefix = f"{ROUNDING_STATES}.{_RoundingStreams.key()}."
+    saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    return any(key.startswith(prefix) for key in saved)
 
 
 def _chain(first: Callable | None, then: Callable) -> Callable:

@@ -114,6 +114,9 @@ def _check_torchtitan(results: list[dict]) -> None:
         assert summary["checkpoint_loaded"] and summary["step_after_load"] == STEPS
         # the reload is checked against a model that started out different
         assert summary["differed_before_load"] and summary["reload_exact"]
+        # two more steps after the load repeat the uninterrupted run's bytes: the checkpoint
+        # holds each rank's stochastic-rounding generators (Int8CheckpointManager)
+        assert summary["resume_exact"]
         # torchtitan's FSDP gathers int8 rows + fp32 scales for the 5.1M int8 parameters,
         # fp32 for the embedding, norms and head: to the byte (0.38 of fp32 gathers)
         gathered = summary["all_gather_bytes_per_forward"]
