@@ -9,7 +9,9 @@ on the strategy's data-parallel mesh: every ``nn.Linear`` becomes an int8 weight
 FSDP2 shards each block and the root. Lightning picks the backend from the device (gloo
 on CPU, nccl on CUDA). ``trainer.save_checkpoint`` writes a distributed checkpoint (each
 rank its int8 shards and optimizer state) and ``fit(ckpt_path=...)`` resumes from it,
-every int8 byte restored.
+every int8 byte restored. ``Int8RoundingCheckpoint`` adds every rank's stochastic-rounding
+generators to the checkpoint, so the resumed run rounds on from where the saved one
+stopped.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_int8
+from fsdp_int8.integrations.lightning import Int8RoundingCheckpoint
 from _common import TinyLM as TinyNet, local_state, same
 
 VOCAB, SEQ = 64, 16  # TinyNet's default vocabulary
@@ -42,6 +46,7 @@ class TinyLM(L.LightningModule):
         self.model = TinyNet()
         self.losses: list[float] = []
         self.state_at_start: dict[str, torch.Tensor] = {}
+        self.rounding_at_start: dict = {}
 
     def configure_model(self) -> None:
         if isinstance(self.model, FSDPModule):
@@ -58,9 +63,23 @@ class TinyLM(L.LightningModule):
     def on_train_start(self) -> None:
         # Runs after Lightning restored a checkpoint: what resuming loaded.
         self.state_at_start = local_state(self.model, self.trainer.optimizers[0])
+        self.rounding_at_start = rounding_states(self.trainer)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return fsdp_int8.Int8AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+def rounding_states(trainer: L.Trainer) -> dict:
+    """Every rank's rounding generators, as ``Int8RoundingCheckpoint`` saves them (a collective)."""
+    return next(c for c in trainer.callbacks if isinstance(c, Int8RoundingCheckpoint)).state_dict()
+
+
+def same_tree(a: object, b: object) -> bool:
+    """Whether two nests of dicts and lists hold equal leaves (tensors to the bit)."""
+    a, b = tree_leaves(a), tree_leaves(b)
+    return len(a) == len(b) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b)
+    )
 
 
 def dataset(size: int) -> TensorDataset:
@@ -85,6 +104,7 @@ def fit(args: argparse.Namespace, max_steps: int, ckpt_path: str | None = None) 
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[Int8RoundingCheckpoint()],  # the rounding generators go into checkpoints
     )
     # One epoch is --steps steps (8 sequences per rank and step); Lightning gives each rank
     # its part (a DistributedSampler over the data-parallel ranks).
@@ -113,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         dist.broadcast_object_list(directory)  # every rank saves into rank 0's directory
         path = os.path.join(directory[0], "tiny.ckpt")
         trainer.save_checkpoint(path, weights_only=False)  # weights, optimizer, loops
+        rounding_saved = rounding_states(trainer)
 
         resumed_trainer, resumed = fit(args, 2 * args.steps, ckpt_path=path)
         saved, loaded = local_state(model.model, trainer.optimizers[0]), resumed.state_at_start
@@ -125,6 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
             "resumed_int8_weights": sum(k.endswith(".int_data") for k in after),
             "resumed_from_step": resumed_trainer.global_step - len(resumed.losses),
             "restored_exactly": same(saved, loaded),
+            "rounding_restored": same_tree(  # the weights' generators (torch's global one moves on)
+                [r["rounding"] for r in rounding_saved["ranks"]],
+                [r["rounding"] for r in resumed.rounding_at_start["ranks"]],
+            ),
             # sharded: a directory (each rank's shards + Lightning's meta.pt); --single-file: a file
             "checkpoint": sorted(os.listdir(path)) if os.path.isdir(path) else "file",
         }

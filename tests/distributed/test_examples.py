@@ -67,6 +67,8 @@ def _check_plain_and_lightning(runs: list[dict]) -> None:
             assert len(result["resumed_losses"]) == STEPS, (what, result)
             assert max(result["resumed_losses"]) < 0.5 * result["losses"][0], (what, result)
             assert result["restored_exactly"], what
+            # Int8RoundingCheckpoint: every rank's rounding generators came back with it
+            assert result["rounding_restored"], what
         sharded = run["lightning"]["checkpoint"]
         assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(sharded), sharded
         assert run["lightning_single_file_bf16"]["checkpoint"] == "file"
