@@ -419,6 +419,11 @@ class Int8Weight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         handler = cls._OP_TABLE.get(func) or cls._OP_TABLE.get(func.overloadpacket)
         if handler is not None:
+            if torch.is_inference_mode_enabled() and func.is_view and not args[0].is_inference():
+                # A view of a normal tensor must be a normal tensor (torch then shares the
+                # base's version counter); made under inference mode, ours would not be.
+                with torch.inference_mode(False):
+                    return handler(func, *args, **(kwargs or {}))
             return handler(func, *args, **(kwargs or {}))
         reason = cls._REFUSED.get(func) or cls._REFUSED.get(func.overloadpacket)
         if reason is not None:

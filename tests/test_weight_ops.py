@@ -903,6 +903,33 @@ def test_chunk_reaching_dispatch_cuts_whole_rows():
         assert [tuple(p.shape) for p in pieces] == [(3, K), (3, K), (1, K)]
 
 
+def test_views_of_a_trained_weight_work_under_inference_mode_as_plain_views_do():
+    """An evaluation block under ``torch.inference_mode()`` takes views of weights made
+    outside it (``model.state_dict()`` detaches every parameter): like a plain tensor's,
+    such a view is a normal tensor over the same bytes. Before, every one raised
+    "Cannot set version_counter for inference tensor"."""
+    w, _ = make(rows=7)
+    param = torch.nn.Parameter(w)
+    layer = torch.nn.Linear(K, 7, bias=False)
+    layer.weight = param
+    plain = torch.randn(7, K)
+    with torch.inference_mode():
+        views = {
+            "detach": param.detach(), "view": w.view(7, K), "slice": w[2:5],
+            "chunk": torch.ops.aten.chunk.default(w, 3)[0], "split": w.split(3)[1],
+        }
+        assert plain.view(7, K).is_inference() is False  # the rule for plain tensors
+        for name, view in views.items():
+            assert isinstance(view, Int8Weight) and not view.is_inference(), name
+        assert torch.equal(views["slice"].int_data, w.int_data[2:5])
+        state = layer.state_dict()
+        assert torch.equal(state["weight"].int_data, w.int_data)
+        made_inside = make(rows=7)[0]  # a view of an inference tensor stays one
+        assert made_inside.view(7, K).is_inference()
+    views["detach"].int_data[0, 0] = 5  # a view: the bytes are shared
+    assert w.int_data[0, 0] == 5
+
+
 # ---------------------------------------------------------------- DDP's flat buckets, comparisons
 def test_flat_bucket_of_int8_and_plain_tensors_is_their_values():
     """DDP flattens parameters into one bucket to broadcast them, then copies them back."""
