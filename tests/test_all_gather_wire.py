@@ -53,7 +53,8 @@ def test_gathered_shards_unpack_to_the_whole_weight(full_rows, world):
 @pytest.mark.parametrize("int8_matmul", [None, fsdp_int8.Int8MatmulConfig()], ids=["weight-only", "int8-mm"])
 def test_hooks_round_trip(int8_matmul):
     weight = Int8Weight.from_float(torch.randn(7, 6), int8_matmul=int8_matmul)
-    mesh = SimpleNamespace(size=lambda: 2)
+    # what the hooks read of the shard mesh FSDP2 passes: its size and this rank's place on it
+    mesh = SimpleNamespace(size=lambda: 2, ndim=1, get_local_rank=lambda dim=None: 0)
     outputs = [s.fsdp_pre_all_gather(mesh) for s in _shards(weight, 2)]
     assert all(meta == 7 for _, meta in outputs)
     gathered = torch.cat([inputs[0] for inputs, _ in outputs])
