@@ -61,16 +61,19 @@ class GeneratorBank:
         for gen in self._generators.values():
             gen.manual_seed(self._seed)
 
-    def adopt_shard_coordinate(self, coordinate: int) -> None:
-        """Reseed for ``coordinate`` if the bank was seeded without one; else do nothing.
+    def adopt_shard_coordinate(self, mesh: DeviceMesh) -> None:
+        """Reseed for this rank's coordinate on the shard ``mesh`` if the bank was seeded
+        without one; else do nothing.
 
         Without this, a model quantized and then sharded by ``fully_shard`` itself would
         round every shard with the same noise (rows ``i`` and ``i + rows / world`` alike).
-        Coordinate 0 keeps the stream it has; the check is one attribute read.
+        Coordinate 0 keeps the stream it has. Called at every all-gather: once the
+        coordinate is known, the check is one attribute read (the mesh is not asked).
         """
         if not self._awaiting_coordinate:
             return
         self._awaiting_coordinate = False
+        coordinate = _dist.shard_coordinate(mesh)
         if coordinate != 0:
             self.manual_seed(self._base_seed, coordinate)
 

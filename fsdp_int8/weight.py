@@ -26,7 +26,6 @@ from typing import Any, Callable, ClassVar, Union
 import torch
 from torch.utils._pytree import tree_map_only
 
-from fsdp_int8 import _dist
 from fsdp_int8._all_gather import pack_rows, padded_rows, unpack_rows
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.config import Int8MatmulConfig
@@ -366,7 +365,7 @@ class Int8Weight(torch.Tensor):
         which shard this rank rounds (its own noise stream, see ``_generators``).
         """
         if not torch.compiler.is_compiling():
-            WEIGHT_ROUNDING.adopt_shard_coordinate(_dist.shard_coordinate(mesh))
+            WEIGHT_ROUNDING.adopt_shard_coordinate(mesh)
         rows = padded_rows(self.full_rows, mesh.size())
         if self.rows > rows:
             raise RuntimeError(

@@ -216,14 +216,16 @@ def test_a_stream_seeded_before_sharding_adopts_the_first_shard_coordinate_it_se
     (``adopt_shard_coordinate``). Coordinate 0 keeps its stream; another one switches to
     the stream it would have had if seeded with the mesh; later calls, a seed with a
     known coordinate and a restored state are never overridden."""
+    from types import SimpleNamespace
+
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
 
     def draws_after(seed_coordinate, adopt=(), restore=None) -> torch.Tensor:
         WEIGHT_ROUNDING.manual_seed(7, seed_coordinate)
         if restore is not None:
             WEIGHT_ROUNDING.set_state(restore)
-        for coordinate in adopt:
-            WEIGHT_ROUNDING.adopt_shard_coordinate(coordinate)
+        for coordinate in adopt:  # a 1-D shard mesh on which this rank sits at `coordinate`
+            WEIGHT_ROUNDING.adopt_shard_coordinate(SimpleNamespace(ndim=1, get_local_rank=lambda dim, c=coordinate: c))
         return _draw(x)
 
     shard0, shard1 = draws_after(0), draws_after(1)
