@@ -269,18 +269,19 @@ class _Int8WeightLinear(torch.autograd.Function):
         int8_input = ctx.needs_input_grad[0] and config is not None and config.grad_input
         int8_weight = ctx.needs_input_grad[1] and config is not None and config.grad_weight
         x2d = x.reshape(-1, x.shape[-1]).to(g2d.dtype) if ctx.needs_input_grad[1] else None
-        if int8_input and int8_weight:
+        if int8_input and int8_weight:  # both int8 GEMMs: one compiled call where it can be
             grad_x, grad_w = _int8_grads(g2d, weight, x2d, config)
-        elif int8_input:
-            grad_x = _int8_grad_input(g2d, weight, config)
-        elif ctx.needs_input_grad[0]:
-            grad_x = torch.matmul(g2d, _weight_in(weight, g2d.dtype, config))
+        else:
+            if int8_input:
+                grad_x = _int8_grad_input(g2d, weight, config)
+            elif ctx.needs_input_grad[0]:
+                grad_x = torch.matmul(g2d, _weight_in(weight, g2d.dtype, config))
+            if int8_weight:
+                grad_w = _int8_grad_weight(g2d, x2d, config)
+            elif ctx.needs_input_grad[1]:
+                grad_w = g2d.t().matmul(x2d)
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
-        if int8_weight and grad_w is None:
-            grad_w = _int8_grad_weight(g2d, x2d, config)
-        elif ctx.needs_input_grad[1] and grad_w is None:
-            grad_w = g2d.t().matmul(x2d)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
         return grad_x, grad_w, grad_b

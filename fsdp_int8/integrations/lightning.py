@@ -42,11 +42,15 @@ class Int8RoundingCheckpoint(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._module = pl_module
 
+    def _trained_module(self, method: str) -> pl.LightningModule:
+        if self._module is None:
+            raise RuntimeError(f"Int8RoundingCheckpoint.{method} runs inside a Trainer, after setup")
+        return self._module
+
     def state_dict(self) -> dict[str, Any]:
         """Every rank's generator states, in rank order (a collective: every rank calls it)."""
-        if self._module is None:
-            raise RuntimeError("Int8RoundingCheckpoint.state_dict runs inside a Trainer, after setup")
-        return {"world_size": _dist.world_size(), "ranks": _dist.all_gather(_generator_states.capture(self._module))}
+        states = _generator_states.capture(self._trained_module("state_dict"))
+        return {"world_size": _dist.world_size(), "ranks": _dist.all_gather(states)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """This rank's states from :meth:`state_dict`'s, if saved at this world size."""
@@ -56,6 +60,4 @@ class Int8RoundingCheckpoint(pl.Callback):
                 "the rounding keeps its start-up stream", state_dict.get("world_size"), _dist.world_size(),
             )
             return
-        if self._module is None:
-            raise RuntimeError("Int8RoundingCheckpoint.load_state_dict runs inside a Trainer, after setup")
-        _generator_states.restore(state_dict["ranks"][_dist.rank()], self._module)
+        _generator_states.restore(state_dict["ranks"][_dist.rank()], self._trained_module("load_state_dict"))
