@@ -24,7 +24,8 @@ midpoints of ``[0, 1)``. It rounds up with probability equal to the fraction of 
 within 2**-17 (fp32 resolves ``x / scale`` to 2**-17 near 127 anyway), so it is unbiased,
 and updates smaller than one step survive on average. The 16 bits come four to a 64-bit
 draw of the caller's generator (see :mod:`fsdp_int8._generators`), a quarter of the draws
-of one fp32 uniform per element: the same seed and saved state give the same rounding.
+of one fp32 uniform per element: the same seed and saved state give the same rounding
+(:func:`rounding_noise_bytes` says which bytes go to which value).
 
 :func:`use_compiled_kernels` swaps the signed whole-row path and whole-row dequantization
 for one ``torch.compile``-fused pass each, with the same arithmetic in the same order (the
@@ -102,12 +103,37 @@ _NOISE_OFFSET = 2.0 ** -(NOISE_BITS + 1)  # ... plus half a noise step: symmetri
 _INT64_MIN = -(2**63)
 
 
-def rounding_noise(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """``int16`` uniform noise of ``shape``: four 16-bit values to each 64-bit draw."""
+def rounding_noise_bytes(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The random bytes of :func:`rounding_noise`, ``int8 [..., 2 * shape[-1]]``: per row of
+    ``K`` values, first their ``K`` high bytes, then their ``K`` low bytes.
+
+    Eight bytes (four 16-bit values) to each 64-bit draw. Each half of a row is contiguous,
+    so a compiled kernel reads both with vector loads (:func:`noise_from_bytes`); interleaved
+    little-endian pairs would need gathers, which cost inductor's CPU code a quarter of the
+    weight update.
+    """
     count = math.prod(shape)
     words = torch.empty(ceil_div(count, 4), dtype=torch.int64, device=device)
     words.random_(_INT64_MIN, None, generator=generator)  # all 64 bits
-    return words.view(torch.int16)[:count].view(shape)
+    return words.view(torch.int8)[: 2 * count].view(*shape[:-1], 2 * shape[-1])
+
+
+def noise_from_bytes(noise_bytes: torch.Tensor) -> torch.Tensor:
+    """The 16-bit noise ``[..., K]`` from :func:`rounding_noise_bytes`' ``[..., 2K]`` bytes,
+    as int32 (``high * 256 + unsigned low``): the form compiled kernels use, since inductor's
+    CPU code vectorizes int8 loads and not int16 ones."""
+    length = noise_bytes.shape[-1] // 2
+    high, low = noise_bytes[..., :length], noise_bytes[..., length:]
+    return high.to(torch.int32) * 256 + (low.to(torch.int32) & 255)
+
+
+def rounding_noise(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """``int16`` uniform noise of ``shape``: :func:`noise_from_bytes`' values, built eagerly
+    by one interleaving copy (the low and high byte of each value side by side)."""
+    noise_bytes = rounding_noise_bytes(shape, generator, device)
+    length = shape[-1]
+    pairs = torch.stack((noise_bytes[..., length:], noise_bytes[..., :length]), dim=-1)
+    return pairs.view(torch.int16).view(shape)  # little-endian: the low byte comes first
 
 
 def _round(
@@ -192,13 +218,6 @@ def _int8_rows(values: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.
 
 def _int8_rows_nearest(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _int8_rows(values, None)
-
-
-def noise_from_bytes(noise_bytes: torch.Tensor) -> torch.Tensor:
-    """The int16 noise ``[rows, K]`` from its little-endian bytes ``[rows, 2K]`` (int8), as
-    int32. Inside a compiled kernel: inductor's CPU code vectorizes int8 loads, not int16."""
-    low, high = noise_bytes[:, 0::2], noise_bytes[:, 1::2]
-    return high.to(torch.int32) * 256 + (low.to(torch.int32) & 255)
 
 
 def _int8_rows_stochastic(values: torch.Tensor, noise_bytes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,8 +341,8 @@ def absmax_quantize(
     options = dict(signed=signed, rounding=rounding, nonfinite=nonfinite, generator=generator)
     if block_size is None and dim == -1 and signed and nonfinite != "propagate" and _use_compiled(values):
         if rounding == "stochastic":
-            noise = rounding_noise((rows, length), generator, values.device)
-            q, scale = run_compiled(_int8_rows_stochastic, values, noise.view(torch.int8))
+            noise_bytes = rounding_noise_bytes((rows, length), generator, values.device)
+            q, scale = run_compiled(_int8_rows_stochastic, values, noise_bytes)
         else:
             q, scale = run_compiled(_int8_rows_nearest, values)
         if nonfinite == "raise" and not bool(torch.isfinite(scale).all()):

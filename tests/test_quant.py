@@ -441,3 +441,17 @@ def test_fused_update_refuses_a_non_finite_result(compiled_kernels):
     with pytest.raises(ValueError, match="non-finite"):
         weight.addcdiv_(torch.ones(4, 16), torch.zeros(4, 16))  # 1 / 0: Inf
     assert torch.equal(weight.int_data, before)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 6)])
+def test_eager_noise_is_the_compiled_kernels_decoding_of_the_same_bytes(shape):
+    """The eager path's int16 noise and the compiled kernels' decoding of the raw bytes
+    (high bytes, then low bytes, per row) give every element the same value, from the
+    same generator state: what keeps the two paths bit-identical."""
+    eager = fsdp_int8.quant.rounding_noise(shape, torch.Generator().manual_seed(5), torch.device("cpu"))
+    raw = fsdp_int8.quant.rounding_noise_bytes(shape, torch.Generator().manual_seed(5), torch.device("cpu"))
+    assert eager.dtype == torch.int16 and eager.shape == shape and raw.shape == (*shape[:-1], 2 * shape[-1])
+    assert torch.equal(eager.int(), fsdp_int8.quant.noise_from_bytes(raw))
+    # the low byte of element j is byte K + j of its row, the high byte is byte j
+    high, low = raw[..., : shape[-1]].int(), raw[..., shape[-1]:].int() & 255
+    assert torch.equal(eager.int(), high * 256 + low)

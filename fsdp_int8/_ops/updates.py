@@ -134,8 +134,8 @@ def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, v
     operands = (rows, target.scale, t1.reshape(shape), t2.reshape(shape),
                 torch.tensor(float(value), dtype=torch.float32, device=target.device))
     if target.stochastic_rounding:
-        noise = quant.rounding_noise(shape, WEIGHT_ROUNDING.generator(target.device), target.device)
-        q, scale, finite = quant.run_compiled(_addcdiv_rows, *operands, noise.view(torch.int8))
+        noise_bytes = quant.rounding_noise_bytes(shape, WEIGHT_ROUNDING.generator(target.device), target.device)
+        q, scale, finite = quant.run_compiled(_addcdiv_rows, *operands, noise_bytes)
     else:
         q, scale, finite = quant.run_compiled(_addcdiv_rows_nearest, *operands)
     if not bool(finite):
