@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Union
 import torch
 from torch.utils._pytree import tree_map_only
 
+from fsdp_int8 import _update_checks
 from fsdp_int8._all_gather import pack_rows, padded_rows, unpack_rows
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.config import Int8MatmulConfig
@@ -249,14 +250,20 @@ class Int8Weight(torch.Tensor):
         values = absmax_dequantize(*self.read_rows(), dtype=dtype or self.dtype)
         return values.view(self.shape)
 
-    def assign_(self, values: torch.Tensor, *, stochastic: bool) -> "Int8Weight":
-        """Requantize ``values`` (this shape, any float dtype) into this tensor's storage."""
-        int_data, scale = absmax_quantize(
-            values.reshape(self.rows, self.row_len),
-            rounding="stochastic" if stochastic else "nearest",
-            generator=WEIGHT_ROUNDING.generator(values.device) if stochastic else None,
-            what="a weight",
-        )
+    def assign_(self, values: torch.Tensor, *, stochastic: bool, step_update: bool = False) -> "Int8Weight":
+        """Requantize ``values`` (this shape, any float dtype) into this tensor's storage.
+
+        Non-finite ``values`` raise ``ValueError`` and leave the weight unchanged. An
+        optimizer's update (``step_update=True``) on an accelerator is checked once per
+        optimizer step instead, with every other update of the step (``_update_checks``).
+        """
+        rows = values.reshape(self.rows, self.row_len)
+        rounding = "stochastic" if stochastic else "nearest"
+        generator = WEIGHT_ROUNDING.generator(values.device) if stochastic else None
+        if not (step_update and _update_checks.defers(values.device)):
+            return self.write_rows_(*absmax_quantize(rows, rounding=rounding, generator=generator, what="a weight"))
+        int_data, scale = absmax_quantize(rows, rounding=rounding, generator=generator, nonfinite="unchecked")
+        _update_checks.defer(torch.isfinite(scale).all(), tuple(self.shape))
         return self.write_rows_(int_data, scale)
 
     def numpy(self, *, force: bool = False):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from fsdp_int8 import quant
+from fsdp_int8 import _update_checks, quant
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.weight import Int8Weight, dequantize_all
 
@@ -82,7 +82,7 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     values = target.dequantize(torch.float32)
     func(values, *_as_fp32(args), **_as_fp32(kwargs))
     stochastic = target.stochastic_rounding and func not in _DETERMINISTIC
-    return target.assign_(values, stochastic=stochastic)
+    return target.assign_(values, stochastic=stochastic, step_update=True)
 
 
 # ---------------------------------------------------------------- fused addcdiv_
@@ -138,8 +138,8 @@ def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, v
         q, scale, finite = quant.run_compiled(_addcdiv_rows, *operands, noise_bytes)
     else:
         q, scale, finite = quant.run_compiled(_addcdiv_rows_nearest, *operands)
-    if not bool(finite):
-        quant._raise_non_finite(target.dequantize(torch.float32).addcdiv_(t1, t2, value=value), "a weight", "int8")
+    _update_checks.check(finite, tuple(target.shape), lambda: quant._raise_non_finite(
+        target.dequantize(torch.float32).addcdiv_(t1, t2, value=value), "a weight", "int8"))
     return target.write_rows_(q, scale)
 
 
@@ -182,7 +182,7 @@ def _fused_optimizer_step(func, params, *args, **kwargs) -> None:
     func(work_params, *work_args, **kwargs)
     for param, values in zip(params, work_params):
         if isinstance(param, Int8Weight):
-            param.assign_(values, stochastic=param.stochastic_rounding)
+            param.assign_(values, stochastic=param.stochastic_rounding, step_update=True)
         elif values is not param:
             param.copy_(values)
     for arg, work in zip(args, work_args):

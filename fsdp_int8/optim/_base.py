@@ -177,7 +177,7 @@ class FusedInt8Optimizer(Optimizer):
                 # the fp32 values are exactly the old ones; requantizing could still move a
                 # value by one step (recomputed scale, stochastic noise): leave it untouched.
                 if not skip_int8:
-                    slot.local.assign_(slot.work, stochastic=slot.local.stochastic_rounding)
+                    slot.local.assign_(slot.work, stochastic=slot.local.stochastic_rounding, step_update=True)
             elif slot.work is not slot.local:
                 slot.local.copy_(slot.work)
 
