@@ -257,13 +257,16 @@ class Int8Weight(torch.Tensor):
         optimizer's update (``step_update=True``) on an accelerator is checked once per
         optimizer step instead, with every other update of the step (``_update_checks``).
         """
-        rows = values.reshape(self.rows, self.row_len)
-        rounding = "stochastic" if stochastic else "nearest"
-        generator = WEIGHT_ROUNDING.generator(values.device) if stochastic else None
-        if not (step_update and _update_checks.defers(values.device)):
-            return self.write_rows_(*absmax_quantize(rows, rounding=rounding, generator=generator, what="a weight"))
-        int_data, scale = absmax_quantize(rows, rounding=rounding, generator=generator, nonfinite="unchecked")
-        _update_checks.defer(torch.isfinite(scale).all(), tuple(self.shape))
+        deferred = step_update and _update_checks.defers(values.device)
+        int_data, scale = absmax_quantize(
+            values.reshape(self.rows, self.row_len),
+            rounding="stochastic" if stochastic else "nearest",
+            generator=WEIGHT_ROUNDING.generator(values.device) if stochastic else None,
+            nonfinite="unchecked" if deferred else "raise",
+            what="a weight",
+        )
+        if deferred:
+            _update_checks.defer(torch.isfinite(scale).all(), tuple(self.shape))
         return self.write_rows_(int_data, scale)
 
     def numpy(self, *, force: bool = False):
