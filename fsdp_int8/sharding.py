@@ -9,12 +9,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, is_sharded, logger, parameter_owners, quantize_
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
+from fsdp_int8.weight import TENSOR_PARALLEL_UNSUPPORTED
 
 __all__ = ["shard_model", "find_blocks", "BlockSpec"]
 
@@ -150,6 +152,22 @@ def _check_reshard_after_forward(value: object) -> None:
     raise TypeError(f"reshard_after_forward must be a bool, got {value!r}")
 
 
+def _check_unsharded(model: nn.Module) -> None:
+    """Refuse a model that FSDP2 or another DTensor API (tensor parallelism) sharded."""
+    if not is_sharded(model):
+        return
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        placed = {name: p.placements for name, p in model.named_parameters() if isinstance(p, DTensor)}
+        name, placements = next(iter(placed.items()))
+        raise NotImplementedError(
+            f"shard_model got a model whose parameters are already DTensors ({name}: "
+            f"{placements}), as tensor parallelism leaves them: " + TENSOR_PARALLEL_UNSUPPORTED
+        )
+    raise RuntimeError(
+        "shard_model got a model that is already sharded; call it once, on the plain model"
+    )
+
+
 def _resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError(
@@ -214,10 +232,7 @@ def shard_model(
         ``model``, now an ``FSDPModule``.
     """
     _check_reshard_after_forward(reshard_after_forward)
-    if is_sharded(model):
-        raise RuntimeError(
-            "shard_model got a model that is already sharded; call it once, on the plain model"
-        )
+    _check_unsharded(model)
     param = next(model.parameters(), None)
     device_type = (
         param.device.type if param is not None and param.device.type != "meta"

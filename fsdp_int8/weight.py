@@ -26,8 +26,8 @@ from typing import Any, Callable, ClassVar, Union
 import torch
 from torch.utils._pytree import tree_map_only
 
-from fsdp_int8 import _update_checks
-from fsdp_int8._all_gather import pack_rows, padded_rows, unpack_rows
+from fsdp_int8 import _dist, _update_checks
+from fsdp_int8._all_gather import flagged_shards, layout_flag, pack_rows, padded_rows, shard_rows, unpack_rows
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.config import Int8MatmulConfig
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize, dequantize_rows_into
@@ -368,26 +368,40 @@ class Int8Weight(torch.Tensor):
     # The 1-argument form: FSDP2 skips its padded-size check for it, which a per-row scale
     # could never pass on an uneven shard (the wire format and why: fsdp_int8/_all_gather.py;
     # tests/distributed fail loudly if torch stops calling it).
-    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], int]:
+    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], tuple[int, int]]:
         """FSDP2 hook: this shard's rows and scales packed into one padded int8 buffer.
 
         ``mesh`` is the shard mesh: a model quantized before ``fully_shard`` learns here
-        which shard this rank rounds (its own noise stream, see ``_generators``).
+        which shard this rank rounds (its own noise stream, see ``_generators``). A shard
+        that is not FSDP2's dim-0 chunk of the whole weight sends a layout flag instead
+        (``_all_gather``), which every rank's ``fsdp_post_all_gather`` raises on.
+        Metadata: the whole weight's rows and the rows each rank sends.
         """
         if not torch.compiler.is_compiling():
             WEIGHT_ROUNDING.adopt_shard_coordinate(mesh)
         rows = padded_rows(self.full_rows, mesh.size())
-        if self.rows > rows:
-            raise RuntimeError(
-                f"Int8Weight shard holds {self.rows} rows but a {mesh.size()}-way shard of "
-                f"{self.full_rows} rows has at most {rows}: full_rows was lost by an op"
-            )
-        return (pack_rows(self.int_rows(), self.scale, rows),), self.full_rows
+        if self._is_expected_shard(mesh):
+            wire = pack_rows(self.int_rows(), self.scale, rows)
+        else:
+            wire = layout_flag(rows, self.row_len, self.int_data.device)
+        return (wire,), (self.full_rows, rows)
+
+    def _is_expected_shard(self, mesh: Any) -> bool:
+        """Whether this tensor holds the rows FSDP2's dim-0 shard of ``full_rows`` holds on
+        ``mesh`` (the layout the wire format unpacks). Checked once per tensor and layout:
+        asking the mesh for the coordinate costs microseconds at every all-gather."""
+        layout = (self.full_rows, self.rows, mesh.size())
+        if self.__dict__.get("_checked_layout") == layout:
+            return True
+        if self.rows != shard_rows(self.full_rows, mesh.size(), _dist.shard_coordinate(mesh)):
+            return False
+        self._checked_layout = layout
+        return True
 
     def fsdp_post_all_gather(
         self,
         outputs: tuple[torch.Tensor, ...],
-        metadata: int,
+        metadata: tuple[int, int],
         param_dtype: torch.dtype,
         *,
         out: "torch.Tensor | None" = None,
@@ -400,9 +414,18 @@ class Int8Weight(torch.Tensor):
         that ``F.linear`` on an ``Int8Weight`` multiplies by. The gathered bytes stay int8.
         Int8 matmuls: an ``Int8Weight`` over the gathered buffer (its GEMMs read the int8
         rows). Later unshards refill ``out`` in place.
+
+        Raises:
+            NotImplementedError: on every rank, at the first unshard, if a rank flagged its
+                shard as not FSDP2's dim-0 chunk of the weight (tensor parallelism, say).
         """
         (gathered,) = outputs
-        data, scale = unpack_rows(gathered, metadata, self.row_len)
+        full_rows, rows = metadata
+        if out is None:  # the first unshard: one sync per weight reads every rank's flag
+            flagged = flagged_shards(gathered, rows, self.row_len)
+            if flagged:
+                raise NotImplementedError(_unsupported_layout(self, flagged, gathered.shape[0] // rows))
+        data, scale = unpack_rows(gathered, full_rows, self.row_len)
         if self.int8_matmul is None:
             return _dequantized_unshard(data, scale, param_dtype, out)
         if out is not None:
@@ -447,6 +470,26 @@ class Int8Weight(torch.Tensor):
             "fsdp_int8.init_int8_weights_(model, init_fn). If FSDP2, an optimizer or a "
             "checkpoint API sent this op, please report it."
         )
+
+
+# Where a tensor-parallel layout reaches an int8 weight, the error says this.
+TENSOR_PARALLEL_UNSUPPORTED = (
+    "torch's tensor parallelism (parallelize_module with ColwiseParallel / RowwiseParallel, "
+    "distribute_tensor) does not support int8 weights yet (docs/parallelism.md). Supported: "
+    "fully_shard (or fsdp_int8.shard_model) of the unsharded quantized model, on a 1-D or "
+    "an HSDP mesh; or leave the layers you parallelize in full precision "
+    "(Int8TrainingConfig.skip_names)."
+)
+
+
+def _unsupported_layout(weight: Int8Weight, flagged: list[int], shards: int) -> str:
+    return (
+        f"an Int8Weight of {weight.full_rows} rows x {weight.row_len} cannot be all-gathered: "
+        f"shard(s) {flagged} of the {shards}-way FSDP2 shard mesh do not hold the rows of "
+        "FSDP2's dim-0 shard of the whole weight (every rank raises this error). The weight "
+        "was cut before fully_shard, most likely by tensor parallelism: "
+        + TENSOR_PARALLEL_UNSUPPORTED
+    )
 
 
 def _rebuild_int8_weight(

@@ -17,7 +17,7 @@ import torch
 
 from fsdp_int8._ops.factories import zeros_in_rows
 from fsdp_int8.quant import ceil_div
-from fsdp_int8.weight import Int8Weight, contiguous_strides, dequantize_all
+from fsdp_int8.weight import TENSOR_PARALLEL_UNSUPPORTED, Int8Weight, contiguous_strides, dequantize_all
 
 aten = torch.ops.aten
 _implements = Int8Weight.implements
@@ -26,7 +26,9 @@ _implements = Int8Weight.implements
 _ROW_BREAKING = (
     "it would not keep whole int8 rows with their per-row scales. Supported views keep "
     "rows intact (view/reshape to [rows, K], [*leading dims, K] or flat, slicing and "
-    "splitting along dim 0 or a leading dim). Call .dequantize() for a plain tensor."
+    "splitting along dim 0 or a leading dim). Call .dequantize() for a plain tensor. (A "
+    "DTensor matmul transposes its local weight: if this weight was sharded by tensor "
+    "parallelism, " + TENSOR_PARALLEL_UNSUPPORTED + ")"
 )
 
 Int8Weight.refuses(
@@ -65,7 +67,9 @@ def _row_dim(dim: int, ndim: int, op: str) -> int:
     if ndim <= 2 and dim != 0:
         raise NotImplementedError(
             f"Int8Weight supports {op} along dim 0 only (whole rows: each row has its own "
-            f"scale), got dim={dim}"
+            f"scale), got dim={dim}. Sharding a weight on dim 1, its input features, is what "
+            "RowwiseParallel and FSDP2's shard_placement_fn=Shard(1) do: "
+            + TENSOR_PARALLEL_UNSUPPORTED
         )
     if ndim > 2 and dim == ndim - 1:
         raise NotImplementedError(

@@ -511,6 +511,40 @@ def _four_rank_body(rank: int, world: int) -> None:
     _parity_matrix(rank, world, hiddens=(7,), mesh=mesh)
     for path in ("shard_model", "quantize_ then fully_shard by hand"):
         _check_hsdp_replicas_round_alike(rank, mesh, path)
+    _check_stock_tensor_parallel_styles_raise(rank, world)
+
+
+def _check_stock_tensor_parallel_styles_raise(rank: int, world: int) -> None:
+    """torch's ColwiseParallel once gave a silently wrong loss under fully_shard (the TP
+    shard kept the whole weight's row count, so the all-gather misplaced rows); every
+    stock style and path must raise instead, on every rank, naming the docs."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("dp", "tp"))
+    styles = {"ColwiseParallel": lambda: {"up": ColwiseParallel(output_layouts=Replicate())},
+              "RowwiseParallel": lambda: {"down": RowwiseParallel()}}
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    for style, plan in styles.items():
+        for int8_matmul in (None, fsdp_int8.Int8MatmulConfig()):
+            for path in ("parallelize_module alone", "then fully_shard on dp", "then shard_model"):
+                name = f"{style}, int8_matmul={int8_matmul is not None}, {path}"
+                with case(name):
+                    model = fsdp_int8.quantize_(
+                        MLPNet(hidden=8, bias=False), Int8TrainingConfig(int8_matmul=int8_matmul, min_features=1)
+                    )
+                    try:
+                        for block in model.layers:
+                            parallelize_module(block, mesh["tp"], plan())
+                        if path == "then fully_shard on dp":
+                            _shard_blocks_plain(model, mesh["dp"], MixedPrecisionPolicy())
+                        elif path == "then shard_model":
+                            fsdp_int8.shard_model(model, mesh=mesh["dp"])
+                        model(x).sum().backward()
+                    except NotImplementedError as error:
+                        assert "tensor parallelism" in str(error) and "docs/parallelism.md" in str(error), error
+                    else:
+                        raise AssertionError("no error: a stock TP style ran on int8 weights")
 
 
 def _check_hsdp_replicas_round_alike(rank: int, mesh, path: str) -> None:
