@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 import fsdp_int8
 from benchmarks import ratios
-from benchmarks.speed_memory import cpu_description
+from fsdp_int8 import _hardware
 from fsdp_int8.testing import device_type_for, run_distributed
 from launch.data import load_corpus, sample_batch
 from launch.model import PRESETS, ModelArgs, Transformer
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.world_size} ranks on {device_type_for(args.world_size)}, {args.threads} thread(s) each; "
         f"{args.steps} steps of torch AdamW (lr {args.lr}); step times: {args.timed_steps} steps per row "
         f"interleaved in one launch; fsdp_int8 rows compute in bf16 with compiled kernels")
-    say(f"CPU: {cpu_description()}; torch {torch.__version__}; Python {platform.python_version()}")
+    say(f"{_hardware.hardware_line(device_type_for(args.world_size))}; Python {platform.python_version()}")
     try:
         import torchao
 

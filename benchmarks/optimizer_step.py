@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 import fsdp_int8
-from fsdp_int8 import Int8Weight
+from fsdp_int8 import Int8Weight, _hardware
 from fsdp_int8.quant import use_compiled_kernels
 
 OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"{args.weights} int8 weights [{args.rows}, {args.cols}], stochastic rounding, weight decay 0.1, "
-          f"1 thread; median of {args.steps} interleaved steps; torch {torch.__version__}")
+          f"1 thread; median of {args.steps} interleaved steps")
+    print(_hardware.hardware_line())
     results = measure(args.weights, args.rows, args.cols, args.steps)
     print(f"{'kernels':<10}" + "".join(f"{name:>17}" for name in OPTIMIZERS))
     for mode, row in results.items():

@@ -37,10 +37,12 @@ take the most (medians over the profiled steps), then the ops that differ most f
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -49,6 +51,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_int8
+from fsdp_int8 import _hardware
 from fsdp_int8.quant import use_compiled_kernels
 from fsdp_int8.testing import device_type_for, run_distributed
 from launch.model import Transformer
@@ -56,7 +59,7 @@ from launch.model import Transformer
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ALL_BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 ROWS = ("bf16", "int8-mm", "int8", "int8-mm-eager", "int8-mm-all", "int8-mm-wgrad-bf16", "int8-grads", "fp32",
-        "all-bf16")
+        "all-bf16", "int8-fp32", "int8-fp32-eager")
 DEFAULT_ROWS = ("bf16", "int8-mm", "int8")
 _MATMULS = {
     "int8-mm": fsdp_int8.Int8MatmulConfig(),
@@ -89,7 +92,7 @@ def build(kind: str, args) -> torch.nn.Module:
         policy = {"fp32": None, "bf16": BF16, "all-bf16": ALL_BF16}[kind]
         return fsdp_int8.shard_model(model, quantize=False, mp_policy=policy)
     config = fsdp_int8.Int8TrainingConfig(int8_matmul=_MATMULS.get(kind), quantize_gradients=kind == "int8-grads")
-    return fsdp_int8.shard_model(model, config=config, mp_policy=BF16)
+    return fsdp_int8.shard_model(model, config=config, mp_policy=None if "fp32" in kind else BF16)
 
 
 def train_step(kind: str, model, optimizer, inputs: torch.Tensor, targets: torch.Tensor, clip: bool = True) -> float:
@@ -210,11 +213,17 @@ def measure(settings: dict, world: int = 2) -> dict:
 
 
 def settings_for(dim: int, rows, *, steps: int, warmup: int, n_layers: int = 2, batch_size: int = 4,
-                 seq_len: int = 256, threads: int = 1, profile: int = 0) -> dict:
-    """The issue's benchmark shape (``base`` preset at ``dim``, heads of 64) as settings."""
+                 seq_len: int = 256, threads: int = 1, profile: int = 0, baseline: str = "bf16") -> dict:
+    """The issue's benchmark shape (``base`` preset at ``dim``, heads of 64) as settings;
+    the ``baseline`` row runs first."""
     return dict(preset="base", dim=dim, n_layers=n_layers, n_heads=max(1, dim // 64), batch_size=batch_size,
                 seq_len=seq_len, steps=steps, warmup=warmup, threads=threads,
-                rows=list(dict.fromkeys(["bf16", *rows])), profile=profile)
+                rows=list(dict.fromkeys([baseline, *rows])), profile=profile)
+
+
+def default_baseline(device: str = "cpu") -> str:
+    """What users compare with: bf16 FSDP2 where bf16 matmuls are fast, else fp32 FSDP2."""
+    return "bf16" if _hardware.capability(device).bf16_matmul_fast else "fp32"
 
 
 def paired_ratio(times: dict, row: str, baseline: str = "bf16") -> float:
@@ -246,15 +255,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="per rank")
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=ROWS)
+    parser.add_argument("--baseline", default="auto", choices=("auto", "bf16", "fp32"),
+                        help="the row ratios are taken against; auto: bf16 FSDP2 where this hardware "
+                        "has fast bf16 matmuls, else fp32 FSDP2")
+    parser.add_argument("--json", type=Path, help="also write the times, ratios and hardware line here")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps per row")
     parser.add_argument("--quick", action="store_true", help="4 timed steps after 2")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = 4, 2
+    device = device_type_for(args.world_size)
+    baseline = default_baseline(device) if args.baseline == "auto" else args.baseline
     settings = settings_for(args.dim, args.rows, steps=args.steps, warmup=args.warmup, n_layers=args.n_layers,
                             batch_size=args.batch_size, seq_len=args.seq_len, threads=args.threads,
-                            profile=args.profile)
-    from benchmarks.speed_memory import cpu_description
+                            profile=args.profile, baseline=baseline)
 
     shape = model_args(settings)
     params = sum(p.numel() for p in Transformer(shape).parameters())
@@ -262,9 +276,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"({params / 1e6:.2f}M params); batch {args.batch_size} x {args.seq_len} per rank; "
           f"{args.world_size} ranks ({device_type_for(args.world_size)}), {args.threads} thread(s) each; "
           f"{args.steps} timed steps after {args.warmup}, rows interleaved step by step")
-    print(f"CPU: {cpu_description()}; torch {torch.__version__}")
+    hardware = _hardware.hardware_line(device)
+    print(hardware)
     result = measure(settings, args.world_size)
-    print("\n".join(ratio_lines(result["times"])))
+    print("\n".join(ratio_lines(result["times"], baseline)))
+    if args.json:
+        ratios = {row: paired_ratio(result["times"], row, baseline) for row in result["times"]}
+        args.json.write_text(json.dumps(dict(hardware=hardware, settings=settings, baseline=baseline,
+                                             median_of_ratios=ratios, times=result["times"]), indent=1) + "\n")
     if args.profile:
         print_profile(result["profile"])
     return result

@@ -396,7 +396,9 @@ def main(argv: list[str] | None = None) -> None:
     check = []
     if args.measure:
         print()
-        check = check_lines(args.dim, args.steps, args.cores)
+        from fsdp_int8 import _hardware
+
+        check = [_hardware.hardware_line(), *check_lines(args.dim, args.steps, args.cores)]
         print("\n".join(check))
     if args.write_docs:
         _write_generated(args.write_docs / "scaling.md", lines, check, argv if argv is not None else sys.argv[1:])

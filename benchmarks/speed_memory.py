@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import platform
 import resource
 import statistics
 import time
@@ -33,7 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_int8
-from fsdp_int8.testing import run_distributed
+from fsdp_int8 import _hardware
+from fsdp_int8.testing import device_type_for, run_distributed
 from launch.model import PRESETS, ModelArgs, Transformer
 from launch.train import compiled_kernels_wanted, int8_matmuls
 
@@ -46,22 +46,6 @@ PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16", "int8-bf1
 LABELS = {"bf16": "bf16 FSDP2", "fp32": "fp32 FSDP2", "int8": "int8 weight-only"}
 EIGHT_BIT_BLOCK = 128  # values per scale of 8-bit Adam states
 OPTIMIZERS = ("torch AdamW", "fused AdamW", "8-bit AdamW")
-
-
-def cpu_description() -> str:
-    """The CPU's model and the instruction-set flags that decide matmul speed."""
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model in ("", "unknown CPU", platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16", "amx_tile")
-    return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no avx512/amx'}]"
 
 
 def bench_model_args(settings: dict) -> ModelArgs:
@@ -158,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     say(f"model: launcher Transformer, preset {args.preset!r} with dim {preset.dim}, {preset.n_layers} "
           f"blocks, {preset.n_heads} heads ({params / 1e6:.2f}M params), batch {args.batch_size} x {args.seq_len} per rank, world size "
           f"{args.world_size}, {args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup}")
-    say(f"CPU: {cpu_description()}; torch {torch.__version__}")
+    say(_hardware.hardware_line(device_type_for(args.world_size)))
     header = (f"{'precision':<19} {'optimizer':<12} {'step ms':>8} {'vs bf16':>8} {'vs fp32':>8} {'bytes/param':>12} "
               f"{'peak RSS MB':>12}")
     say(header)

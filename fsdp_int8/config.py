@@ -31,6 +31,9 @@ class Int8MatmulConfig:
             dtype.
         compile: Quantize activations with a ``torch.compile``-fused kernel (one pass
             instead of five; pays for itself on long runs, costs a compile per shape).
+
+    On a device without a fast int8 GEMM (CPUs without VNNI or AMX, GPUs before sm_75)
+    the first forward warns once per process: weight-only int8 is faster there.
     """
 
     output: bool = True

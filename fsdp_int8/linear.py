@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fsdp_int8 import quant
+from fsdp_int8 import _hardware, quant
 from fsdp_int8.config import Int8MatmulConfig
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 from fsdp_int8.weight import Int8Weight
@@ -308,4 +308,6 @@ def _int8_weight_linear(
             f"int8 matmuls on CUDA need in and out features divisible by 8, got a weight of "
             f"shape {tuple(weight.shape)}: exclude this layer with Int8TrainingConfig.module_filter"
         )
+    if not torch.compiler.is_compiling():
+        _hardware.warn_if_slow(input.device, input.dtype, int8_matmul=weight.int8_matmul is not None)
     return _Int8WeightLinear.apply(input, weight, bias)

@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, Union
 import torch
 from torch.utils._pytree import tree_map_only
 
-from fsdp_int8 import _dist, _update_checks
+from fsdp_int8 import _dist, _hardware, _update_checks
 from fsdp_int8._all_gather import flagged_shards, layout_flag, pack_rows, padded_rows, shard_rows, unpack_rows
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.config import Int8MatmulConfig
@@ -425,6 +425,8 @@ class Int8Weight(torch.Tensor):
             flagged = flagged_shards(gathered, rows, self.row_len)
             if flagged:
                 raise NotImplementedError(_unsupported_layout(self, flagged, gathered.shape[0] // rows))
+            if not torch.compiler.is_compiling():  # weight-only layers never reach F.linear's check
+                _hardware.warn_if_slow(gathered.device, param_dtype, int8_matmul=False)
         data, scale = unpack_rows(gathered, full_rows, self.row_len)
         if self.int8_matmul is None:
             return _dequantized_unshard(data, scale, param_dtype, out)

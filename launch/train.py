@@ -32,11 +32,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdp_int8
+from fsdp_int8 import _dist, _hardware
 from launch.data import Corpus, load_corpus, sample_batch
 from launch.metrics import MetricsLog, Progress, bits_per_byte, plot_losses, read_metrics
 from launch.model import PRESETS, ModelArgs, Transformer
 
-PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-all", "int8-mm-wgrad-bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "int8", "int8-mm", "int8-mm-all", "int8-mm-wgrad-bf16")
 
 
 # ---------------------------------------------------------------- arguments
@@ -53,12 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--n-layers", type=int, help="override the preset's number of blocks")
     model.add_argument("--n-heads", type=int, help="override the preset's attention heads")
     train = parser.add_argument_group("training")
-    train.add_argument("--precision", default="int8-mm", choices=PRECISIONS,
-                       help="int8 weights + int8 GEMMs for all three matmuls (int8-mm, default; "
-                       "int8-mm-all is the same; int8-mm-wgrad-bf16 keeps the weight gradient's GEMM in the "
-                       "compute dtype), int8 weights only (int8), or the fp32 / bf16-mixed FSDP2 baselines")
-    train.add_argument("--compute-dtype", default="bf16", choices=("fp32", "bf16"),
-                       help="compute dtype of int8 runs (default bf16; the all-gather is int8 either way)")
+    train.add_argument("--precision", default="auto", choices=PRECISIONS,
+                       help="auto (default): int8 matmuls where this hardware has a fast int8 GEMM, "
+                       "else int8 weights only; int8-mm: int8 weights + int8 GEMMs for all three "
+                       "matmuls (int8-mm-all is the same; int8-mm-wgrad-bf16 keeps the weight gradient's "
+                       "GEMM in the compute dtype); int8: int8 weights only; fp32 / bf16: the FSDP2 baselines")
+    train.add_argument("--compute-dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                       help="compute dtype of int8 runs; auto (default): bf16 where this hardware has "
+                       "fast bf16 matmuls, else fp32 (the all-gather is int8 either way)")
     train.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                        help="fuse int8 quantization steps with torch.compile; auto (default): on "
                        "from width 512, where it repays its ~15 s of start-up per process")
@@ -138,6 +141,29 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         rank=rank, world_size=world,
     )
     return rank, world, device
+
+
+def choose_for_hardware(args: argparse.Namespace, device: torch.device) -> str | None:
+    """Resolve ``auto`` in --precision and --compute-dtype from what ``device`` runs fast.
+
+    Rank 0 decides (its capability check may time a kernel) and every rank takes its
+    choice, so all ranks build the same model. Returns the line that says what was chosen
+    and why (``None`` if nothing was ``auto``).
+    """
+    if args.precision != "auto" and not (args.compute_dtype == "auto" and args.precision.startswith("int8")):
+        return None
+    found = _hardware.capability(device) if dist.get_rank() == 0 else None
+    found = _dist.broadcast_from_rank0(found)
+    reasons = []
+    if args.precision == "auto":
+        args.precision = "int8-mm" if found.int8_gemm_fast else "int8"
+        kind = "a fast" if found.int8_gemm_fast else "no fast"
+        reasons.append(f"--precision {args.precision} ({kind} int8 GEMM: {found.int8_evidence})")
+    if args.compute_dtype == "auto" and args.precision.startswith("int8"):
+        args.compute_dtype = "bf16" if found.bf16_matmul_fast else "fp32"
+        kind = "a fast" if found.bf16_matmul_fast else "no fast"
+        reasons.append(f"--compute-dtype {args.compute_dtype} ({kind} bf16 matmul: {found.bf16_evidence})")
+    return f"auto on {found.name}: " + "; ".join(reasons)
 
 
 def int8_matmuls(precision: str) -> fsdp_int8.Int8MatmulConfig | None:
@@ -286,6 +312,9 @@ def claim_output(out: Path, mode: str) -> None:
 # ---------------------------------------------------------------- the run
 def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
     rank, world, device = setup_distributed()
+    chosen = choose_for_hardware(args, device)
+    if rank == 0 and chosen:
+        print(chosen, flush=True)
     out = Path(args.out)
     checkpoints = out / "checkpoints"
     if rank == 0 and not restarted_by_torchrun():

@@ -24,6 +24,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _scratch_working_directory(tmp_path_factory):
+    """Tests run in an empty working directory of their own, not in the checkout.
+
+    A test that writes a relative path (the launcher's default ``--out runs/demo``) leaves
+    nothing behind, and a test cannot depend on what a README demo run left in the checkout
+    (a checkpoint in ``runs/demo`` once changed a launcher test's error). Tests name
+    repository files by absolute path; spawned ranks inherit this directory.
+    """
+    previous = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(previous)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_rngs(request):
     """Every single-process test starts from the same torch and stochastic-rounding streams.

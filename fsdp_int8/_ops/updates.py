@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from fsdp_int8 import _update_checks, quant
 from fsdp_int8._generators import WEIGHT_ROUNDING
@@ -80,7 +79,8 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if func is aten.addcdiv_.default and _fusable_addcdiv(target, args, kwargs):
         return _fused_addcdiv_(target, *args, **kwargs)
     values = target.dequantize(torch.float32)
-    func(values, *_as_fp32(args), **_as_fp32(kwargs))
+    args, kwargs = _as_fp32(args, kwargs)
+    func(values, *args, **kwargs)
     stochastic = target.stochastic_rounding and func not in _DETERMINISTIC
     return target.assign_(values, stochastic=stochastic, step_update=True)
 
@@ -143,12 +143,19 @@ def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, v
     return target.write_rows_(q, scale)
 
 
-def _as_fp32(tree: Any) -> Any:
-    """Operands of an update in fp32 (ops such as lerp_ refuse mixed dtypes)."""
-    tree = dequantize_all(tree, torch.float32)
-    return tree_map_only(
-        torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, tree
-    )
+def _fp32_operand(value: Any) -> Any:
+    """One operand of an update in fp32 (ops such as lerp_ refuse mixed dtypes)."""
+    if isinstance(value, Int8Weight):
+        return value.dequantize(torch.float32)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    return value
+
+
+def _as_fp32(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The operands of an update op in fp32. They are flat (tensors and scalars): no pytree
+    walk, which cost a third of a small weight's eager update in Python."""
+    return tuple(map(_fp32_operand, args)), {k: _fp32_operand(v) for k, v in kwargs.items()}
 
 
 _FUSED_OPTIMIZER_OPS = tuple(

@@ -130,7 +130,7 @@ def test_empty_data_directory_is_refused(monkeypatch, capsys, tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "image.png").write_bytes(b"\x89PNG")
     monkeypatch.setenv("RANK", "0")
-    assert train.main(["--data", str(tmp_path / "data")]) == 2
+    assert train.main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")]) == 2
     assert "no text files" in capsys.readouterr().err
 
 

@@ -1,0 +1,208 @@
+"""What is fast on this device: an int8 GEMM (``torch._int_mm``) and a bf16 matmul.
+
+The same code is 10-70x slower or faster depending on the hardware under it. On x86 CPUs
+torch runs ``torch._int_mm`` and bf16 matmuls with native kernels only where the CPU has
+the instructions for them (VNNI or AMX for int8, AVX-512 BF16 or AMX for bf16); without
+them both fall back to reference loops (measured on an AVX2-only EPYC, one thread,
+128^3: 16-18x the fp32 matmul; 512^3: 51-52x). On CUDA, int8 tensor cores exist from
+sm_75 and bf16 ones from sm_80.
+
+The rule, decided once per process and device and cached (docs/performance.md):
+
+1. CUDA: the compute capability decides (int8 from sm_75, bf16 from sm_80).
+2. CPU: a feature torch reports (``torch.cpu._is_vnni_supported`` /
+   ``_is_amx_tile_supported`` for int8, ``_is_avx512_bf16_supported`` / AMX for bf16)
+   says "fast".
+3. Otherwise (a CPU without those features, another architecture, another accelerator) a
+   timing probe decides: the kernel against an fp32 matmul of the same 128^3 shape. A
+   kernel within ``FAST_RATIO`` of fp32 counts as fast. The two populations are far apart
+   (native kernels 0.1-1x of fp32, reference loops 15-90x), so the cut does not depend
+   on noise.
+
+Nothing here changes what runs: :func:`warn_if_slow` warns (once per process and kind of
+device) when a layer's configuration asks for a kernel this device runs slowly, and the
+launcher's ``--precision auto`` reads :func:`capability`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import platform
+import time
+import warnings
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["Capability", "FAST_RATIO", "capability", "hardware_line", "warn_if_slow"]
+
+FAST_RATIO = 2.0  # a kernel at most this many times the fp32 matmul's time counts as fast
+_PROBE_SIZE = 128  # m = n = k: a few milliseconds on a reference loop, microseconds natively
+_CPU_FEATURES = (  # (name printed, torch's query)
+    ("avx2", "_is_avx2_supported"),
+    ("avx512", "_is_avx512_supported"),
+    ("vnni", "_is_vnni_supported"),
+    ("avx512_bf16", "_is_avx512_bf16_supported"),
+    ("amx", "_is_amx_tile_supported"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """What one kind of device runs fast, and why we think so."""
+
+    device_type: str
+    name: str  # the CPU model, or the GPU's name
+    features: tuple[str, ...]  # CPU features present, or ("sm_90",)
+    int8_gemm_fast: bool
+    bf16_matmul_fast: bool
+    int8_evidence: str  # e.g. "vnni", "sm_90 >= sm_75", "probe: 18.2x the fp32 matmul"
+    bf16_evidence: str
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _cpu_features() -> tuple[str, ...]:
+    return tuple(name for name, query in _CPU_FEATURES if getattr(torch.cpu, query, lambda: False)())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _seconds(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up: first-call dispatch and allocation
+    best = float("inf")
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _probe(device: torch.device, kind: str) -> float:
+    """Time of ``kind`` ("int8" or "bf16") over an fp32 matmul's, same shape, this device.
+
+    Runs outside every active dispatch mode (a caller's GEMM counter, fake tensors) and
+    autograd: the probe is not part of the caller's computation.
+    """
+    with torch.no_grad(), _disable_current_modes():
+        return _timed_ratio(device, kind)
+
+
+def _timed_ratio(device: torch.device, kind: str) -> float:
+    n = _PROBE_SIZE
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen).to(device), torch.randn(n, n, generator=gen).to(device)
+    fp32 = _seconds(lambda: a @ b, device, repeats=5)
+    if kind == "int8":
+        qa, qb = (t.mul(40).round().clamp(-127, 127).to(torch.int8) for t in (a, b))
+        kernel = functools.partial(torch._int_mm, qa, qb)
+    else:
+        ha, hb = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        kernel = lambda: ha @ hb  # noqa: E731
+    return _seconds(kernel, device, repeats=2) / fp32
+
+
+def _decide(flag_evidence: str | None, device: torch.device, kind: str) -> tuple[bool, str]:
+    if flag_evidence is not None:
+        return True, flag_evidence
+    ratio = _probe(device, kind)
+    return ratio <= FAST_RATIO, f"probe: {ratio:.1f}x the fp32 matmul"
+
+
+def _first(features: tuple[str, ...], wanted: tuple[str, ...]) -> str | None:
+    return next((f for f in wanted if f in features), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_type: str, index: int | None) -> Capability:
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        sm = f"sm_{major}{minor}"
+        return Capability(
+            device_type, torch.cuda.get_device_name(device), (sm,),
+            int8_gemm_fast=(major, minor) >= (7, 5), bf16_matmul_fast=major >= 8,
+            int8_evidence=f"{sm} {'>=' if (major, minor) >= (7, 5) else '<'} sm_75 (int8 tensor cores)",
+            bf16_evidence=f"{sm} {'>=' if major >= 8 else '<'} sm_80 (bf16 tensor cores)",
+        )
+    features = _cpu_features() if device_type == "cpu" else ()
+    name = _cpu_name() if device_type == "cpu" else device_type
+    int8_fast, int8_evidence = _decide(_first(features, ("vnni", "amx")), device, "int8")
+    bf16_fast, bf16_evidence = _decide(_first(features, ("avx512_bf16", "amx")), device, "bf16")
+    return Capability(device_type, name, features, int8_fast, bf16_fast, int8_evidence, bf16_evidence)
+
+
+def _key(device: torch.device | str) -> tuple[str, int | None]:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return "cuda", torch.cuda.current_device()
+    return device.type, device.index
+
+
+def capability(device: torch.device | str = "cpu") -> Capability:
+    """What ``device`` runs fast; decided once per process and device (see the module doc)."""
+    return _capability(*_key(device))
+
+
+def hardware_line(device: torch.device | str = "cpu") -> str:
+    """One line naming the hardware a measurement ran on, for every benchmark result.
+
+    CPU: its model and the features that decide the kernels (present and absent); GPU:
+    its name and compute capability. No probe runs: this only reads what torch reports.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"GPU {torch.cuda.get_device_name(device)}, sm_{major}{minor}, torch {torch.__version__}"
+    features = _cpu_features()
+    flags = ", ".join(name if name in features else f"no {name}" for name, _ in _CPU_FEATURES)
+    return f"CPU {_cpu_name()} ({flags}), torch {torch.__version__}"
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_if_slow(device: torch.device, compute_dtype: torch.dtype, *, int8_matmul: bool) -> None:
+    """Warn once per process and kind of device if the configured kernels run slowly here.
+
+    Int8 matmuls on a device without a fast int8 GEMM, and bf16 compute on a device without
+    a fast bf16 matmul: the user's configuration is honoured, and told what to change.
+    """
+    wanted = (("int8",) if int8_matmul else ()) + (("bf16",) if compute_dtype == torch.bfloat16 else ())
+    for kind in wanted:
+        if (kind, device.type) in _WARNED or device.type == "meta":
+            continue
+        _WARNED.add((kind, device.type))
+        found = capability(device)
+        if kind == "int8" and not found.int8_gemm_fast:
+            warnings.warn(
+                f"fsdp_int8: int8 matmuls (Int8MatmulConfig) run slowly on this {found.name} "
+                f"({found.int8_evidence}: torch._int_mm has no native kernel here). Weight-only "
+                "int8 (Int8TrainingConfig(int8_matmul=None)) keeps the int8 weights and the "
+                "int8 all-gather and runs the matmuls in the compute dtype. See "
+                "docs/performance.md.",
+                UserWarning, stacklevel=3,
+            )
+        if kind == "bf16" and not found.bf16_matmul_fast:
+            warnings.warn(
+                f"fsdp_int8: bf16 compute runs slowly on this {found.name} "
+                f"({found.bf16_evidence}: no native bf16 matmul here). Compute in fp32 "
+                "(no MixedPrecisionPolicy param_dtype, or --compute-dtype fp32 in the "
+                "launcher); the weights stay int8 either way. See docs/performance.md.",
+                UserWarning, stacklevel=3,
+            )
