@@ -152,7 +152,7 @@ def choose_for_hardware(args: argparse.Namespace, device: torch.device) -> str |
     """
     if args.precision != "auto" and not (args.compute_dtype == "auto" and args.precision.startswith("int8")):
         return None
-    found = _hardware.capability(device) if dist.get_rank() == 0 else None
+    found = _hardware.capability(device) if _dist.rank() == 0 else None
     found = _dist.broadcast_from_rank0(found)
     reasons = []
     if args.precision == "auto":

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_int8
+from fsdp_int8 import _hardware
 from launch import train
 from launch.metrics import read_metrics
 from launch.model import Transformer
@@ -211,3 +212,27 @@ def test_a_torchrun_restart_resumes_only_its_own_jobs_checkpoints(monkeypatch, t
     assert train.start_mode(train.parse_args(["--out", str(out), "--overwrite"])) == "overwrite"
     with pytest.raises(SystemExit):
         train.parse_args(["--out", str(out), "--resume", "--overwrite"])
+
+
+# ---------------------------------------------------------------- --precision auto
+@pytest.mark.parametrize(
+    ("int8_fast", "bf16_fast", "precision", "compute"),
+    [(False, False, "int8", "fp32"), (True, True, "int8-mm", "bf16"), (True, False, "int8-mm", "fp32")],
+)
+def test_auto_precision_follows_the_hardware(monkeypatch, int8_fast, bf16_fast, precision, compute):
+    found = _hardware.Capability("cpu", "a CPU", (), int8_fast, bf16_fast, "int8 evidence", "bf16 evidence")
+    monkeypatch.setattr(_hardware, "capability", lambda device: found)
+    args = train.parse_args([])
+    assert (args.precision, args.compute_dtype) == ("auto", "auto")  # the defaults
+    line = train.choose_for_hardware(args, torch.device("cpu"))
+    assert (args.precision, args.compute_dtype) == (precision, compute)
+    assert line.startswith("auto on a CPU:") and "int8 evidence" in line and "bf16 evidence" in line
+
+
+def test_explicit_precision_wins_over_auto(monkeypatch):
+    monkeypatch.setattr(_hardware, "capability", lambda device: pytest.fail("asked the hardware"))
+    args = train.parse_args(["--precision", "int8-mm", "--compute-dtype", "bf16"])
+    assert train.choose_for_hardware(args, torch.device("cpu")) is None
+    assert (args.precision, args.compute_dtype) == ("int8-mm", "bf16")
+    args = train.parse_args(["--precision", "fp32"])  # a baseline: no compute dtype to choose
+    assert train.choose_for_hardware(args, torch.device("cpu")) is None
