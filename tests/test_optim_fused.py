@@ -113,17 +113,26 @@ def _sync_reference_state(ref_opt, ref_params, opt, params) -> None:
 EXACT = dict(rtol=0.0, atol=0.0)
 
 
-@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+_TORCH_ADAMW_FORMS = {  # torch.optim.AdamW's kernel -> Int8AdamW's `fused` that matches it
+    "for-loop": (dict(foreach=False), False),
+    "foreach": (dict(foreach=True), False),
+    "fused": (dict(fused=True), True),
+}
+
+
+@pytest.mark.parametrize("form", list(_TORCH_ADAMW_FORMS))
 @pytest.mark.parametrize("state_bits", [32, 8])
-def test_adamw_matches_torch_adamw_before_requantization(state_bits, foreach):
+def test_adamw_matches_torch_adamw_before_requantization(state_bits, form):
     """From the same weights and moments, each step's fp32 values before requantization
     equal torch.optim.AdamW's on fp32 copies (and 8-bit moments, dequantized, are the
-    same state: the reference is given them before each step)."""
+    same state: the reference is given them before each step): the fused kernel's
+    with ``fused=True``, the for-loop and foreach forms' with ``fused=False``."""
     model = _net()
     params = list(model.parameters())
-    opt = Int8AdamW(params, lr=1e-2, weight_decay=0.1, state_bits=state_bits, block_size=16)
+    ref_kwargs, fused = _TORCH_ADAMW_FORMS[form]
+    opt = Int8AdamW(params, lr=1e-2, weight_decay=0.1, state_bits=state_bits, block_size=16, fused=fused)
     ref_params = [_values(p).requires_grad_() for p in params]
-    ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=foreach)
+    ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, **ref_kwargs)
     for step in range(4):
         sync = _sync_reference_state if step else None
         written = _step_against_reference(model, step, opt, params, ref_opt, ref_params, sync)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import ParamsT
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from fsdp_int8.optim._base import FusedInt8Optimizer, Slot, keeps_whole_rows, like_param
 from fsdp_int8.optim._checks import check_number
@@ -24,12 +25,20 @@ def _row_len(param: torch.Tensor) -> int | None:
     return param.numel() // param.shape[0]
 
 
+def _use_fused(fused: bool | None, device: torch.device) -> bool:
+    """``fused``, or (``None``) whether torch has a fused AdamW kernel for ``device``."""
+    if fused is not None:
+        return fused
+    return device.type in _get_fused_kernels_supported_devices()
+
+
 class Int8AdamW(FusedInt8Optimizer):
     r"""AdamW for int8 weights: one dequantization and one requantization per step.
 
     The same update as ``torch.optim.AdamW`` (decoupled weight decay, bias correction),
-    with the same fp32 operations in the same order (``torch._foreach_*`` over many
-    parameters at a time)::
+    with the same fp32 operations as one of its kernels: torch's fused AdamW kernel
+    (``fused``, the default where torch has one) or its ``torch._foreach_*`` operations in
+    their order (``fused=False``)::
 
         step += 1
         w  = w * (1 - lr * weight_decay)
@@ -97,6 +106,13 @@ class Int8AdamW(FusedInt8Optimizer):
         state_bits: ``32`` (fp32 moments) or ``8`` (block-wise 8-bit moments, see above).
         block_size: Elements per 8-bit block (>= 1). Also the minimum row length for
             8-bit states.
+        fused: Run the update as torch's fused AdamW kernel (``torch._fused_adamw_``,
+            one pass over each tensor) instead of ``torch._foreach_*`` ops (eight passes).
+            ``None`` (default): fused on the devices torch has the kernel for (CPU,
+            CUDA). The values before requantization are then bit-identical to
+            ``torch.optim.AdamW(fused=True)``'s; with ``fused=False``, to its for-loop and
+            foreach forms'. The two kernels round a few values differently (their
+            operations differ in order), so pick the one to match.
 
     Raises:
         ValueError: a hyperparameter out of range, ``state_bits`` not 8 or 32,
@@ -114,10 +130,11 @@ class Int8AdamW(FusedInt8Optimizer):
         *,
         state_bits: int = 32,
         block_size: int = 64,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
-            weight_decay=weight_decay, state_bits=state_bits, block_size=block_size,
+            weight_decay=weight_decay, state_bits=state_bits, block_size=block_size, fused=fused,
         )
         self._check_group(defaults)
         super().__init__(params, defaults)
@@ -138,6 +155,8 @@ class Int8AdamW(FusedInt8Optimizer):
             raise TypeError(f"block_size must be an int, got {block!r}")
         if block < 1:
             raise ValueError(f"block_size must be >= 1, got {block}")
+        if group.get("fused") not in (None, True, False):
+            raise TypeError(f"fused must be None, True or False, got {group['fused']!r}")
 
     @staticmethod
     def uses_8bit_state(param: torch.Tensor, state_bits: int, block_size: int) -> bool:
@@ -210,6 +229,21 @@ class Int8AdamW(FusedInt8Optimizer):
             slot.state["step"] += 1
             steps.append(slot.state["step"].item())
 
+        if _use_fused(group.get("fused"), works[0].device):
+            # torch.optim.AdamW(fused=True)'s kernel, in place on the fp32 work tensors
+            on_device: dict[float, torch.Tensor] = {}  # one tensor per step count, not per parameter
+            step_tensors = [
+                on_device.setdefault(step, torch.tensor(step, dtype=torch.float32, device=works[0].device))
+                for step in steps
+            ]
+            torch._fused_adamw_(
+                works, grads, exp_avgs, exp_avg_sqs, [], step_tensors, lr=lr, beta1=beta1, beta2=beta2,
+                weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+            )
+            for slot, m, v in zip(slots, exp_avgs, exp_avg_sqs):
+                if self._is_8bit(slot.state):
+                    self._store_8bit(slot, m, v.sqrt(), block)
+            return
         # torch.optim.AdamW's operations, in its order (_multi_tensor_adam, non-capturable).
         if weight_decay != 0:
             torch._foreach_mul_(works, 1 - lr * weight_decay)
