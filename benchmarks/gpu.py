@@ -1,0 +1,339 @@
+"""GPU evidence in one command: correctness on CUDA, int8 GEMMs against bf16, training steps.
+
+    python -m benchmarks.gpu                      # everything (~25 min on an H100), into docs/gpu.md
+    python -m benchmarks.gpu --part checks        # correctness on CUDA only (one part per command)
+    python -m benchmarks.gpu --part gemm | train
+    python -m benchmarks.gpu --dry-run            # the same code on the CPU at tiny shapes (CI runs it)
+
+Parts:
+
+* ``checks``: what only a GPU can show, each case pass / fail: int8 GEMMs through
+  ``F.linear`` against a float reference at cuBLASLt's shape rules (token counts of 16 or
+  fewer, padded; features divisible by 8, and the error for others), the compiled kernels
+  (Triton) against eager bit for bit, the deferred finiteness check of optimizer updates
+  (one sync per step), a checkpoint round trip, and FSDP2 on one rank with NCCL; then the
+  test suite's distributed tests at world size 1 (they run on the GPU when there is one).
+* ``gemm``: ``torch._int_mm`` against a bf16 matmul at Llama shapes (8192 and 16384 tokens
+  x 4096x4096, 4096x14336, 14336x4096), raw and as ``F.linear`` runs it with an
+  ``Int8Weight`` (activation quantization and the scale epilogue included), forward and
+  forward + backward: TFLOP/s and the ratio to bf16.
+* ``train``: bf16 FSDP2 against int8 matmuls and weight-only int8 (bf16 compute), FSDP2
+  world size 1, the launcher's ``1b`` preset, rows interleaved step by step: tokens/s, peak
+  memory, loss after the same steps.
+
+Writes a dated section into docs/gpu.md (``--out``) and its JSON next to it (with the
+hardware line); ``--dry-run`` writes nothing unless ``--out`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import fsdp_int8
+from benchmarks import ratios
+from fsdp_int8 import Int8MatmulConfig, Int8Weight, _hardware, quant
+from fsdp_int8.testing import device_type_for, run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("checks", "gemm", "train")
+GEMM_SHAPES = [(tokens, k, n) for tokens in (8192, 16384) for k, n in ((4096, 4096), (4096, 14336), (14336, 4096))]
+DRY_GEMM_SHAPES = [(64, 64, 64), (64, 64, 128)]
+GOALS = {
+    "int8 GEMM >= 1.6x bf16 TFLOP/s (H100/H200)": ("gemm", "raw", 1.6),
+    "int8 F.linear forward >= 1.4x bf16 (epilogue included)": ("gemm", "linear forward", 1.4),
+    "int8 matmul training >= 1.3x bf16 FSDP2 tokens/s (1b)": ("train", "int8-mm", 1.3),
+}
+
+
+# ---------------------------------------------------------------- checks
+def _check_linear_shapes(device: str) -> None:
+    config = fsdp_int8.Int8TrainingConfig(int8_matmul=Int8MatmulConfig(), min_features=1)
+    for tokens in (1, 16, 17, 64):  # <= 16 rows are padded to 17 for cuBLASLt
+        layer = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 32)), config).to(device)
+        x = torch.randn(tokens, 64, device=device, requires_grad=True)
+        reference = F.linear(x, layer[0].weight.dequantize(), layer[0].bias)
+        out = layer(x)
+        out.sum().backward()
+        # int8 activations: one rounding of x per row (<= 1/254 of its absmax), so the
+        # output moves by well under 5% of its scale; exactness is tested on the CPU
+        error = (out - reference).abs().max() / reference.abs().max()
+        assert error < 0.05 and x.grad is not None and torch.isfinite(x.grad).all(), (tokens, float(error))
+    if device == "cuda":
+        odd = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(60, 32)), config).to(device)
+        try:
+            odd(torch.randn(4, 60, device=device))
+        except ValueError as error:
+            assert "divisible by 8" in str(error)
+        else:
+            raise AssertionError("in_features=60 ran an int8 GEMM on CUDA")
+
+
+def _check_compiled_matches_eager(device: str) -> None:
+    x = torch.randn(256, 512, device=device)
+    quant.use_compiled_kernels(False)
+    eager = quant.absmax_quantize(x)
+    quant.use_compiled_kernels(True)
+    try:
+        compiled = quant.absmax_quantize(x)
+        assert quant.compiled_kernels_enabled(), "torch.compile failed and fell back to eager"
+    finally:
+        quant.use_compiled_kernels(False)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def _check_deferred_finiteness(device: str) -> None:
+    weight = torch.nn.Parameter(Int8Weight.from_float(torch.randn(32, 32, device=device)))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    weight.grad = torch.full((32, 32), float("inf"), device=device)
+    try:
+        optimizer.step()
+    except ValueError as error:
+        assert "non-finite" in str(error), error
+    else:
+        raise AssertionError("a step writing Inf into an int8 weight did not raise")
+
+
+def _check_checkpoint_round_trip(device: str, folder: Path) -> None:
+    model = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 64)),
+                                fsdp_int8.Int8TrainingConfig(min_features=1)).to(device)
+    optimizer = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 64, device=device)).sum().backward()
+    optimizer.step()
+    fsdp_int8.save_checkpoint(folder, model, optimizer, step=1)
+    saved = model[0].weight.int_data.clone(), model[0].weight.scale.clone()
+    with torch.no_grad():
+        model[0].weight.zero_()
+    fsdp_int8.load_checkpoint(folder, model, optimizer)
+    assert torch.equal(model[0].weight.int_data, saved[0]) and torch.equal(model[0].weight.scale, saved[1])
+
+
+def _fsdp_one_rank(rank: int, world: int) -> str:
+    from launch.model import PRESETS, Transformer
+
+    model = fsdp_int8.shard_model(Transformer(PRESETS["tiny"]),
+                                  config=fsdp_int8.Int8TrainingConfig(int8_matmul=Int8MatmulConfig()))
+    device = next(model.parameters()).device
+    model.to_empty(device=device)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (4, 33), device=device)
+    losses = []
+    for _ in range(3):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    return f"{device.type}: losses {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def run_checks(device: str, dry_run: bool, folder: Path) -> dict:
+    """Each check's ``"pass"`` or its error, then the distributed tests' summary line."""
+    cases: dict[str, Callable[[], object]] = {
+        "F.linear int8 GEMMs at cuBLASLt's shape rules": lambda: _check_linear_shapes(device),
+        "compiled kernels equal eager, bit for bit": lambda: _check_compiled_matches_eager(device),
+        "deferred finiteness check raises at step()": lambda: _check_deferred_finiteness(device),
+        "checkpoint round trip, bit-exact": lambda: _check_checkpoint_round_trip(device, folder / "checkpoint"),
+        "FSDP2 world size 1 trains (int8 matmuls)": lambda: run_distributed(_fsdp_one_rank, 1)[0],
+    }
+    results = {}
+    for name, case in cases.items():
+        try:
+            outcome = case()
+            results[name] = "pass" + (f" ({outcome})" if isinstance(outcome, str) else "")
+        except Exception as error:  # noqa: BLE001 -- every failure is reported, none stops the run
+            results[name] = f"FAIL: {type(error).__name__}: {str(error)[:300]}"
+            traceback.print_exc()
+    if not dry_run:  # the suite's world-size-1 cases run on the GPU when there is one
+        suite = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-k", "world_size_one or one_rank",
+             "tests/distributed/test_fsdp.py", "tests/distributed/test_sharded_checkpoint.py"],
+            cwd=ROOT, capture_output=True, text=True,
+        )
+        results["tests/distributed at world size 1"] = (suite.stdout.strip().splitlines() or ["no output"])[-1]
+    return results
+
+
+# ---------------------------------------------------------------- gemm
+def _tflops(flops: float, seconds: float) -> float:
+    return flops / seconds / 1e12
+
+
+def run_gemm(device: str, shapes: list[tuple[int, int, int]]) -> list[dict]:
+    """Per shape: TFLOP/s of bf16 and int8, raw and through ``F.linear``, and the ratios."""
+    dev = torch.device(device)
+    rows = []
+    for tokens, k, n in shapes:
+        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        x8 = torch.randint(-127, 128, (tokens, k), device=dev, dtype=torch.int8)
+        w8 = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
+        weight = torch.nn.Parameter(Int8Weight.from_float(w.float(), int8_matmul=Int8MatmulConfig(),
+                                                          dtype=torch.bfloat16))
+        plain = torch.nn.Parameter(w.clone())
+        xg = x.clone().requires_grad_()
+        grad = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
+        flops = 2.0 * tokens * k * n
+        times = {
+            "bf16 raw": _hardware._seconds(lambda: x @ w.t(), dev, 5),
+            "int8 raw": _hardware._seconds(lambda: torch._int_mm(x8, w8.t()), dev, 5),
+            "bf16 linear forward": _hardware._seconds(lambda: F.linear(x, plain), dev, 5),
+            "int8 linear forward": _hardware._seconds(lambda: F.linear(x, weight), dev, 5),
+            "bf16 linear fwd+bwd": _hardware._seconds(lambda: F.linear(xg, plain).backward(grad), dev, 3),
+            "int8 linear fwd+bwd": _hardware._seconds(lambda: F.linear(xg, weight).backward(grad), dev, 3),
+        }
+        row = dict(tokens=tokens, k=k, n=n)
+        for name, seconds in times.items():
+            row[f"{name} TFLOP/s"] = _tflops(flops * (3 if "bwd" in name else 1), seconds)
+        for what in ("raw", "linear forward", "linear fwd+bwd"):
+            row[f"{what} ratio"] = row[f"int8 {what} TFLOP/s"] / row[f"bf16 {what} TFLOP/s"]
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- train
+TRAIN_ROWS = ("bf16", "int8-mm", "int8")
+
+
+def _train_body(rank: int, world: int, settings: dict) -> dict:
+    args = ratios.model_args(settings)
+    device = torch.device(device_type_for(world))
+    cuda = device.type == "cuda"
+    rows, memory = {}, {}
+    for kind in settings["rows"]:
+        model = ratios.build(kind, args)
+        rows[kind] = (kind, model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1))
+    data = torch.Generator().manual_seed(rank)
+
+    def batch(step: int) -> tuple:
+        tokens = torch.randint(0, args.vocab_size, (settings["batch_size"], settings["seq_len"] + 1), generator=data)
+        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    def record_peak(name: str, step: int) -> None:  # called after each row's step
+        if cuda:
+            memory[name] = max(memory.get(name, 0), torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = ratios.time_interleaved(rows, batch, settings["steps"], settings["warmup"], on_step=record_peak)
+    inputs, targets = batch(10_000)
+    with torch.no_grad():
+        losses = {name: float(F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten()))
+                  for name, (_, model, _) in rows.items()}
+    tokens = settings["batch_size"] * settings["seq_len"] * world
+    result = {}
+    for name, values in times.items():
+        seconds = sorted(values)[len(values) // 2]
+        result[name] = dict(step_s=seconds, tokens_per_s=tokens / seconds, loss=losses[name],
+                            peak_bytes=memory.get(name), ratio=ratios.paired_ratio(times, name, "bf16"))
+    return result
+
+
+def run_train(dry_run: bool) -> dict:
+    settings = (dict(preset="tiny", batch_size=2, seq_len=32, steps=2, warmup=1) if dry_run
+                else dict(preset="1b", batch_size=4, seq_len=2048, steps=10, warmup=3))
+    settings.update(threads=1, rows=list(TRAIN_ROWS))
+    return dict(settings=settings, rows=run_distributed(_train_body, 1, settings, timeout=3600)[0])
+
+
+# ---------------------------------------------------------------- report
+def _lines(hardware: str, results: dict) -> list[str]:
+    lines = [hardware, ""]
+    if "checks" in results:
+        checks = results["checks"]
+        passed = sum(v.startswith("pass") for v in checks.values())
+        lines += [f"Checks: {passed} passed, {len(checks) - passed} other", "", "| check | result |", "|---|---|"]
+        lines += [f"| {name} | {outcome} |" for name, outcome in checks.items()] + [""]
+    if "gemm" in results:
+        lines += ["| tokens x K x N | bf16 TFLOP/s | int8 TFLOP/s | int8/bf16 raw | F.linear fwd | F.linear fwd+bwd |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in results["gemm"]:
+            lines.append(f"| {r['tokens']} x {r['k']} x {r['n']} | {r['bf16 raw TFLOP/s']:.1f} | "
+                         f"{r['int8 raw TFLOP/s']:.1f} | {r['raw ratio']:.2f}x | {r['linear forward ratio']:.2f}x | "
+                         f"{r['linear fwd+bwd ratio']:.2f}x |")
+        lines.append("")
+    if "train" in results:
+        s = results["train"]["settings"]
+        lines += [f"Training, preset {s['preset']}, batch {s['batch_size']} x {s['seq_len']}, FSDP2 world size 1, "
+                  f"{s['steps']} timed steps after {s['warmup']}, rows interleaved:", "",
+                  "| row | tokens/s | step time vs bf16 (median of ratios) | peak memory | loss after the steps |",
+                  "|---|---:|---:|---:|---:|"]
+        for name, r in results["train"]["rows"].items():
+            peak = "n/a (CPU)" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
+            lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['ratio']:.2f}x | {peak} | {r['loss']:.4f} |")
+        lines.append("")
+    return lines
+
+
+def _goal_lines(results: dict) -> list[str]:
+    lines = ["Goals (docs/gpu.md states them met or not):"]
+    for goal, (part, key, target) in GOALS.items():
+        if part == "gemm" and "gemm" in results:
+            worst = min(r[f"{key} ratio"] for r in results["gemm"])
+            lines.append(f"- {goal}: worst shape {worst:.2f}x: {'met' if worst >= target else 'NOT met'}")
+        elif part == "train" and "train" in results:
+            speedup = 1 / results["train"]["rows"][key]["ratio"]
+            lines.append(f"- {goal}: {speedup:.2f}x: {'met' if speedup >= target else 'NOT met'}")
+    return lines
+
+
+def write_docs(out: Path, hardware: str, results: dict, argv: list[str]) -> Path:
+    """Append a dated section to ``out`` (docs/gpu.md) and write its JSON beside it."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = [f"## {stamp}: `python -m benchmarks.gpu {' '.join(argv)}`", "", *_lines(hardware, results),
+               *_goal_lines(results), ""]
+    if not out.exists():
+        out.write_text("# fsdp_int8 on GPUs\n\nEach section below is one run of `python -m benchmarks.gpu`, "
+                       "written by it (never by hand).\n\n")
+    with out.open("a") as file:
+        file.write("\n".join(section) + "\n")
+    json_path = out.with_suffix(".json")
+    runs = json.loads(json_path.read_text()) if json_path.exists() else []
+    runs.append(dict(date=stamp, argv=argv, hardware=hardware, results=results))
+    json_path.write_text(json.dumps(runs, indent=1) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", default="all", choices=(*PARTS, "all"))
+    parser.add_argument("--dry-run", action="store_true", help="the CPU at tiny shapes: the code path, no evidence")
+    parser.add_argument("--out", type=Path, help="markdown file to append to (default: docs/gpu.md; none for --dry-run)")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA GPU here: run with --dry-run to check the code path on the CPU")
+    device = "cpu" if args.dry_run else "cuda"
+    hardware = _hardware.hardware_line(device)
+    print(hardware, flush=True)
+    parts = PARTS if args.part == "all" else (args.part,)
+    results: dict = {}
+    if "checks" in parts:
+        with tempfile.TemporaryDirectory() as scratch:
+            results["checks"] = run_checks(device, args.dry_run, Path(scratch))
+    if "gemm" in parts:
+        results["gemm"] = run_gemm(device, DRY_GEMM_SHAPES if args.dry_run else GEMM_SHAPES)
+    if "train" in parts:
+        results["train"] = run_train(args.dry_run)
+    print("\n".join(_lines(hardware, results)[2:] + _goal_lines(results)), flush=True)
+    out = args.out or (None if args.dry_run else ROOT / "docs" / "gpu.md")
+    if out is not None:
+        print(f"written: {write_docs(out, hardware, results, argv)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
