@@ -12,7 +12,8 @@ Parts:
   fewer, padded; features divisible by 8, and the error for others), the compiled kernels
   (Triton) against eager bit for bit, the deferred finiteness check of optimizer updates
   (one sync per step), a checkpoint round trip, and FSDP2 on one rank with NCCL; then the
-  test suite's distributed tests at world size 1 (they run on the GPU when there is one).
+  test suite's distributed tests: its world-size-1 case with one GPU, all of them with two
+  or more (each test runs on GPUs when there is one per rank, else on the CPU).
 * ``gemm``: ``torch._int_mm`` against a bf16 matmul at Llama shapes (8192 and 16384 tokens
   x 4096x4096, 4096x14336, 14336x4096), raw and as ``F.linear`` runs it with an
   ``Int8Weight`` (activation quantization and the scale epilogue included), forward and
@@ -156,13 +157,15 @@ def run_checks(device: str, dry_run: bool, folder: Path) -> dict:
         except Exception as error:  # noqa: BLE001 -- every failure is reported, none stops the run
             results[name] = f"FAIL: {type(error).__name__}: {str(error)[:300]}"
             traceback.print_exc()
-    if not dry_run:  # the suite's world-size-1 cases run on the GPU when there is one
-        suite = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-k", "world_size_one or one_rank",
-             "tests/distributed/test_fsdp.py", "tests/distributed/test_sharded_checkpoint.py"],
-            cwd=ROOT, capture_output=True, text=True,
-        )
-        results["tests/distributed at world size 1"] = (suite.stdout.strip().splitlines() or ["no output"])[-1]
+    if not dry_run:  # the suite's multi-process tests run on GPUs wherever there is one per rank
+        if torch.cuda.device_count() >= 2:
+            name, selection = "tests/distributed (ranks on GPUs where there are enough)", ["tests/distributed"]
+        else:
+            name = "tests/distributed at world size 1"
+            selection = ["-k", "world_size_one", "tests/distributed/test_fsdp.py"]
+        suite = subprocess.run([sys.executable, "-m", "pytest", "-q", *selection], cwd=ROOT,
+                               capture_output=True, text=True)
+        results[name] = (suite.stdout.strip().splitlines() or ["no output"])[-1]
     return results
 
 
