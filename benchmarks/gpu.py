@@ -190,12 +190,12 @@ def run_gemm(device: str, shapes: list[tuple[int, int, int]]) -> list[dict]:
         grad = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
         flops = 2.0 * tokens * k * n
         times = {
-            "bf16 raw": _hardware._seconds(lambda: x @ w.t(), dev, 5),
-            "int8 raw": _hardware._seconds(lambda: torch._int_mm(x8, w8.t()), dev, 5),
-            "bf16 linear forward": _hardware._seconds(lambda: F.linear(x, plain), dev, 5),
-            "int8 linear forward": _hardware._seconds(lambda: F.linear(x, weight), dev, 5),
-            "bf16 linear fwd+bwd": _hardware._seconds(lambda: F.linear(xg, plain).backward(grad), dev, 3),
-            "int8 linear fwd+bwd": _hardware._seconds(lambda: F.linear(xg, weight).backward(grad), dev, 3),
+            "bf16 raw": _hardware.best_seconds(lambda: x @ w.t(), dev, 5),
+            "int8 raw": _hardware.best_seconds(lambda: torch._int_mm(x8, w8.t()), dev, 5),
+            "bf16 linear forward": _hardware.best_seconds(lambda: F.linear(x, plain), dev, 5),
+            "int8 linear forward": _hardware.best_seconds(lambda: F.linear(x, weight), dev, 5),
+            "bf16 linear fwd+bwd": _hardware.best_seconds(lambda: F.linear(xg, plain).backward(grad), dev, 3),
+            "int8 linear fwd+bwd": _hardware.best_seconds(lambda: F.linear(xg, weight).backward(grad), dev, 3),
         }
         row = dict(tokens=tokens, k=k, n=n)
         for name, seconds in times.items():

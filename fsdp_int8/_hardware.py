@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Capability", "FAST_RATIO", "capability", "hardware_line", "warn_if_slow"]
+__all__ = ["Capability", "FAST_RATIO", "best_seconds", "capability", "hardware_line", "warn_if_slow"]
 
 FAST_RATIO = 2.0  # a kernel at most this many times the fp32 matmul's time counts as fast
 _PROBE_SIZE = 128  # m = n = k: a few milliseconds on a reference loop, microseconds natively
@@ -81,7 +81,8 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _seconds(fn, device: torch.device, repeats: int) -> float:
+def best_seconds(fn, device: torch.device, repeats: int) -> float:
+    """The best of ``repeats`` timed calls of ``fn`` on ``device`` (synchronized), after one untimed."""
     fn()  # warm-up: first-call dispatch and allocation
     best = float("inf")
     for _ in range(repeats):
@@ -107,14 +108,14 @@ def _timed_ratio(device: torch.device, kind: str) -> float:
     n = _PROBE_SIZE
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=gen).to(device), torch.randn(n, n, generator=gen).to(device)
-    fp32 = _seconds(lambda: a @ b, device, repeats=5)
+    fp32 = best_seconds(lambda: a @ b, device, repeats=5)
     if kind == "int8":
         qa, qb = (t.mul(40).round().clamp(-127, 127).to(torch.int8) for t in (a, b))
         kernel = functools.partial(torch._int_mm, qa, qb)
     else:
         ha, hb = a.to(torch.bfloat16), b.to(torch.bfloat16)
         kernel = lambda: ha @ hb  # noqa: E731
-    return _seconds(kernel, device, repeats=2) / fp32
+    return best_seconds(kernel, device, repeats=2) / fp32
 
 
 def _decide(flag_evidence: str | None, device: torch.device, kind: str) -> tuple[bool, str]:
