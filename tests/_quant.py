@@ -4,10 +4,14 @@ it (one scale per row, the weights' own rounding generator for stochastic roundi
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8 import quant
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
 
@@ -33,3 +37,39 @@ class CountIntMM(TorchDispatchMode):
         if func is torch.ops.aten._int_mm.default:
             self.calls += 1
         return func(*args, **(kwargs or {}))
+
+
+class CompiledRuns:
+    calls = 0
+
+
+@contextlib.contextmanager
+def compiled_kernels_ran(at_least: int = 1) -> Iterator[CompiledRuns]:
+    """Count the compiled kernels that really ran inside the block, and fail unless at
+    least ``at_least`` did and none fell back to eager.
+
+    A failing ``torch.compile`` makes ``quant.run_compiled`` warn and run the eager function
+    instead: a test comparing "compiled" with eager results would then compare eager with
+    eager and pass. Counted where every compiled kernel is called (``quant.compiled``'s
+    functions), after they return.
+    """
+    runs = CompiledRuns()
+    original = quant.compiled
+
+    def counting(function):
+        kernel = original(function)
+
+        def call(*args):
+            result = kernel(*args)
+            runs.calls += 1
+            return result
+
+        return call
+
+    quant.compiled = counting
+    try:
+        yield runs
+    finally:
+        quant.compiled = original
+    assert not quant._COMPILED["failed"], "torch.compile failed: the kernels ran eagerly"
+    assert runs.calls >= at_least, f"{runs.calls} compiled kernel calls, expected at least {at_least}"

@@ -128,7 +128,9 @@ def test_model_wrapper_keeps_the_fused_qkv_split_current_where_torchtitans_canno
     state = wrapper.state_dict()
     assert state[key] is cached and isinstance(cached, Int8Weight)  # same tensor, refreshed
     assert torch.equal(cached.dequantize(), model.state_dict()[key].dequantize())
-    assert state["layers.0.attention.wo.weight"] is not None
+    wo, own = state["layers.0.attention.wo.weight"], model.layers["0"].attention.wo.weight
+    # an unfused int8 weight passes through as its own int8 bytes and scales
+    assert isinstance(wo, Int8Weight) and torch.equal(wo.int_data, own.int_data) and torch.equal(wo.scale, own.scale)
 
 
 def test_fsdp_int8_checkpoint_functions_name_the_working_path_for_fused_qkv_hooks(tmp_path):
