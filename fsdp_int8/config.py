@@ -1,4 +1,5 @@
-"""Every switch of int8 training in one dataclass."""
+"""The configurations of int8 training: which layers are int8 and how they round and are
+sharded (``Int8TrainingConfig``), and which matmuls run as int8 GEMMs (``Int8MatmulConfig``)."""
 
 from __future__ import annotations
 

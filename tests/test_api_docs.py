@@ -3,7 +3,8 @@
 Each public name of ``fsdp_int8`` and ``fsdp_int8.testing`` has a ``### `name` `` section;
 for a function or class, the first ``python`` block of that section declares it, and its
 parameters (names, kinds, annotations, defaults) and return annotation must match
-``inspect.signature``. Methods declared in a class block are checked the same way.
+``inspect.signature``. Methods declared in a class block are checked the same way, and so
+is every method with a section of its own (``#### `Class.method` ``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,15 @@ def _norm(annotation: object) -> str | None:
     if annotation is inspect.Parameter.empty or annotation is None:
         return None
     text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
-    return ast.unparse(ast.parse(text, mode="eval"))
+    node = ast.parse(text, mode="eval").body
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a quoted forward reference
+        node = ast.parse(node.value, mode="eval").body
+    return ast.unparse(node)
+
+
+def _doc_return(node: ast.FunctionDef) -> str | None:
+    """A documented return annotation, normalised as :func:`_norm` does the code's."""
+    return None if node.returns is None else _norm(ast.unparse(node.returns))
 
 
 def _namespace() -> dict:
@@ -132,7 +141,7 @@ def _check_class(name: str, cls: type, node: ast.ClassDef) -> list[str]:
         function = function.fget if isinstance(function, property) else function
         problems += _compare(f"{name}.{method_name}", _doc_params(method), inspect.signature(function))
         if not isinstance(code, property):
-            documented_return = None if method.returns is None else ast.unparse(method.returns)
+            documented_return = _doc_return(method)
             if documented_return != _norm(inspect.signature(function).return_annotation):
                 problems.append(f"{name}.{method_name}: returns {documented_return!r} documented, "
                                 f"code {_norm(inspect.signature(function).return_annotation)!r}")
@@ -157,7 +166,7 @@ def test_public_name_is_documented_with_its_signature(module, name):
     else:
         signature = inspect.signature(obj)
         problems = _compare(name, _doc_params(node), signature)
-        documented_return = None if node.returns is None else ast.unparse(node.returns)
+        documented_return = _doc_return(node)
         if documented_return != _norm(signature.return_annotation):
             problems.append(f"{name}: returns {documented_return!r} documented, code {_norm(signature.return_annotation)!r}")
     assert not problems, "docs/api.md does not match the code:\n" + "\n".join(problems)
@@ -167,3 +176,38 @@ def test_every_documented_name_is_public():
     public = {name for _, name in PUBLIC}
     stale = [name for name in _sections() if name.isidentifier() and name not in public]
     assert not stale, f"docs/api.md documents names that are not public: {stale}"
+
+
+def _method_sections() -> dict[str, str]:
+    text = API_MD.read_text()
+    parts = re.split(r"^#### `([^`]+)`[^\n]*$", text, flags=re.M)
+    return {parts[i]: re.split(r"^#{1,3} ", parts[i + 1], flags=re.M)[0] for i in range(1, len(parts), 2)}
+
+
+METHOD_SECTIONS = sorted(_method_sections())
+
+
+def test_there_are_method_sections_to_check():
+    assert "Int8Weight.from_float" in METHOD_SECTIONS  # the parse below would check nothing otherwise
+
+
+@pytest.mark.parametrize("qualified", METHOD_SECTIONS)
+def test_method_sections_declare_the_signature_the_code_has(qualified):
+    owner_name, method_name = qualified.split(".", 1)
+    owner = {name: getattr(module, name) for module, name in PUBLIC}.get(owner_name)
+    assert owner is not None, f"docs/api.md: '#### `{qualified}`' names no public class"
+    code = inspect.getattr_static(owner, method_name, None)
+    assert code is not None, f"docs/api.md documents {qualified}, which the class does not have"
+    function = code.__func__ if isinstance(code, (staticmethod, classmethod)) else code
+    match = re.search(r"```python\n(.*?)```", _method_sections()[qualified], flags=re.S)
+    assert match is not None, f"docs/api.md: the section of {qualified} has no python block"
+    source = match.group(1).rstrip()
+    block = ast.parse(source if source.endswith(":") or source.endswith("...") else source + ": ...")
+    node = next((n for n in block.body if isinstance(n, ast.FunctionDef) and n.name == method_name), None)
+    assert node is not None, f"docs/api.md: the python block of {qualified} does not declare it"
+    signature = inspect.signature(function)
+    problems = _compare(qualified, _doc_params(node), signature)
+    documented_return = _doc_return(node)
+    if documented_return != _norm(signature.return_annotation):
+        problems.append(f"{qualified}: returns {documented_return!r} documented, code {_norm(signature.return_annotation)!r}")
+    assert not problems, "docs/api.md does not match the code:\n" + "\n".join(problems)
