@@ -27,15 +27,35 @@ PUBLIC = [(fsdp_int8, name) for name in fsdp_int8.__all__] + [
 ]
 
 
-def _sections() -> dict[str, str]:
+def _sections(level: str = "{2,3}") -> dict[str, str]:
+    """``{name: text}`` of the ``` `name` ``` headings of ``level`` (a regex count of ``#``),
+    each up to the next heading of that level or above."""
     text = API_MD.read_text()
-    parts = re.split(r"^#{2,3} `([^`]+)`[^\n]*$", text, flags=re.M)
-    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
+    parts = re.split(rf"^#{level} `([^`]+)`[^\n]*$", text, flags=re.M)
+    return {parts[i]: re.split(r"^#{1,3} ", parts[i + 1], flags=re.M)[0] for i in range(1, len(parts), 2)}
 
 
 def _python_block(section: str) -> ast.Module | None:
+    """The section's first ``python`` block, parsed; a bare signature (a method's section
+    shows no body) gets one."""
     match = re.search(r"```python\n(.*?)```", section, flags=re.S)
-    return ast.parse(match.group(1)) if match else None
+    if not match:
+        return None
+    source = match.group(1).rstrip()
+    try:
+        return ast.parse(source)
+    except SyntaxError:  # a bare `def f(...) -> T`
+        return ast.parse(source + ": ...")
+
+
+def _signature_problems(where: str, node: ast.FunctionDef, function, *, check_return: bool = True) -> list[str]:
+    """How a documented ``def`` differs from ``function``'s parameters and return annotation."""
+    signature = inspect.signature(function)
+    problems = _compare(where, _doc_params(node), signature)
+    documented, actual = _doc_return(node), _norm(signature.return_annotation)
+    if check_return and documented != actual:
+        problems.append(f"{where}: returns {documented!r} documented, code {actual!r}")
+    return problems
 
 
 def _norm(annotation: object) -> str | None:
@@ -139,12 +159,8 @@ def _check_class(name: str, cls: type, node: ast.ClassDef) -> list[str]:
             continue
         function = code.__func__ if isinstance(code, (staticmethod, classmethod)) else code
         function = function.fget if isinstance(function, property) else function
-        problems += _compare(f"{name}.{method_name}", _doc_params(method), inspect.signature(function))
-        if not isinstance(code, property):
-            documented_return = _doc_return(method)
-            if documented_return != _norm(inspect.signature(function).return_annotation):
-                problems.append(f"{name}.{method_name}: returns {documented_return!r} documented, "
-                                f"code {_norm(inspect.signature(function).return_annotation)!r}")
+        problems += _signature_problems(f"{name}.{method_name}", method, function,
+                                        check_return=not isinstance(code, property))
     return problems
 
 
@@ -164,11 +180,7 @@ def test_public_name_is_documented_with_its_signature(module, name):
     if inspect.isclass(obj):
         problems = _check_class(name, obj, node)
     else:
-        signature = inspect.signature(obj)
-        problems = _compare(name, _doc_params(node), signature)
-        documented_return = _doc_return(node)
-        if documented_return != _norm(signature.return_annotation):
-            problems.append(f"{name}: returns {documented_return!r} documented, code {_norm(signature.return_annotation)!r}")
+        problems = _signature_problems(name, node, obj)
     assert not problems, "docs/api.md does not match the code:\n" + "\n".join(problems)
 
 
@@ -179,9 +191,7 @@ def test_every_documented_name_is_public():
 
 
 def _method_sections() -> dict[str, str]:
-    text = API_MD.read_text()
-    parts = re.split(r"^#### `([^`]+)`[^\n]*$", text, flags=re.M)
-    return {parts[i]: re.split(r"^#{1,3} ", parts[i + 1], flags=re.M)[0] for i in range(1, len(parts), 2)}
+    return _sections("{4}")
 
 
 METHOD_SECTIONS = sorted(_method_sections())
@@ -199,15 +209,9 @@ def test_method_sections_declare_the_signature_the_code_has(qualified):
     code = inspect.getattr_static(owner, method_name, None)
     assert code is not None, f"docs/api.md documents {qualified}, which the class does not have"
     function = code.__func__ if isinstance(code, (staticmethod, classmethod)) else code
-    match = re.search(r"```python\n(.*?)```", _method_sections()[qualified], flags=re.S)
-    assert match is not None, f"docs/api.md: the section of {qualified} has no python block"
-    source = match.group(1).rstrip()
-    block = ast.parse(source if source.endswith(":") or source.endswith("...") else source + ": ...")
+    block = _python_block(_method_sections()[qualified])
+    assert block is not None, f"docs/api.md: the section of {qualified} has no python block"
     node = next((n for n in block.body if isinstance(n, ast.FunctionDef) and n.name == method_name), None)
     assert node is not None, f"docs/api.md: the python block of {qualified} does not declare it"
-    signature = inspect.signature(function)
-    problems = _compare(qualified, _doc_params(node), signature)
-    documented_return = _doc_return(node)
-    if documented_return != _norm(signature.return_annotation):
-        problems.append(f"{qualified}: returns {documented_return!r} documented, code {_norm(signature.return_annotation)!r}")
+    problems = _signature_problems(qualified, node, function)
     assert not problems, "docs/api.md does not match the code:\n" + "\n".join(problems)
