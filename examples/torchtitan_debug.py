@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_int8
+import fsdp_int8.collectives
 from fsdp_int8.integrations.torchtitan import enable_int8_training
 from _common import int8_count, int8_names, int8_shards, same
 
@@ -173,7 +174,7 @@ def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
     run = _build(_trainer_config(args, folder), world)
     model = run["model"]
 
-    with torch.no_grad(), fsdp_int8.count_collectives() as counter:
+    with torch.no_grad(), fsdp_int8.collectives.count_collectives() as counter:
         model(_batch(0, rank, args.batch, args.seq_len)[:, :-1])
     param_bytes = sum(p.numel() * 4 for p in model.parameters())  # in fp32 (global sizes)
     # what one forward gathers if every int8 weight travels as int8 rows + one fp32 scale

@@ -23,14 +23,31 @@ rank alone either (the other ranks would wait in the collective). Its rank sends
 holds the bytes ``0xFF``, which no finite scale and no zero padding row has. Every rank
 finds the flag in the gathered buffer and raises the same error.
 
-The hooks themselves are methods of :class:`~fsdp_int8.Int8Weight`.
+``Int8Weight.fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` are :func:`pre_all_gather`
+and :func:`post_all_gather` below: the hooks live next to the format they write and read.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
-from fsdp_int8.quant import ceil_div
+from fsdp_int8 import _dist, hardware
+from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8.quant import ceil_div, dequantize_rows_into
+
+if TYPE_CHECKING:
+    from fsdp_int8.weight import Int8Weight
+
+# Where a tensor-parallel layout reaches an int8 weight, the error says this.
+TENSOR_PARALLEL_UNSUPPORTED = (
+    "torch's tensor parallelism (parallelize_module with ColwiseParallel / RowwiseParallel, "
+    "distribute_tensor) does not support int8 weights yet (docs/parallelism.md). Supported: "
+    "fully_shard (or fsdp_int8.shard_model) of the unsharded quantized model, on a 1-D or "
+    "an HSDP mesh; or leave the layers you parallelize in full precision "
+    "(Int8TrainingConfig.skip_names)."
+)
 
 SCALE_BYTES = 4  # one fp32 scale per row
 _FLAG_BYTE = -1  # 0xFF: every scale slot of a flagged shard (an fp32 NaN no computation makes)
@@ -88,3 +105,112 @@ def unpack_rows(gathered: torch.Tensor, full_rows: int, row_len: int) -> tuple[t
     # shrink that buffer.
     scale = gathered[:full_rows, row_len:].clone(memory_format=torch.contiguous_format)
     return data, scale.view(torch.float32).view(full_rows)
+
+
+# ---------------------------------------------------------------- the FSDP2 hooks
+# The 1-argument pre-all-gather form: FSDP2 skips its padded-size check for it, which a
+# per-row scale could never pass on an uneven shard (tests/distributed fail loudly if
+# torch stops calling it).
+def pre_all_gather(weight: "Int8Weight", mesh: Any) -> tuple[tuple[torch.Tensor, ...], tuple[int, int]]:
+    """``Int8Weight.fsdp_pre_all_gather``: the shard's rows and scales in one padded buffer.
+
+    ``mesh`` is the shard mesh: a model quantized before ``fully_shard`` learns here which
+    shard this rank rounds (its own noise stream, see ``_generators``). A shard that is not
+    FSDP2's dim-0 chunk of the whole weight sends a :func:`layout_flag` instead.
+    Metadata: the whole weight's rows and the rows each rank sends.
+    """
+    if not torch.compiler.is_compiling():
+        WEIGHT_ROUNDING.adopt_shard_coordinate(mesh)
+    rows = padded_rows(weight.full_rows, mesh.size())
+    if _is_expected_shard(weight, mesh):
+        wire = pack_rows(weight.int_rows(), weight.scale, rows)
+    else:
+        wire = layout_flag(rows, weight.row_len, weight.int_data.device)
+    return (wire,), (weight.full_rows, rows)
+
+
+def _is_expected_shard(weight: "Int8Weight", mesh: Any) -> bool:
+    """Whether ``weight`` holds the rows FSDP2's dim-0 shard of ``full_rows`` holds on
+    ``mesh``. Checked once per tensor and layout: asking the mesh for the coordinate costs
+    microseconds at every all-gather."""
+    layout = (weight.full_rows, weight.rows, mesh.size())
+    if weight.__dict__.get("_checked_layout") == layout:
+        return True
+    if weight.rows != shard_rows(weight.full_rows, mesh.size(), _dist.shard_coordinate(mesh)):
+        return False
+    weight._checked_layout = layout
+    return True
+
+
+def post_all_gather(
+    weight: "Int8Weight",
+    outputs: tuple[torch.Tensor, ...],
+    metadata: tuple[int, int],
+    param_dtype: torch.dtype,
+    out: torch.Tensor | None,
+) -> "tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None":
+    """``Int8Weight.fsdp_post_all_gather``: the unsharded weight from the gathered buffer.
+
+    Weight-only (no ``int8_matmul``): a plain ``param_dtype`` tensor, dequantized once per
+    unshard. Int8 matmuls: an ``Int8Weight`` over the gathered buffer. Later unshards
+    refill ``out`` in place. Raises ``NotImplementedError`` on every rank, at the first
+    unshard, if any rank flagged its shard.
+    """
+    (gathered,) = outputs
+    full_rows, rows = metadata
+    if out is None:  # the first unshard: one sync per weight reads every rank's flag
+        flagged = flagged_shards(gathered, rows, weight.row_len)
+        if flagged:
+            raise NotImplementedError(_unsupported_layout(weight, flagged, gathered.shape[0] // rows))
+        if not torch.compiler.is_compiling():  # weight-only layers never reach F.linear's check
+            hardware.warn_if_slow(gathered.device, param_dtype, int8_matmul=False)
+    data, scale = unpack_rows(gathered, full_rows, weight.row_len)
+    if weight.int8_matmul is None:
+        return _dequantized_unshard(data, scale, param_dtype, out, compiled=weight.compiled)
+    if out is not None:
+        if out.int_data.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
+            out.int_data.copy_(data)  # FSDP2 gave a new buffer: keep `out` current anyway
+        out.scale.copy_(scale)
+        return None
+    # `data` views FSDP2's own output buffer, which it frees; `scale` is ours to hand over.
+    return weight.derive(data, scale, dtype=param_dtype), (scale,)
+
+
+def _unsupported_layout(weight: "Int8Weight", flagged: list[int], shards: int) -> str:
+    return (
+        f"an Int8Weight of {weight.full_rows} rows x {weight.row_len} cannot be all-gathered: "
+        f"shard(s) {flagged} of the {shards}-way FSDP2 shard mesh do not hold the rows of "
+        "FSDP2's dim-0 shard of the whole weight (every rank raises this error). The weight "
+        "was cut before fully_shard, most likely by tensor parallelism: "
+        + TENSOR_PARALLEL_UNSUPPORTED
+    )
+
+
+def _dequantized_unshard(
+    data: torch.Tensor, scale: torch.Tensor, param_dtype: torch.dtype, out: torch.Tensor | None, *, compiled: bool
+) -> "tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None":
+    """A weight-only unshard: ``data * scale`` in ``param_dtype``, into ``out`` when given.
+
+    The first unshard returns the new tensor as FSDP2's unsharded parameter AND as its
+    inner tensor: FSDP2 frees that storage at every reshard and re-allocates it before
+    calling again with ``out`` (a view of the same storage), which is refilled in place.
+    """
+    if out is None:
+        values = torch.empty(data.shape, dtype=param_dtype, device=data.device)
+        dequantize_rows_into(data, scale, values, compiled=compiled)
+        return values, (values,)
+    if out.dtype != param_dtype or tuple(out.shape) != tuple(data.shape):
+        raise RuntimeError(
+            f"FSDP2 passed out= of {out.dtype} {tuple(out.shape)} for a weight-only unshard "
+            f"of {param_dtype} {tuple(data.shape)}: the unsharded weight changed between "
+            "unshards, which fsdp_int8 does not expect; please report it"
+        )
+    if out.is_inference():
+        dequantize_rows_into(data, scale, out, compiled=compiled)
+        return None
+    # The same refill FSDP2 does into its own all-gather outputs: autograd saved this
+    # weight in forward, FSDP2 freed it at reshard and we write the same values back for
+    # backward, so the mutation is hidden from autograd's version check as FSDP2 hides its own.
+    with torch.autograd._unsafe_preserve_version_counter(out):
+        dequantize_rows_into(data, scale, out, compiled=compiled)
+    return None

@@ -88,3 +88,8 @@ def collective_device() -> torch.device:
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of an FSDP2 (DTensor) parameter, or the tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor

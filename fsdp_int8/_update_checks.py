@@ -68,7 +68,7 @@ def settle() -> None:
             f"{len(bad)} of {len(pending)} int8 weight updates since the last check produced "
             "non-finite values (NaN or Inf), which int8 cannot hold, in weights of shape "
             f"{', '.join(sorted(set(bad)))}: those weights now hold non-finite rows. Check "
-            "the loss, gradients and learning rate; fsdp_int8.guard_finite_steps(optimizer) "
+            "the loss, gradients and learning rate; fsdp_int8.guard.guard_finite_steps(optimizer) "
             "refuses a step with non-finite gradients before it changes anything. (On "
             "accelerators this check runs once per optimizer step, not once per weight, to "
             "avoid a device sync per parameter.)"

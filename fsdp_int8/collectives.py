@@ -114,7 +114,7 @@ def count_collectives() -> Iterator[CollectiveCounter]:
 
     Example::
 
-        with fsdp_int8.count_collectives() as counter:
+        with fsdp_int8.collectives.count_collectives() as counter:
             loss = model(x).sum(); loss.backward()
         counter.summary()  # {"all_gather_single": {"calls": 4, "bytes": ...}, ...}
     """

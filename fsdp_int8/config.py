@@ -30,8 +30,6 @@ class Int8MatmulConfig:
             to within 1% of bf16's validation loss with it (docs/performance.md). Turn it
             off to keep the weight gradient, which sums over every token, in the compute
             dtype.
-        compile: Quantize activations with a ``torch.compile``-fused kernel (one pass
-            instead of five; pays for itself on long runs, costs a compile per shape).
 
     On a device without a fast int8 GEMM (CPUs without VNNI or AMX, GPUs before sm_75)
     the first forward warns once per process: weight-only int8 is faster there.
@@ -40,10 +38,9 @@ class Int8MatmulConfig:
     output: bool = True
     grad_input: bool = True
     grad_weight: bool = True
-    compile: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Int8TrainingConfig:
     """How :func:`fsdp_int8.quantize_` and :func:`fsdp_int8.shard_model` treat a model.
 
@@ -64,8 +61,18 @@ class Int8TrainingConfig:
         int8_matmul: Run the linear layers' matmuls as int8 GEMMs (see
             :class:`Int8MatmulConfig`); ``None`` (default) keeps weight-only int8, whose
             matmuls run in the compute dtype.
-        quantize_gradients: Replace FSDP2's gradient reduce-scatter with an int8 one
-            (stochastic rounding, fp32 sums on the receiving rank); see docs/design.md.
+        compile: Run the quantization kernels of this model's int8 weights (optimizer
+            updates, dequantization, the int8 matmuls' activation quantization) as
+            ``torch.compile``d passes, one fused pass instead of five to ten, with the same
+            results bit for bit. Each kernel compiles once per process and input dtype
+            (seconds; cached on disk by inductor): it repays that on long runs and wide
+            layers (the launcher turns it on from width 512). If compiling fails (no C++
+            compiler, an unsupported device) the first call warns and every kernel runs
+            eagerly from then on.
+
+    The int8 gradient reduce-scatter is not a field: it replaces FSDP2's communication
+    of an already sharded model, so it is enabled on that model with
+    :func:`fsdp_int8.gradients.enable_quantized_reduce_scatter`.
     """
 
     stochastic_rounding: bool = True
@@ -74,7 +81,7 @@ class Int8TrainingConfig:
     skip_names: tuple[str, ...] = ("lm_head", "output", "head")
     min_features: int = 16
     int8_matmul: Int8MatmulConfig | None = None
-    quantize_gradients: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.min_features < 1:

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
+from fsdp_int8._dist import local_shard
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
-from fsdp_int8.weight import Int8Weight, local_shard
+from fsdp_int8.weight import Int8Weight
 
-__all__ = ["quantize_", "init_int8_weights_", "is_sharded"]
+__all__ = ["quantize_", "init_int8_weights_", "is_sharded", "dequantize_all"]
+
+
+def dequantize_all(tree: Any, dtype: torch.dtype | None = None) -> Any:
+    """Replace every ``Int8Weight`` in a pytree by its dequantized plain tensor."""
+    return tree_map_only(Int8Weight, lambda w: w.dequantize(dtype), tree)
 
 logger = logging.getLogger("fsdp_int8")
 
@@ -128,9 +135,10 @@ class _RequantizeAssigned:
     it are still saved whole by ``torch.save`` and copied by ``copy.deepcopy``.
     """
 
-    def __init__(self, stochastic_rounding: bool, int8_matmul) -> None:
+    def __init__(self, stochastic_rounding: bool, int8_matmul, compiled: bool = False) -> None:
         self.stochastic_rounding = stochastic_rounding
         self.int8_matmul = int8_matmul
+        self.compiled = compiled
 
     def __call__(self, module: nn.Module, incompatible_keys) -> None:
         weight = module._parameters.get("weight")
@@ -142,7 +150,8 @@ class _RequantizeAssigned:
         with torch.no_grad():
             int8 = Int8Weight.from_float(
                 local.detach(), stochastic_rounding=self.stochastic_rounding,
-                int8_matmul=self.int8_matmul,
+                # modules pickled before weights carried `compiled` have no such attribute
+                int8_matmul=self.int8_matmul, compiled=getattr(self, "compiled", False),
             )
             if isinstance(weight, DTensor):
                 int8.full_rows = weight.shape[0]  # FSDP2 pads every shard to the same rows
@@ -155,10 +164,11 @@ class _RequantizeAssigned:
 
 def int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Parameter:
     """``weight`` quantized (round to nearest) into a new parameter with ``config``'s
-    rounding and matmuls, keeping ``requires_grad``."""
+    rounding, matmuls and kernels, keeping ``requires_grad``."""
     with torch.no_grad():
         int8 = Int8Weight.from_float(
-            weight, stochastic_rounding=config.stochastic_rounding, int8_matmul=config.int8_matmul
+            weight, stochastic_rounding=config.stochastic_rounding, int8_matmul=config.int8_matmul,
+            compiled=config.compile,
         )
     return nn.Parameter(int8, requires_grad=weight.requires_grad)
 
@@ -221,7 +231,7 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
     for module, key in targets:
         module.weight = swapped[key]
         module.register_load_state_dict_post_hook(
-            _RequantizeAssigned(config.stochastic_rounding, config.int8_matmul)
+            _RequantizeAssigned(config.stochastic_rounding, config.int8_matmul, config.compile)
         )
     if swapped:  # a repeated call changes nothing, not even the generator
         # Not sharded yet: every process holds every row, one shard (mesh=None).

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_int8 import _dist
-from fsdp_int8.weight import local_shard
+from fsdp_int8._dist import local_shard
 
 __all__ = ["NonFiniteGradientError", "check_finite_gradients", "guard_finite_steps"]
 

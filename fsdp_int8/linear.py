@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fsdp_int8 import _hardware, quant
-from fsdp_int8.config import Int8MatmulConfig
+from fsdp_int8 import _op_table, hardware
+from fsdp_int8._kernels import int8_columns, int8_rows, int8_rows_nearest, run_compiled, use_compiled
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 from fsdp_int8.weight import Int8Weight
 
@@ -33,7 +33,7 @@ _MAX_TOKENS_PER_INT32_SUM = 1 << 17
 
 # ---------------------------------------------------------------- kernels
 # Each kernel below is written once and runs either eagerly or as one torch.compile-fused
-# pass (``Int8MatmulConfig.compile`` or ``fsdp_int8.quant.use_compiled_kernels``), with
+# pass (the weight's ``compiled``, from ``Int8TrainingConfig.compile``), with
 # the same fp32 operations in the same order: the same results, bit for bit. Eagerly,
 # each is several passes over its tensor (CPU type promotion makes a temporary copy per
 # mixed-dtype operand); compiled, one. None takes an integer argument: dynamic shapes
@@ -49,18 +49,10 @@ def _columns_eager(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return absmax_quantize(values, dim=0, nonfinite="unchecked")
 
 
-def _columns(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Int8 with one scale per column (over the tokens), no transposed copy."""
-    x = values.float()
-    scale = x.abs().amax(dim=0, keepdim=True) / quant.INT8_MAX
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return quant._round(x, divisor, None, -quant.INT8_MAX, quant.INT8_MAX, torch.int8), scale.squeeze(0)
-
-
 def _scaled_rows(values: torch.Tensor, column_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``values * column_scale`` (fp32) quantized per row: grad_y with the weight's scales
     folded in, in one pass."""
-    return quant._int8_rows(values.float() * column_scale, None)
+    return int8_rows(values.float() * column_scale, None)
 
 
 def _scaled_rows_eager(values: torch.Tensor, column_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,37 +75,27 @@ def _dequantize_rows(acc: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dt
     return (acc.float() * row_scale.unsqueeze(1)).to(dtype)
 
 
-_EAGER = {quant._int8_rows_nearest: _rows_eager, _columns: _columns_eager}
+_EAGER = {int8_rows_nearest: _rows_eager, int8_columns: _columns_eager}
 
 
-def _compiled_kernels(config: Int8MatmulConfig | None) -> bool:
-    return (config is not None and config.compile) or quant.compiled_kernels_enabled()
-
-
-def _run(kernel, config: Int8MatmulConfig | None, *args):
-    """``kernel(*args)``, compiled when the config or the library switch asks for it."""
-    if _compiled_kernels(config) and args[0].numel() > 0:
-        return quant.run_compiled(kernel, *args)
+def _run(kernel, compiled: bool, *args):
+    """``kernel(*args)``, compiled when the weight asks for it."""
+    if use_compiled(compiled, args[0]):
+        return run_compiled(kernel, *args)
     return _EAGER.get(kernel, kernel)(*args)
 
 
 def _quantize_activations(
-    values: torch.Tensor, *, dim: int = -1, compile: bool = False
+    values: torch.Tensor, *, dim: int = -1, compiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Int8 activations or gradients with one scale per row (``dim=-1``) or per column
     (``dim=0``, no transposed copy), rounded to nearest."""
-    kernel = quant._int8_rows_nearest if dim == -1 else _columns
-    if compile and values.numel() > 0:
-        return quant.run_compiled(kernel, values)
-    return _EAGER[kernel](values)
+    return _run(int8_rows_nearest if dim == -1 else int8_columns, compiled, values)
 
 
-def _weight_in(weight: Int8Weight, dtype: torch.dtype, config: Int8MatmulConfig | None) -> torch.Tensor:
+def _weight_in(weight: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weight in ``dtype`` for one matmul (a transient: never kept or saved)."""
-    q = weight.int_rows()
-    if _compiled_kernels(config) and q.numel() > 0:
-        return quant.run_compiled(quant._dequantize_whole, q, weight.scale.unsqueeze(1), dtype)
-    return absmax_dequantize(q, weight.scale, dtype=dtype)
+    return absmax_dequantize(weight.int_rows(), weight.scale, dtype=dtype, compiled=weight.compiled)
 
 
 # CUDA's int8 GEMM (cuBLASLt) needs more than 16 rows in the left operand and a reduced
@@ -177,12 +159,12 @@ def _transposed(values: torch.Tensor) -> torch.Tensor:
 # op by op (the eager path below keeps the cheaper eager kernels instead).
 
 def _output_pass(x2d: torch.Tensor, w_columns: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    qx, sx = quant._int8_rows_nearest(x2d)
+    qx, sx = int8_rows_nearest(x2d)
     return _dequantize(_int_mm(qx, w_columns), sx, w_scale, x2d.dtype)
 
 
 def _output_bias_pass(x2d, w_columns, w_scale, bias: torch.Tensor) -> torch.Tensor:
-    qx, sx = quant._int8_rows_nearest(x2d)
+    qx, sx = int8_rows_nearest(x2d)
     return _dequantize_bias(_int_mm(qx, w_columns), sx, w_scale, bias, x2d.dtype)
 
 
@@ -192,8 +174,8 @@ def _grad_input_pass(g2d: torch.Tensor, w_rows: torch.Tensor, w_scale: torch.Ten
 
 
 def _grad_weight_pass(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-    qg, sg = _columns(g2d)
-    qx, sx = _columns(x2d)
+    qg, sg = int8_columns(g2d)
+    qx, sx = int8_columns(x2d)
     return _dequantize(_int_mm(_transposed(qg), qx), sg, sx, g2d.dtype)
 
 
@@ -201,11 +183,11 @@ def _grads_pass(g2d, w_rows, w_scale, x2d) -> tuple[torch.Tensor, torch.Tensor]:
     return _grad_input_pass(g2d, w_rows, w_scale), _grad_weight_pass(g2d, x2d)
 
 
-def _int8_output(x2d: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None, config: Int8MatmulConfig):
-    if _compiled_kernels(config) and x2d.numel() > 0:
+def _int8_output(x2d: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None):
+    if use_compiled(weight.compiled, x2d):
         if bias is None:
-            return quant.run_compiled(_output_pass, x2d, _weight_columns(weight), weight.scale)
-        return quant.run_compiled(_output_bias_pass, x2d, _weight_columns(weight), weight.scale, bias)
+            return run_compiled(_output_pass, x2d, _weight_columns(weight), weight.scale)
+        return run_compiled(_output_bias_pass, x2d, _weight_columns(weight), weight.scale, bias)
     qx, sx = _rows_eager(x2d)
     acc = _int_mm(qx, _weight_columns(weight))
     if bias is None:
@@ -213,36 +195,36 @@ def _int8_output(x2d: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | Non
     return _dequantize_bias(acc, sx, weight.scale, bias, x2d.dtype)
 
 
-def _int8_grad_input(g2d: torch.Tensor, weight: Int8Weight, config: Int8MatmulConfig) -> torch.Tensor:
-    if _compiled_kernels(config) and g2d.numel() > 0:
-        return quant.run_compiled(_grad_input_pass, g2d, _weight_rows(weight), weight.scale)
+def _int8_grad_input(g2d: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    if use_compiled(weight.compiled, g2d):
+        return run_compiled(_grad_input_pass, g2d, _weight_rows(weight), weight.scale)
     qg, sg = _scaled_rows_eager(g2d, weight.scale)
     return _dequantize_rows(_int_mm(qg, _weight_rows(weight)), sg, g2d.dtype)
 
 
-def _int8_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, config: Int8MatmulConfig) -> torch.Tensor:
+def _int8_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, compiled: bool) -> torch.Tensor:
     tokens = g2d.shape[0]
-    if tokens <= _MAX_TOKENS_PER_INT32_SUM and _compiled_kernels(config) and g2d.numel() > 0 and x2d.numel() > 0:
-        return quant.run_compiled(_grad_weight_pass, g2d, x2d)
+    if tokens <= _MAX_TOKENS_PER_INT32_SUM and use_compiled(compiled, g2d) and x2d.numel() > 0:
+        return run_compiled(_grad_weight_pass, g2d, x2d)
     grad = None
     for start in range(0, tokens, _MAX_TOKENS_PER_INT32_SUM):
         chunk = slice(start, start + _MAX_TOKENS_PER_INT32_SUM)
         # scales per output channel of grad_y and per input channel of x, over the tokens
-        qg, sg = _run(_columns, config, g2d[chunk])
-        qx, sx = _run(_columns, config, x2d[chunk])
+        qg, sg = _run(int8_columns, compiled, g2d[chunk])
+        qx, sx = _run(int8_columns, compiled, x2d[chunk])
         # one chunk: straight to the compute dtype; several: summed in fp32 first
         dtype = g2d.dtype if tokens <= _MAX_TOKENS_PER_INT32_SUM else torch.float32
-        part = _run(_dequantize, config, _int_mm(_transposed(qg), qx), sg, sx, dtype)
+        part = _run(_dequantize, compiled, _int_mm(_transposed(qg), qx), sg, sx, dtype)
         grad = part if grad is None else grad.add_(part)
     return grad.to(g2d.dtype)
 
 
-def _int8_grads(g2d: torch.Tensor, weight: Int8Weight, x2d: torch.Tensor, config: Int8MatmulConfig):
+def _int8_grads(g2d: torch.Tensor, weight: Int8Weight, x2d: torch.Tensor):
     """``(grad_x, grad_w)`` with both GEMMs in int8: one compiled call where it can be."""
-    if (g2d.shape[0] <= _MAX_TOKENS_PER_INT32_SUM and _compiled_kernels(config)
-            and g2d.numel() > 0 and x2d.numel() > 0):
-        return quant.run_compiled(_grads_pass, g2d, _weight_rows(weight), weight.scale, x2d)
-    return _int8_grad_input(g2d, weight, config), _int8_grad_weight(g2d, x2d, config)
+    if (g2d.shape[0] <= _MAX_TOKENS_PER_INT32_SUM and use_compiled(weight.compiled, g2d)
+            and x2d.numel() > 0):
+        return run_compiled(_grads_pass, g2d, _weight_rows(weight), weight.scale, x2d)
+    return _int8_grad_input(g2d, weight), _int8_grad_weight(g2d, x2d, weight.compiled)
 
 
 class _Int8WeightLinear(torch.autograd.Function):
@@ -253,9 +235,9 @@ class _Int8WeightLinear(torch.autograd.Function):
         config = weight.int8_matmul
         x2d = x.reshape(-1, x.shape[-1])
         if config is not None and config.output:
-            out = _int8_output(x2d, weight, bias, config)
+            out = _int8_output(x2d, weight, bias)
         else:  # a transient weight in the compute dtype, built in one pass and not kept
-            out = torch.matmul(x2d, _weight_in(weight, x.dtype, config).t())
+            out = torch.matmul(x2d, _weight_in(weight, x.dtype).t())
             if bias is not None:
                 out = out.add_(bias.to(x.dtype))
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -270,14 +252,14 @@ class _Int8WeightLinear(torch.autograd.Function):
         int8_weight = ctx.needs_input_grad[1] and config is not None and config.grad_weight
         x2d = x.reshape(-1, x.shape[-1]).to(g2d.dtype) if ctx.needs_input_grad[1] else None
         if int8_input and int8_weight:  # both int8 GEMMs: one compiled call where it can be
-            grad_x, grad_w = _int8_grads(g2d, weight, x2d, config)
+            grad_x, grad_w = _int8_grads(g2d, weight, x2d)
         else:
             if int8_input:
-                grad_x = _int8_grad_input(g2d, weight, config)
+                grad_x = _int8_grad_input(g2d, weight)
             elif ctx.needs_input_grad[0]:
-                grad_x = torch.matmul(g2d, _weight_in(weight, g2d.dtype, config))
+                grad_x = torch.matmul(g2d, _weight_in(weight, g2d.dtype))
             if int8_weight:
-                grad_w = _int8_grad_weight(g2d, x2d, config)
+                grad_w = _int8_grad_weight(g2d, x2d, weight.compiled)
             elif ctx.needs_input_grad[1]:
                 grad_w = g2d.t().matmul(x2d)
         if grad_x is not None:
@@ -287,7 +269,7 @@ class _Int8WeightLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-@Int8Weight.implements_function(F.linear)
+@_op_table.implements_function(F.linear)
 def _int8_weight_linear(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -309,5 +291,5 @@ def _int8_weight_linear(
             f"shape {tuple(weight.shape)}: exclude this layer with Int8TrainingConfig.module_filter"
         )
     if not torch.compiler.is_compiling():
-        _hardware.warn_if_slow(input.device, input.dtype, int8_matmul=weight.int8_matmul is not None)
+        hardware.warn_if_slow(input.device, input.dtype, int8_matmul=weight.int8_matmul is not None)
     return _Int8WeightLinear.apply(input, weight, bias)

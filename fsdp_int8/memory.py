@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fsdp_int8.weight import local_shard
+from fsdp_int8._dist import local_shard
 
 __all__ = ["PersistentBytes", "persistent_bytes"]
 

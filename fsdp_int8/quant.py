@@ -18,37 +18,33 @@ activations (int8 GEMMs)  rows, cols  nearest     int8               ``"unchecke
 gradient reduce-scatter   in rows     stochastic  int8               ``"propagate"``
 ========================  ==========  ==========  =================  ==============
 
-Stochastic rounding is ``round(x / scale + v)`` with ``v = (r + 1/2) / 2**16 - 1/2`` and
-``r`` a uniform 16-bit integer: ``floor(x / scale + u)`` with ``u`` uniform on the 2**16
-midpoints of ``[0, 1)``. It rounds up with probability equal to the fraction of a step to
-within 2**-17 (fp32 resolves ``x / scale`` to 2**-17 near 127 anyway), so it is unbiased,
-and updates smaller than one step survive on average. The 16 bits come four to a 64-bit
-draw of the caller's generator (see :mod:`fsdp_int8._generators`), a quarter of the draws
-of one fp32 uniform per element: the same seed and saved state give the same rounding
-(:func:`rounding_noise_bytes` says which bytes go to which value).
-
-:func:`use_compiled_kernels` swaps the signed whole-row path and whole-row dequantization
-for one ``torch.compile``-fused pass each, with the same arithmetic in the same order (the
-same results, bit for bit); blocks, columns, uint8, ``nonfinite="propagate"`` and meta
-tensors stay eager.
+Stochastic rounding adds 16 bits of uniform noise per value (:mod:`fsdp_int8._noise`).
+``compiled=True`` runs the signed whole-row path and whole-row dequantization as one
+``torch.compile``-fused pass each (:mod:`fsdp_int8._kernels`), with the same arithmetic in
+the same order (the same results, bit for bit); blocks, columns, uint8,
+``nonfinite="propagate"`` and meta tensors stay eager.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import warnings
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
-__all__ = [
-    "INT8_MAX", "UINT8_MAX", "ceil_div", "absmax_quantize", "absmax_dequantize",
-    "use_compiled_kernels", "compiled_kernels_enabled",
-]
+from fsdp_int8._kernels import (
+    INT8_MAX,
+    UINT8_MAX,
+    dequantize_into,
+    dequantize_whole,
+    int8_rows_nearest,
+    int8_rows_stochastic,
+    round_scaled,
+    run_compiled,
+    use_compiled,
+)
+from fsdp_int8._noise import noise_values, rounding_noise_bytes
 
-INT8_MAX = 127  # symmetric: -127..127, so negation never overflows
-UINT8_MAX = 255
+__all__ = ["INT8_MAX", "UINT8_MAX", "ceil_div", "absmax_quantize", "absmax_dequantize", "dequantize_rows_into"]
 
 Rounding = Literal["nearest", "stochastic"]
 # "raise": a ValueError naming the count (weights, optimizer states: a NaN scale would
@@ -88,75 +84,13 @@ def _check_block_size(block_size: int | None, dim: int) -> None:
         raise ValueError("blocks along columns (dim=0) are not supported: use block_size=None")
 
 
-def _raise_non_finite(values: torch.Tensor, what: str, bits: str) -> None:
+def raise_non_finite(values: torch.Tensor, what: str, bits: str) -> None:
     bad = int((~torch.isfinite(values)).sum())
     raise ValueError(
         f"cannot quantize {what} of shape {tuple(values.shape)} to {bits}: it holds {bad} "
         "non-finite values (NaN or Inf). Check the loss, gradients and learning rate; a NaN "
         "scale would silently corrupt it."
     )
-
-
-NOISE_BITS = 16
-_NOISE_STEP = 2.0 ** -NOISE_BITS  # r * _NOISE_STEP, r in [-2**15, 2**15): the noise in steps
-_NOISE_OFFSET = 2.0 ** -(NOISE_BITS + 1)  # ... plus half a noise step: symmetric about 0
-_INT64_MIN = -(2**63)
-
-
-def rounding_noise_bytes(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """The random bytes of :func:`rounding_noise`, ``int8 [..., 2 * shape[-1]]``: per row of
-    ``K`` values, first their ``K`` high bytes, then their ``K`` low bytes.
-
-    Eight bytes (four 16-bit values) to each 64-bit draw. Each half of a row is contiguous,
-    so a compiled kernel reads both with vector loads (:func:`noise_from_bytes`); interleaved
-    little-endian pairs would need gathers, which cost inductor's CPU code a quarter of the
-    weight update.
-    """
-    count = math.prod(shape)
-    words = torch.empty(ceil_div(count, 4), dtype=torch.int64, device=device)
-    words.random_(_INT64_MIN, None, generator=generator)  # all 64 bits
-    return words.view(torch.int8)[: 2 * count].view(*shape[:-1], 2 * shape[-1])
-
-
-def noise_from_bytes(noise_bytes: torch.Tensor) -> torch.Tensor:
-    """The 16-bit noise ``[..., K]`` from :func:`rounding_noise_bytes`' ``[..., 2K]`` bytes,
-    as int32 (``high * 256 + unsigned low``): the form compiled kernels use, since inductor's
-    CPU code vectorizes int8 loads and not int16 ones."""
-    length = noise_bytes.shape[-1] // 2
-    high, low = noise_bytes[..., :length], noise_bytes[..., length:]
-    return high.to(torch.int32) * 256 + (low.to(torch.int32) & 255)
-
-
-def rounding_noise(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """``int16`` uniform noise of ``shape``: :func:`noise_from_bytes`' values."""
-    return _noise_values(shape, generator, device).to(torch.int16)
-
-
-def _noise_values(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """:func:`rounding_noise`'s values as fp32 (exact: ``|r| < 2**15``), what the eager
-    rounding adds: ``high * 256 + unsigned low``, built in fp32. Arithmetic, not an
-    interleaving copy (a byte-strided ``torch.stack``, 5x slower on a CPU), and fp32, not
-    int16 (an int16 operand sends ``add_`` down its type-promoting loop, 3x slower)."""
-    noise_bytes = rounding_noise_bytes(shape, generator, device)
-    length = shape[-1]
-    high, low = noise_bytes[..., :length], noise_bytes[..., length:].view(torch.uint8)
-    return high.to(torch.float32).mul_(256).add_(low.to(torch.float32))
-
-
-def _round(
-    x: torch.Tensor, divisor: torch.Tensor, noise: torch.Tensor | None, low: int, high: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """``clamp(round(x / divisor [+ v]), low, high)`` in ``dtype``: the one rounding formula.
-
-    Eager and compiled paths run exactly these fp32 operations in this order (noise: the
-    fp32 sum of ``x / divisor + 2**-17`` and ``r * 2**-16``, ``r * 2**-16`` exact), so
-    they agree bit for bit.
-    """
-    if noise is None:
-        scaled = torch.div(x, divisor)
-    else:  # x / divisor + 2**-17 (two roundings, as addcdiv's kernel makes), then the noise
-        scaled = torch.div(x, divisor).add_(_NOISE_OFFSET).add_(noise, alpha=_NOISE_STEP)
-    return scaled.round_().clamp_(low, high).to(dtype)
 
 
 def _round_into(
@@ -178,7 +112,7 @@ def _round_into(
     # finite; a zero block rounds to 0, a non-finite one is carried by its scale.
     divisor = torch.where(usable, scale, torch.ones_like(scale))
     if rounding == "stochastic":
-        noise = _noise_values(tuple(x.shape), generator, x.device)
+        noise = noise_values(tuple(x.shape), generator, x.device)
     elif rounding == "nearest":
         noise = None
     else:
@@ -186,63 +120,12 @@ def _round_into(
     if nonfinite == "propagate":
         x = torch.where(usable, x, torch.zeros_like(x))  # NaN / Inf blocks: in-range values
     # |x / scale| <= levels up to one ulp of the division: the clamp keeps the range exact.
-    q = _round(x, divisor, noise, -levels if signed else 0, levels, torch.int8 if signed else torch.uint8)
+    q = round_scaled(x, divisor, noise, -levels if signed else 0, levels, torch.int8 if signed else torch.uint8)
     return q, scale
 
 
-# ---------------------------------------------------------------- compiled kernels
-_COMPILED = {"enabled": False, "failed": False}  # failed: compiling raised once, never again
-
-
-def use_compiled_kernels(enabled: bool = True) -> None:
-    """Run whole-row quantization and dequantization (weights, their optimizer updates,
-    activations) as ``torch.compile``d kernels, one fused pass each instead of five to
-    ten, or eagerly again. Process-wide; off by default (``launch.train`` turns it on).
-    Turning it on again after a failed compile retries compiling.
-
-    The results are the same bit for bit. Each kernel compiles once per process and input
-    dtype (dynamic shapes: seconds, cached on disk by inductor). If compiling fails (no C++
-    compiler, an unsupported device) the call warns once and runs eagerly from then on.
-    """
-    _COMPILED["enabled"] = bool(enabled)
-    if enabled:
-        _COMPILED["failed"] = False
-
-
-def compiled_kernels_enabled() -> bool:
-    """Whether :func:`use_compiled_kernels` is on."""
-    return _COMPILED["enabled"]
-
-
-def _int8_rows(values: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Signed int8, one scale per row, with ``_round_into``'s arithmetic (the compiled
-    kernels' body; no integer arguments, which would become symbols and scalar code)."""
-    x = values.float()
-    scale = x.abs().amax(dim=1, keepdim=True) / INT8_MAX
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return _round(x, divisor, noise, -INT8_MAX, INT8_MAX, torch.int8), scale.squeeze(1)
-
-
-def _int8_rows_nearest(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _int8_rows(values, None)
-
-
-def _int8_rows_stochastic(values: torch.Tensor, noise_bytes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _int8_rows(values, noise_from_bytes(noise_bytes))
-
-
-def _dequantize_whole(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.mul(q, scale).to(dtype)  # (a dtype argument is a constant, not a symbol)
-
-
-def _dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[...] = (q * scale)`` rounded to ``out``'s dtype: :func:`_dequantize_whole`'s
-    values, written in place (compiled: one pass that stores straight into ``out``)."""
-    out.copy_(torch.mul(q, scale))
-
-
 def _mul_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Eagerly, :func:`_dequantize_whole`'s values written into ``out``: the product in
+    """Eagerly, ``dequantize_whole``'s values written into ``out``: the product in
     fp32, rounded once to ``out``'s dtype. Converted first, then multiplied in place: a
     mixed int8 x fp32 ``torch.mul`` takes CPUs' slow type-promoting loop (1024 x 1024, one
     thread, AVX2: 2.2 ms, against 0.2 ms for the copy and the fp32 multiply)."""
@@ -251,12 +134,14 @@ def _mul_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.
     return out.copy_(q.to(torch.float32).mul_(scale))
 
 
-def dequantize_rows_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def dequantize_rows_into(
+    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, compiled: bool = False
+) -> torch.Tensor:
     """Write ``q [rows, K] * scale [rows]`` into the floating ``out [rows, K]`` in place.
 
     The same values as ``absmax_dequantize(q, scale, dtype=out.dtype)`` (fp32 products,
     rounded once to ``out``'s dtype), without a temporary of ``out``'s size where the
-    compiled kernels are on. ``q`` may be strided (FSDP2's gathered buffer).
+    kernel is compiled (``compiled=True``). ``q`` may be strided (FSDP2's gathered buffer).
     """
     if q.shape != out.shape or tuple(scale.shape) != (q.shape[0],):
         raise ValueError(
@@ -265,43 +150,11 @@ def dequantize_rows_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
         )
     with torch.no_grad():  # `out` may be a parameter (FSDP2's unsharded weight)
         target = out.detach()
-        if _use_compiled(q):
-            run_compiled(_dequantize_into, q, scale.unsqueeze(1), target)
+        if use_compiled(compiled, q):
+            run_compiled(dequantize_into, q, scale.unsqueeze(1), target)
         else:
             _mul_into(q, scale.unsqueeze(1), target)
     return out
-
-
-@functools.cache
-def compiled(function: Callable) -> Callable:
-    """``torch.compile(function, dynamic=True)``, made once per function."""
-    return torch.compile(function, dynamic=True)
-
-
-def run_compiled(function: Callable, *args):
-    """``compiled(function)(*args)``; on a compile failure, warn once and go eager for good.
-
-    An error that the eager function raises too is the caller's: it propagates, and the
-    compiled kernels stay on.
-    """
-    if _COMPILED["failed"]:
-        return function(*args)
-    try:
-        return compiled(function)(*args)
-    except Exception as error:  # noqa: BLE001 -- sorted out by the eager run below
-        result = function(*args)
-        _COMPILED["enabled"], _COMPILED["failed"] = False, True
-        warnings.warn(
-            f"fsdp_int8: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
-            "quantization kernels run eagerly from now on",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return result
-
-
-def _use_compiled(tensor: torch.Tensor) -> bool:
-    return _COMPILED["enabled"] and not tensor.is_meta and tensor.numel() > 0
 
 
 def _signed_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -322,6 +175,7 @@ def absmax_quantize(
     nonfinite: NonFinite = "raise",
     out: torch.Tensor | None = None,
     what: str = "a tensor",
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D floating tensor with one absmax scale per block.
 
@@ -339,6 +193,7 @@ def absmax_quantize(
         nonfinite: What a NaN or Inf does (see :data:`NonFinite`).
         out: Optional destination of the 8-bit values (``values``' shape, may be strided).
         what: How an error message names ``values``.
+        compiled: Run the signed whole-row path as one ``torch.compile``d pass (same bits).
 
     Returns:
         ``(q, scale)``: ``q`` of ``values``' shape; ``scale`` fp32 ``[rows]`` (whole rows),
@@ -363,14 +218,14 @@ def absmax_quantize(
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     options = dict(signed=signed, rounding=rounding, nonfinite=nonfinite, generator=generator)
-    if block_size is None and dim == -1 and signed and nonfinite != "propagate" and _use_compiled(values):
+    if block_size is None and dim == -1 and signed and nonfinite != "propagate" and use_compiled(compiled, values):
         if rounding == "stochastic":
             noise_bytes = rounding_noise_bytes((rows, length), generator, values.device)
-            q, scale = run_compiled(_int8_rows_stochastic, values, noise_bytes)
+            q, scale = run_compiled(int8_rows_stochastic, values, noise_bytes)
         else:
-            q, scale = run_compiled(_int8_rows_nearest, values)
+            q, scale = run_compiled(int8_rows_nearest, values)
         if nonfinite == "raise" and not bool(torch.isfinite(scale).all()):
-            _raise_non_finite(values, what, "int8" if signed else "uint8")
+            raise_non_finite(values, what, "int8" if signed else "uint8")
         return (q if out is None else out.copy_(q)), scale
     if out is None:
         out = torch.empty(rows, length, dtype=q_dtype, device=values.device)
@@ -385,7 +240,7 @@ def absmax_quantize(
         else:
             amax = values32.amax(dim=dim)
         if nonfinite == "raise" and not values.is_meta and not bool(torch.isfinite(amax).all()):
-            _raise_non_finite(values, what, "int8" if signed else "uint8")
+            raise_non_finite(values, what, "int8" if signed else "uint8")
         rounded, scale = _round_into(values32, amax.unsqueeze(dim), levels, **options)
         out.copy_(rounded)
         return out, scale.squeeze(dim)
@@ -402,7 +257,7 @@ def absmax_quantize(
     if nonfinite == "raise" and not values.is_meta and not all(
         bool(torch.isfinite(part[1]).all()) for part in parts
     ):
-        _raise_non_finite(values, what, "int8" if signed else "uint8")
+        raise_non_finite(values, what, "int8" if signed else "uint8")
     for x, amax, columns, scale_columns, blocks, width in parts:
         rounded, scale = _round_into(x, amax.unsqueeze(2), levels, **options)
         scales[:, scale_columns] = scale.squeeze(2)
@@ -417,6 +272,7 @@ def absmax_dequantize(
     dim: int = -1,
     block_size: int | None = None,
     dtype: torch.dtype = torch.float32,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Inverse of :func:`absmax_quantize`: ``q * scale`` per block, in ``dtype``.
 
@@ -426,6 +282,7 @@ def absmax_dequantize(
         dim: ``-1`` (per row or blocks in rows) or ``0`` (per column).
         block_size: As given to :func:`absmax_quantize`.
         dtype: Result dtype.
+        compiled: Dequantize whole rows as one ``torch.compile``d pass (same bits).
     """
     if q.dim() != 2:
         raise ValueError(f"absmax_dequantize expects a 2-D tensor, got shape {tuple(q.shape)}")
@@ -436,8 +293,8 @@ def absmax_dequantize(
         if tuple(scale.shape) != expected:
             raise ValueError(f"scales of shape {expected} expected for {tuple(q.shape)}, got {tuple(scale.shape)}")
         scale = scale.unsqueeze(0 if dim == 0 else 1)
-        if _use_compiled(q):
-            return run_compiled(_dequantize_whole, q, scale, dtype)
+        if use_compiled(compiled, q):
+            return run_compiled(dequantize_whole, q, scale, dtype)
         return _mul_into(q, scale, torch.empty(q.shape, dtype=dtype, device=q.device))
     if tuple(scale.shape) != (rows, ceil_div(length, block_size)):
         raise ValueError(

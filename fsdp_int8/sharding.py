@@ -12,11 +12,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from fsdp_int8._all_gather import TENSOR_PARALLEL_UNSUPPORTED
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, is_sharded, logger, parameter_owners, quantize_
-from fsdp_int8.gradients import enable_quantized_reduce_scatter
-from fsdp_int8.weight import TENSOR_PARALLEL_UNSUPPORTED
 
 __all__ = ["shard_model", "find_blocks", "BlockSpec"]
 
@@ -125,10 +124,10 @@ def _groups_below_root(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Mod
     return embeddings + blocks
 
 
-def _report_int8(model: nn.Module, quantized: bool) -> None:
+def _report_int8(model: nn.Module) -> None:
     census = int8_census(model)
     logger.info("shard_model: %s", census)
-    if quantized and census.int8_weights == 0:
+    if census.int8_weights == 0:
         warnings.warn(
             f"shard_model quantized no weight of {type(model).__name__}: no nn.Linear passed "
             "Int8TrainingConfig's filter (see its module_filter, skip_names and min_features; "
@@ -202,7 +201,6 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     blocks: BlockSpec | None = None,
-    quantize: bool = True,
 ) -> nn.Module:
     """Quantize ``model`` and shard it with FSDP2: each embedding, each block, then the root.
 
@@ -224,9 +222,6 @@ def shard_model(
         reshard_after_forward: ``True`` frees unsharded weights after forward; ``False``
             keeps them until backward. Integers are refused (see docs/limits.md).
         blocks: Block types or a predicate; default: discovered (see :func:`find_blocks`).
-        quantize: ``False`` shards the model in full precision with the same groups: the
-            fp32 / bf16 baseline that int8 runs are compared with. ``config`` still
-            applies its ``quantize_gradients`` switch.
 
     Returns:
         ``model``, now an ``FSDPModule``.
@@ -247,10 +242,9 @@ def shard_model(
             "or a predicate."
         )
     groups = _groups_below_root(model, found)  # before quantizing, too
-    if quantize:
-        config = config or Int8TrainingConfig()
-        quantize_(model, config)
-        seed_weight_rounding(config.seed, mesh)
+    config = config or Int8TrainingConfig()
+    quantize_(model, config)
+    seed_weight_rounding(config.seed, mesh)
 
     options = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     for index, group in enumerate(groups):
@@ -258,8 +252,6 @@ def shard_model(
         fully_shard(group, reshard_after_forward=reshard_after_forward and not last, **options)
     # Backward needs the root's parameters (norm, head) first: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **options)
-    if config is not None and config.quantize_gradients:
-        enable_quantized_reduce_scatter(model, seed=config.seed)
-    _report_int8(model, quantize)
+    _report_int8(model)
     return model
 

@@ -10,20 +10,24 @@ from typing import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_int8 import _kernels
 from fsdp_int8._generators import WEIGHT_ROUNDING
-from fsdp_int8 import quant
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
 
-def quantize_rowwise(values: torch.Tensor, stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(
+    values: torch.Tensor, stochastic: bool = False, compiled: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     return absmax_quantize(
         values, rounding="stochastic" if stochastic else "nearest",
-        generator=WEIGHT_ROUNDING.generator(values.device), what="a tensor",
+        generator=WEIGHT_ROUNDING.generator(values.device), what="a tensor", compiled=compiled,
     )
 
 
-def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return absmax_dequantize(q, scale, dtype=dtype)
+def dequantize_rowwise(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, compiled: bool = False
+) -> torch.Tensor:
+    return absmax_dequantize(q, scale, dtype=dtype, compiled=compiled)
 
 
 class CountIntMM(TorchDispatchMode):
@@ -48,13 +52,13 @@ def compiled_kernels_ran(at_least: int = 1) -> Iterator[CompiledRuns]:
     """Count the compiled kernels that really ran inside the block, and fail unless at
     least ``at_least`` did and none fell back to eager.
 
-    A failing ``torch.compile`` makes ``quant.run_compiled`` warn and run the eager function
+    A failing ``torch.compile`` makes ``_kernels.run_compiled`` warn and run the eager function
     instead: a test comparing "compiled" with eager results would then compare eager with
-    eager and pass. Counted where every compiled kernel is called (``quant.compiled``'s
+    eager and pass. Counted where every compiled kernel is called (``_kernels.compiled``'s
     functions), after they return.
     """
     runs = CompiledRuns()
-    original = quant.compiled
+    original = _kernels.compiled
 
     def counting(function):
         kernel = original(function)
@@ -66,10 +70,10 @@ def compiled_kernels_ran(at_least: int = 1) -> Iterator[CompiledRuns]:
 
         return call
 
-    quant.compiled = counting
+    _kernels.compiled = counting
     try:
         yield runs
     finally:
-        quant.compiled = original
-    assert not quant._COMPILED["failed"], "torch.compile failed: the kernels ran eagerly"
+        _kernels.compiled = original
+    assert not _kernels.compile_failed(), "torch.compile failed: the kernels ran eagerly"
     assert runs.calls >= at_least, f"{runs.calls} compiled kernel calls, expected at least {at_least}"

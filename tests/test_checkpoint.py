@@ -17,7 +17,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import fsdp_int8
-from fsdp_int8 import CheckpointError, Int8Weight, load_checkpoint, save_checkpoint
+import fsdp_int8.checkpoint
+from fsdp_int8 import Int8Weight, load_checkpoint, save_checkpoint
+from fsdp_int8.checkpoint import CheckpointError
 from fsdp_int8._generators import WEIGHT_ROUNDING
 
 
@@ -70,7 +72,7 @@ def test_layout_on_disk_and_keep(tmp_path):
     assert manifest["step"] == 3 and manifest["world_size"] == 1
     assert manifest["int8_keys"] == ["0.weight", "2.weight"]
     assert {".metadata", "__0_0.distcp", "rng/rank_00000.pt"} <= set(manifest["files"])
-    assert fsdp_int8.latest_checkpoint(tmp_path).name == "step_00000003"
+    assert fsdp_int8.checkpoint.latest_checkpoint(tmp_path).name == "step_00000003"
 
 
 def test_plain_float_checkpoint_is_rounded_to_nearest_with_a_warning(tmp_path):
@@ -99,7 +101,7 @@ def test_export_full_precision_and_import_back(tmp_path):
     assert fsdp_int8.export_full_state_dict(model)["0.weight"].dtype == torch.bfloat16
 
     back = fsdp_int8.quantize_(_mlp(seed=6))
-    fsdp_int8.load_full_state_dict(back, exported)
+    fsdp_int8.checkpoint.load_full_state_dict(back, exported)
     # dequantize then round to nearest reproduces the same int8 values and scales
     _assert_same_weights(model, back)
 
@@ -173,7 +175,7 @@ def test_a_saver_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert list(tmp_path.glob(".tmp-step_00000002-*")), "killed after the save completed"
-    latest = fsdp_int8.latest_checkpoint(tmp_path)
+    latest = fsdp_int8.checkpoint.latest_checkpoint(tmp_path)
     assert latest is not None and latest.name in ("step_00000001", "step_00000002")
 
     torch.manual_seed(1)
@@ -234,7 +236,7 @@ def test_keep_prunes_by_write_order_and_never_the_new_checkpoint(tmp_path):
     assert (tmp_path / "step_00000001").is_dir(), "the checkpoint just written was pruned"
     save_checkpoint(tmp_path, new, new_opt, step=2, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000001", "step_00000002"]
-    assert fsdp_int8.latest_checkpoint(tmp_path).name == "step_00000002"
+    assert fsdp_int8.checkpoint.latest_checkpoint(tmp_path).name == "step_00000002"
     fresh, fresh_opt = _trained(seed=2)
     assert load_checkpoint(tmp_path, fresh, fresh_opt).step == 2
     _assert_same_weights(new, fresh)  # the new run's weights, not the old run's
@@ -294,7 +296,7 @@ def test_non_finite_state_is_never_saved(tmp_path, where):
     with pytest.raises(CheckpointError, match=rf"NaN or Inf in 1 entries \({expected}\); nothing was written"):
         save_checkpoint(tmp_path, model, opt, step=2, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
-    assert fsdp_int8.latest_checkpoint(tmp_path).name == "step_00000001"
+    assert fsdp_int8.checkpoint.latest_checkpoint(tmp_path).name == "step_00000001"
 
 
 def test_huge_finite_values_are_saved(tmp_path):

@@ -9,7 +9,9 @@ import torch
 import torch.nn as nn
 
 import fsdp_int8
-from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, NonFiniteGradientError, quantize_
+import fsdp_int8.guard
+from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, quantize_
+from fsdp_int8.guard import NonFiniteGradientError
 from fsdp_int8._generators import WEIGHT_ROUNDING
 
 
@@ -44,7 +46,7 @@ def _assert_same(a, b) -> None:
     lambda p: Int8AdamW(p, lr=1e-2),
     lambda p: Int8AdamW(p, lr=1e-2, state_bits=8, block_size=8),
     lambda p: Int8SGD(p, lr=1e-2, momentum=0.9),
-    lambda p: fsdp_int8.guard_finite_steps(torch.optim.AdamW(p, lr=1e-2)) and p,
+    lambda p: fsdp_int8.guard.guard_finite_steps(torch.optim.AdamW(p, lr=1e-2)) and p,
 ], ids=["int8_adamw", "int8_adamw_8bit", "int8_sgd", "torch_adamw_guarded"])
 def test_a_nan_gradient_in_any_parameter_changes_nothing(make):
     model = _model()
@@ -52,7 +54,7 @@ def test_a_nan_gradient_in_any_parameter_changes_nothing(make):
     optimizer = make(params)
     if isinstance(optimizer, list):  # the guarded torch optimizer: rebuild to keep a handle
         optimizer = torch.optim.AdamW(params, lr=1e-2)
-        fsdp_int8.guard_finite_steps(optimizer)
+        fsdp_int8.guard.guard_finite_steps(optimizer)
     x = torch.randn(4, 16)
     model(x).square().mean().backward()
     optimizer.step()  # a good step first: states exist
@@ -70,7 +72,7 @@ def test_a_nan_gradient_in_any_parameter_changes_nothing(make):
 def test_the_guard_can_be_removed():
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    handle = fsdp_int8.guard_finite_steps(optimizer)
+    handle = fsdp_int8.guard.guard_finite_steps(optimizer)
     model(torch.randn(2, 16)).sum().backward()
     model[1].bias.grad[0] = float("inf")
     with pytest.raises(NonFiniteGradientError):

@@ -1,4 +1,4 @@
-"""The per-device capability check and the slow-kernel warnings (fsdp_int8/_hardware.py).
+"""The per-device capability check and the slow-kernel warnings (fsdp_int8/hardware.py).
 
 CI runs on one kind of CPU, so the decision is tested with its inputs patched: the CPU
 features torch reports, the timing probe, the CUDA compute capability.
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_int8
-from fsdp_int8 import _hardware
+from fsdp_int8 import hardware as _hardware
 
 AVX2_ONLY = ("avx2",)
 VNNI_BF16 = ("avx2", "avx512", "vnni", "avx512_bf16")

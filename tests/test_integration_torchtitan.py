@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fsdp_int8
+import fsdp_int8.checkpoint
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
 
 from _frameworks import VOCAB, titan_config, titan_init, titan_loss
@@ -147,12 +148,12 @@ def test_fsdp_int8_checkpoint_functions_name_the_working_path_for_fused_qkv_hook
             lambda: fsdp_int8.export_full_state_dict(model),
         )
         for call in calls:
-            with pytest.raises(fsdp_int8.CheckpointError, match="fused QKV.*Int8CheckpointManager"):
+            with pytest.raises(fsdp_int8.checkpoint.CheckpointError, match="fused QKV.*Int8CheckpointManager"):
                 call()
     plain = titan_model()
     titan_init(plain)
     model = fsdp_int8.quantize_(titan_model())
-    fsdp_int8.load_full_state_dict(model, plain.state_dict())  # wq / wk / wv keys
+    fsdp_int8.checkpoint.load_full_state_dict(model, plain.state_dict())  # wq / wk / wv keys
     wqkv = model.layers["1"].attention.qkv_linear.wqkv.weight
     expected = Int8Weight.from_float(plain.layers["1"].attention.qkv_linear.wqkv.weight)
     assert torch.equal(wqkv.int_data, expected.int_data) and torch.equal(wqkv.scale, expected.scale)

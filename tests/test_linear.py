@@ -125,7 +125,7 @@ def test_compiled_quantization_matches_eager():
     x = torch.randn(37, 64) * torch.logspace(-3, 3, 37).unsqueeze(1)
     eager = int8_linear._quantize_activations(x)
     with compiled_kernels_ran():
-        compiled = int8_linear._quantize_activations(x, compile=True)
+        compiled = int8_linear._quantize_activations(x, compiled=True)
     assert torch.equal(eager[0], compiled[0])
     torch.testing.assert_close(eager[1], compiled[1], rtol=1e-6, atol=0)
 
@@ -162,10 +162,10 @@ def test_int8_gemms_meet_cuda_shape_rules_exactly(monkeypatch):
         assert torch.equal(e, g)
 
 
-def _bf16_layer(config: Int8MatmulConfig | None) -> nn.Linear:
+def _bf16_layer(config: Int8MatmulConfig | None, compiled: bool = False) -> nn.Linear:
     torch.manual_seed(0)
     layer = nn.Linear(64, 48).to(torch.bfloat16)
-    fsdp_int8.quantize_(layer, Int8TrainingConfig(int8_matmul=config))
+    fsdp_int8.quantize_(layer, Int8TrainingConfig(int8_matmul=config, compile=compiled))
     return layer
 
 
@@ -180,18 +180,10 @@ def _forward_backward(layer: nn.Linear) -> tuple[torch.Tensor, ...]:
 def test_compiled_kernels_give_the_eager_results_bit_for_bit(matmuls):
     """Quantizing activations, dequantizing int32 results (with the bias) and the weight:
     one torch.compile-fused pass each, the same fp32 operations as eagerly."""
-    def config(compile: bool) -> Int8MatmulConfig | None:
-        if matmuls == "int8":
-            return Int8MatmulConfig(grad_weight=True, compile=compile)
-        return None
-
-    eager = _forward_backward(_bf16_layer(config(False)))
-    try:
-        fsdp_int8.quant.use_compiled_kernels(matmuls == "weight-only")
-        with compiled_kernels_ran(at_least=2):  # at least one pass per direction
-            compiled = _forward_backward(_bf16_layer(config(True)))
-    finally:
-        fsdp_int8.quant.use_compiled_kernels(False)
+    config = Int8MatmulConfig(grad_weight=True) if matmuls == "int8" else None
+    eager = _forward_backward(_bf16_layer(config))
+    with compiled_kernels_ran(at_least=2):  # at least one pass per direction
+        compiled = _forward_backward(_bf16_layer(config, compiled=True))
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
 
@@ -230,7 +222,7 @@ def test_compiled_passes_run_int8_gemms_and_no_float_gemm(grad_weight):
 
     config = Int8MatmulConfig(grad_weight=grad_weight)
     eager = _forward_backward(_bf16_layer(config))
-    layer = _bf16_layer(Int8MatmulConfig(grad_weight=grad_weight, compile=True))
+    layer = _bf16_layer(Int8MatmulConfig(grad_weight=grad_weight), compiled=True)
     _forward_backward(layer)  # compile outside the profiled run
     layer.weight.grad = layer.bias.grad = None
     with compiled_kernels_ran(at_least=2), profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_int8 import Int8AdamW, Int8TrainingConfig, Int8Weight, persistent_bytes, quantize_
+from fsdp_int8 import Int8AdamW, Int8TrainingConfig, Int8Weight, quantize_
+from fsdp_int8.memory import persistent_bytes
 
 
 def _net() -> nn.Module:

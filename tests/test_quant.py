@@ -11,6 +11,7 @@ import torch
 
 import fsdp_int8
 from fsdp_int8._generators import WEIGHT_ROUNDING, seed_for
+from fsdp_int8._noise import noise_from_bytes, rounding_noise, rounding_noise_bytes
 from fsdp_int8.quant import INT8_MAX, absmax_dequantize, absmax_quantize
 
 from _quant import compiled_kernels_ran, dequantize_rowwise, quantize_rowwise
@@ -316,31 +317,23 @@ def test_out_receives_the_values_in_place_even_strided():
 
 
 # ------------------------------------------------------------------ compiled kernels
-@pytest.fixture
-def compiled_kernels():
-    fsdp_int8.quant.use_compiled_kernels(True)
-    yield
-    fsdp_int8.quant.use_compiled_kernels(False)
-
-
-def test_compiled_kernels_match_eager_bit_for_bit(compiled_kernels):
+def test_compiled_kernels_match_eager_bit_for_bit():
     """The fused kernels run the eager arithmetic in the same order: the same values,
     scales and stochastic draws (from the same generator state)."""
     x = torch.randn(37, 64, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, 37)[:, None]
     x[4] = 0.0
     results = {}
     for compiled in (False, True):
-        fsdp_int8.quant.use_compiled_kernels(compiled)
         WEIGHT_ROUNDING.manual_seed(21, 0)
         with compiled_kernels_ran(at_least=3) if compiled else contextlib.nullcontext():
-            nearest = quantize_rowwise(x)
-            stochastic = quantize_rowwise(x, stochastic=True)
-            results[compiled] = (*nearest, *stochastic, dequantize_rowwise(*stochastic, torch.bfloat16))
+            nearest = quantize_rowwise(x, compiled=compiled)
+            stochastic = quantize_rowwise(x, stochastic=True, compiled=compiled)
+            results[compiled] = (*nearest, *stochastic, dequantize_rowwise(*stochastic, torch.bfloat16, compiled))
     for eager, fused in zip(results[False], results[True]):
         assert torch.equal(eager, fused)
 
 
-def test_dequantize_rows_into_writes_absmax_dequantize_values_in_place(compiled_kernels):
+def test_dequantize_rows_into_writes_absmax_dequantize_values_in_place():
     """FSDP2's weight-only unshard: strided int8 rows (a view of the gathered buffer)
     written into an existing tensor, eagerly and compiled, equal ``absmax_dequantize``'s
     values (fp32 products rounded once) bit for bit, without replacing the tensor."""
@@ -348,12 +341,12 @@ def test_dequantize_rows_into_writes_absmax_dequantize_values_in_place(compiled_
     q = gathered[:37, :32]  # padding rows and scale bytes cut off: strided
     scale = torch.logspace(-4, 1, 37)
     for compiled in (False, True):
-        fsdp_int8.quant.use_compiled_kernels(compiled)
-        with compiled_kernels_ran(at_least=4) if compiled else contextlib.nullcontext():
+        # compiled: one kernel call per dtype, checked against the eager absmax_dequantize
+        with compiled_kernels_ran(at_least=2) if compiled else contextlib.nullcontext():
             for dtype in (torch.bfloat16, torch.float32):
                 out = torch.nn.Parameter(torch.full((37, 32), float("nan"), dtype=dtype))
                 pointer = out.data_ptr()
-                fsdp_int8.quant.dequantize_rows_into(q, scale, out)
+                fsdp_int8.quant.dequantize_rows_into(q, scale, out, compiled=compiled)
                 assert out.data_ptr() == pointer and out.requires_grad
                 expected = fsdp_int8.quant.absmax_dequantize(q.contiguous(), scale, dtype=dtype)
                 assert torch.equal(out.detach(), expected), (compiled, dtype)
@@ -361,8 +354,8 @@ def test_dequantize_rows_into_writes_absmax_dequantize_values_in_place(compiled_
         fsdp_int8.quant.dequantize_rows_into(q, scale[:5], torch.empty(37, 32))
 
 
-def test_a_failing_compile_warns_once_and_falls_back_to_eager(compiled_kernels, monkeypatch):
-    import fsdp_int8.quant as quant
+def test_a_failing_compile_warns_once_and_falls_back_to_eager(monkeypatch):
+    from fsdp_int8 import _kernels
 
     def broken(function):
         def run(*args):
@@ -370,19 +363,20 @@ def test_a_failing_compile_warns_once_and_falls_back_to_eager(compiled_kernels, 
         return run
 
     x = torch.randn(8, 16)
-    expected = quantize_rowwise(x)  # compiled: the fixture turned the kernels on
-    monkeypatch.setitem(quant._COMPILED, "failed", False)  # restored after the test
-    monkeypatch.setattr(quant, "compiled", broken)
-    quant.use_compiled_kernels(True)
+    expected = quantize_rowwise(x, compiled=True)
+    monkeypatch.setattr(_kernels, "_compile_failed", False)  # restored after the test
+    monkeypatch.setattr(_kernels, "compiled", broken)
     with pytest.warns(RuntimeWarning, match="no C.. compiler"):
-        got = quantize_rowwise(x)
+        got = quantize_rowwise(x, compiled=True)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    assert not quant.compiled_kernels_enabled()
-    # a caller that asks for a compiled kernel anyway (Int8MatmulConfig(compile=True)) runs
-    # eagerly from now on, without trying (and warning) again
+    assert _kernels.compile_failed()
+    # every later call that asks for a compiled kernel (any weight with compiled=True)
+    # runs eagerly, without trying (and warning) again
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert torch.equal(quant.run_compiled(quant._int8_rows_nearest, x)[0], expected[0])
+        assert not _kernels.use_compiled(True, x)
+        assert torch.equal(quantize_rowwise(x, compiled=True)[0], expected[0])
+        assert torch.equal(_kernels.run_compiled(_kernels.int8_rows_nearest, x)[0], expected[0])
 
 
 def test_noise_is_16_bits_four_to_a_draw():
@@ -390,10 +384,10 @@ def test_noise_is_16_bits_four_to_a_draw():
     draws of an fp32 uniform per element); their low and high bytes are uniform (a byte
     that never changed would leave rounding biased)."""
     gen, reference = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    fsdp_int8.quant.rounding_noise((3, 4), gen, torch.device("cpu"))
+    rounding_noise((3, 4), gen, torch.device("cpu"))
     torch.empty(3, dtype=torch.int64).random_(-(2**63), None, generator=reference)
     assert torch.equal(gen.get_state(), reference.get_state())
-    noise = fsdp_int8.quant.rounding_noise((256, 1000), gen, torch.device("cpu"))
+    noise = rounding_noise((256, 1000), gen, torch.device("cpu"))
     assert noise.dtype == torch.int16 and noise.shape == (256, 1000)
     values = noise.int() + 32768  # 0..65535
     for byte in (values & 255, values >> 8):
@@ -415,19 +409,16 @@ def test_adamw_update_fused_when_compiled_gives_the_eager_bits(stochastic, monke
     monkeypatch.setattr(updates, "_fused_addcdiv_", lambda *a, **k: fused_calls.append(1) or original(*a, **k))
 
     def train(compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        fsdp_int8.quant.use_compiled_kernels(compiled)
-        try:
-            weight = torch.nn.Parameter(Int8Weight.from_float(
-                torch.randn(24, 80, generator=torch.Generator().manual_seed(0)), stochastic_rounding=stochastic))
-            WEIGHT_ROUNDING.manual_seed(3, 0)
-            optimizer = torch.optim.AdamW([weight], lr=1e-2, weight_decay=0.1)
-            grads = torch.Generator().manual_seed(1)
-            for _ in range(4):
-                weight.grad = torch.randn(24, 80, generator=grads)
-                optimizer.step()
-            return weight.int_data.clone(), weight.scale.clone()
-        finally:
-            fsdp_int8.quant.use_compiled_kernels(False)
+        weight = torch.nn.Parameter(Int8Weight.from_float(
+            torch.randn(24, 80, generator=torch.Generator().manual_seed(0)), stochastic_rounding=stochastic,
+            compiled=compiled))
+        WEIGHT_ROUNDING.manual_seed(3, 0)
+        optimizer = torch.optim.AdamW([weight], lr=1e-2, weight_decay=0.1)
+        grads = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            weight.grad = torch.randn(24, 80, generator=grads)
+            optimizer.step()
+        return weight.int_data.clone(), weight.scale.clone()
 
     eager = train(False)
     assert not fused_calls
@@ -437,10 +428,10 @@ def test_adamw_update_fused_when_compiled_gives_the_eager_bits(stochastic, monke
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
-def test_fused_update_refuses_a_non_finite_result(compiled_kernels):
+def test_fused_update_refuses_a_non_finite_result():
     from fsdp_int8 import Int8Weight
 
-    weight = Int8Weight.from_float(torch.randn(4, 16))
+    weight = Int8Weight.from_float(torch.randn(4, 16), compiled=True)
     before = weight.int_data.clone()
     with pytest.raises(ValueError, match="non-finite"):
         weight.addcdiv_(torch.ones(4, 16), torch.zeros(4, 16))  # 1 / 0: Inf
@@ -452,10 +443,10 @@ def test_eager_noise_is_the_compiled_kernels_decoding_of_the_same_bytes(shape):
     """The eager path's int16 noise and the compiled kernels' decoding of the raw bytes
     (high bytes, then low bytes, per row) give every element the same value, from the
     same generator state: what keeps the two paths bit-identical."""
-    eager = fsdp_int8.quant.rounding_noise(shape, torch.Generator().manual_seed(5), torch.device("cpu"))
-    raw = fsdp_int8.quant.rounding_noise_bytes(shape, torch.Generator().manual_seed(5), torch.device("cpu"))
+    eager = rounding_noise(shape, torch.Generator().manual_seed(5), torch.device("cpu"))
+    raw = rounding_noise_bytes(shape, torch.Generator().manual_seed(5), torch.device("cpu"))
     assert eager.dtype == torch.int16 and eager.shape == shape and raw.shape == (*shape[:-1], 2 * shape[-1])
-    assert torch.equal(eager.int(), fsdp_int8.quant.noise_from_bytes(raw))
+    assert torch.equal(eager.int(), noise_from_bytes(raw))
     # the low byte of element j is byte K + j of its row, the high byte is byte j
     high, low = raw[..., : shape[-1]].int(), raw[..., shape[-1]:].int() & 255
     assert torch.equal(eager.int(), high * 256 + low)

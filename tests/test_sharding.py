@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_int8
-from fsdp_int8 import Int8Weight, find_blocks
+from fsdp_int8 import Int8Weight
+from fsdp_int8.sharding import find_blocks
 
 
 # ---------------------------------------------------------------- tiny models

@@ -16,9 +16,8 @@ from fsdp_int8 import Int8Weight, _update_checks
 
 @pytest.fixture(params=[False, True], ids=["eager", "compiled"])
 def kernels(request):
-    fsdp_int8.quant.use_compiled_kernels(request.param)
-    yield request.param
-    fsdp_int8.quant.use_compiled_kernels(False)
+    """Whether the weights under test run compiled kernels (``Int8Weight.compiled``)."""
+    return request.param
 
 
 @pytest.fixture
@@ -38,11 +37,11 @@ def deferred(monkeypatch):
     _update_checks._pending.clear()
 
 
-def _weights(count: int, *, nan_in: int | None = None) -> list[torch.nn.Parameter]:
+def _weights(count: int, *, nan_in: int | None = None, compiled: bool = False) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(0)
     params = []
     for index in range(count):
-        param = torch.nn.Parameter(Int8Weight.from_float(torch.randn(6, 32, generator=generator)))
+        param = torch.nn.Parameter(Int8Weight.from_float(torch.randn(6, 32, generator=generator), compiled=compiled))
         param.grad = torch.randn(6, 32, generator=generator)
         if index == nan_in:
             param.grad[2, 5] = float("nan")
@@ -57,7 +56,7 @@ def _weights(count: int, *, nan_in: int | None = None) -> list[torch.nn.Paramete
     lambda p: fsdp_int8.Int8AdamW(p, lr=1e-2),  # fp32 work copies, then one assign_ each
 ], ids=["adamw", "adamw-fused", "sgd-foreach", "int8-adamw"])
 def test_a_step_reads_all_its_verdicts_once_at_its_end(deferred, kernels, make):
-    params = _weights(3)
+    params = _weights(3, compiled=kernels)
     before = [p.detach().int_data.clone() for p in params]
     optimizer = make(params)
     optimizer.step()
@@ -67,7 +66,7 @@ def test_a_step_reads_all_its_verdicts_once_at_its_end(deferred, kernels, make):
 
 
 def test_a_non_finite_update_raises_at_the_end_of_the_step(deferred, kernels):
-    params = _weights(3, nan_in=1)
+    params = _weights(3, nan_in=1, compiled=kernels)
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     with pytest.raises(ValueError, match=r"1 of 3 int8 weight updates .* non-finite .*\[6, 32\]"):
         optimizer.step()
@@ -91,7 +90,7 @@ def test_updates_outside_an_optimizer_are_read_when_enough_have_piled_up(deferre
 
 
 def test_on_the_cpu_a_non_finite_update_raises_at_once_and_changes_nothing(kernels):
-    weight = Int8Weight.from_float(torch.randn(4, 16))
+    weight = Int8Weight.from_float(torch.randn(4, 16), compiled=kernels)
     before = (weight.int_data.clone(), weight.scale.clone())
     with pytest.raises(ValueError, match="non-finite"):
         weight.addcdiv_(torch.ones(4, 16), torch.zeros(4, 16))  # 1 / 0: Inf

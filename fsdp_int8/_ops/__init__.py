@@ -1,6 +1,6 @@
 """The op table of :class:`~fsdp_int8.Int8Weight`: one small function per aten op.
 
-Each module registers its ops into ``Int8Weight`` (``Int8Weight.implements``); grouped by
+Each module registers its ops into :mod:`fsdp_int8._op_table` (``implements``); grouped by
 role, one module a role, each with one rule:
 
 * views and shard ops keep whole rows (a row's int8 values and its scale stay together)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_int8 import _op_table
 from fsdp_int8.weight import Int8Weight
 
 aten = torch.ops.aten
-_implements = Int8Weight.implements
+_implements = _op_table.implements
 
 
 @_implements(aten.copy_.default)

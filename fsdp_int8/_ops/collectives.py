@@ -28,9 +28,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (registers _wrap_tensor_autograd)
 from torch.utils._pytree import tree_map, tree_map_only
 
+from fsdp_int8 import _op_table
 from fsdp_int8.weight import Int8Weight
 
-_implements = Int8Weight.implements
+_implements = _op_table.implements
 _c10d = torch.ops.c10d
 _functional = torch.ops._c10d_functional
 _WAIT = _functional.wait_tensor.default
@@ -181,7 +182,7 @@ def _values_on_the_wire(func, *args, **kwargs) -> Any:
     return tree_map(lambda x: originals.get(id(x), x), result)
 
 
-@Int8Weight.falls_back_in(*COLLECTIVE_NAMESPACES)
+@_op_table.falls_back_in(*COLLECTIVE_NAMESPACES)
 def _refuse_collective(func, *args, **kwargs) -> None:
     """A collective this table does not know: take part sending NaN, then refuse it."""
     wire_args, wire_kwargs, images = _images(args, kwargs, _poison)

@@ -11,10 +11,12 @@ from typing import Sequence
 
 import torch
 
-from fsdp_int8.weight import Int8Weight, dequantize_all
+from fsdp_int8 import _op_table
+from fsdp_int8.convert import dequantize_all
+from fsdp_int8.weight import Int8Weight
 
 aten = torch.ops.aten
-_implements = Int8Weight.implements
+_implements = _op_table.implements
 
 
 def zeros_in_rows(weight: Int8Weight, size: Sequence[int], dtype, device) -> Int8Weight:

@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
-from fsdp_int8.weight import Int8Weight, dequantize_all
+from fsdp_int8 import _op_table
+from fsdp_int8.convert import dequantize_all
+from fsdp_int8.weight import Int8Weight
 
 aten = torch.ops.aten
 
@@ -27,6 +29,6 @@ _PLAIN_MATH_OPS = (
 )
 
 
-@Int8Weight.implements(*_PLAIN_MATH_OPS)
+@_op_table.implements(*_PLAIN_MATH_OPS)
 def _plain_math(func, *args, **kwargs) -> Any:
     return func(*dequantize_all(args), **dequantize_all(kwargs))

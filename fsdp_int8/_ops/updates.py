@@ -13,12 +13,15 @@ from typing import Any
 
 import torch
 
-from fsdp_int8 import _update_checks, quant
+from fsdp_int8 import _kernels, _op_table, _update_checks
+from fsdp_int8._noise import noise_from_bytes, rounding_noise_bytes
 from fsdp_int8._generators import WEIGHT_ROUNDING
-from fsdp_int8.weight import Int8Weight, dequantize_all
+from fsdp_int8.convert import dequantize_all
+from fsdp_int8.quant import raise_non_finite
+from fsdp_int8.weight import Int8Weight
 
 aten = torch.ops.aten
-_implements = Int8Weight.implements
+_implements = _op_table.implements
 
 
 _UPDATE_OPS = (
@@ -99,12 +102,12 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 def _addcdiv_then_round(q, scale, t1, t2, value, noise):
     values = torch.mul(q, scale.unsqueeze(1))
     values = values + value * t1.float() / t2.float()
-    q, scale = quant._int8_rows(values, noise)
+    q, scale = _kernels.int8_rows(values, noise)
     return q, scale, torch.isfinite(scale).all()  # the check rides in the same kernel call
 
 
 def _addcdiv_rows(q, scale, t1, t2, value, noise_bytes):
-    return _addcdiv_then_round(q, scale, t1, t2, value, quant.noise_from_bytes(noise_bytes))
+    return _addcdiv_then_round(q, scale, t1, t2, value, noise_from_bytes(noise_bytes))
 
 
 def _addcdiv_rows_nearest(q, scale, t1, t2, value):
@@ -112,7 +115,7 @@ def _addcdiv_rows_nearest(q, scale, t1, t2, value):
 
 
 def _fusable_addcdiv(target: Int8Weight, args: tuple, kwargs: dict) -> bool:
-    if not quant._use_compiled(target) or len(args) != 2 or set(kwargs) - {"value"}:
+    if not _kernels.use_compiled(target.compiled, target) or len(args) != 2 or set(kwargs) - {"value"}:
         return False
     value = kwargs.get("value", 1)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -134,11 +137,11 @@ def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, v
     operands = (rows, target.scale, t1.reshape(shape), t2.reshape(shape),
                 torch.tensor(float(value), dtype=torch.float32, device=target.device))
     if target.stochastic_rounding:
-        noise_bytes = quant.rounding_noise_bytes(shape, WEIGHT_ROUNDING.generator(target.device), target.device)
-        q, scale, finite = quant.run_compiled(_addcdiv_rows, *operands, noise_bytes)
+        noise_bytes = rounding_noise_bytes(shape, WEIGHT_ROUNDING.generator(target.device), target.device)
+        q, scale, finite = _kernels.run_compiled(_addcdiv_rows, *operands, noise_bytes)
     else:
-        q, scale, finite = quant.run_compiled(_addcdiv_rows_nearest, *operands)
-    _update_checks.check(finite, tuple(target.shape), lambda: quant._raise_non_finite(
+        q, scale, finite = _kernels.run_compiled(_addcdiv_rows_nearest, *operands)
+    _update_checks.check(finite, tuple(target.shape), lambda: raise_non_finite(
         target.dequantize(torch.float32).addcdiv_(t1, t2, value=value), "a weight", "int8"))
     return target.write_rows_(q, scale)
 

@@ -17,10 +17,13 @@ import torch
 
 from fsdp_int8._ops.factories import zeros_in_rows
 from fsdp_int8.quant import ceil_div
-from fsdp_int8.weight import TENSOR_PARALLEL_UNSUPPORTED, Int8Weight, contiguous_strides, dequantize_all
+from fsdp_int8 import _op_table
+from fsdp_int8._all_gather import TENSOR_PARALLEL_UNSUPPORTED
+from fsdp_int8.convert import dequantize_all
+from fsdp_int8.weight import Int8Weight
 
 aten = torch.ops.aten
-_implements = Int8Weight.implements
+_implements = _op_table.implements
 
 
 _ROW_BREAKING = (
@@ -31,7 +34,7 @@ _ROW_BREAKING = (
     "parallelism, " + TENSOR_PARALLEL_UNSUPPORTED + ")"
 )
 
-Int8Weight.refuses(
+_op_table.refuses(
     aten.t, aten.transpose, aten.permute, aten.expand, aten.unsqueeze,
     aten.squeeze, aten.unfold, aten.diagonal, aten.movedim, aten.index,
     reason=_ROW_BREAKING,
@@ -286,3 +289,12 @@ def _pad(func, weight: Int8Weight, pad: Sequence[int], mode: str = "constant", v
     if mode != "constant":
         raise NotImplementedError(f"Int8Weight can only be padded with zeros, got mode={mode!r}")
     return _pad_rows(weight, pad, value or 0.0)
+
+
+def contiguous_strides(shape: torch.Size | list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``."""
+    strides, running = [], 1
+    for size in reversed(list(shape)):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))

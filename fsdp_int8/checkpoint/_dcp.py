@@ -28,7 +28,8 @@ from torch.utils._pytree import tree_map_only
 from fsdp_int8 import _dist
 from fsdp_int8.checkpoint.errors import CheckpointError
 from fsdp_int8.guard import norms_finite
-from fsdp_int8.weight import Int8Weight, local_shard
+from fsdp_int8._dist import local_shard
+from fsdp_int8.weight import Int8Weight
 
 # A key as dcp stores it ("model.layers.0.weight") and its path in the nested state dict
 # (("model", "layers.0.weight")).

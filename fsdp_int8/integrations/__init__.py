@@ -6,3 +6,5 @@ Each submodule imports its framework, so none is imported from here (nor by
 ``from fsdp_int8.integrations.torchtitan import Int8LinearConverter`` or
 ``from fsdp_int8.integrations.lightning import Int8RoundingCheckpoint``.
 """
+
+__all__: list[str] = []  # the adapters are the submodules hf, lightning, torchtitan

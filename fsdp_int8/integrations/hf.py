@@ -5,7 +5,7 @@ as ``numel * itemsize`` bytes of its dtype. An ``Int8Weight`` has no such memory
 plus fp32 scales), so it refuses (``Int8Weight.storage()`` raises) and ``Trainer.save_model``
 fails, with or without FSDP2. The mixin hands ``save_pretrained`` the dequantized values
 instead, in each weight's own dtype: ``from_pretrained`` of the saved folder gives the plain
-model, and ``quantize_`` (or :func:`fsdp_int8.load_full_state_dict`) rounds it back to the
+model, and ``quantize_`` (or :func:`fsdp_int8.checkpoint.load_full_state_dict`) rounds it back to the
 same int8 values.
 
 Its checkpoints also hold the state of the stochastic-rounding generator of the int8
@@ -42,7 +42,9 @@ from torch.distributed.tensor import DTensor
 from transformers import Trainer
 
 from fsdp_int8._generators import WEIGHT_ROUNDING
-from fsdp_int8.weight import Int8Weight, dequantize_all, local_shard
+from fsdp_int8._dist import local_shard
+from fsdp_int8.convert import dequantize_all
+from fsdp_int8.weight import Int8Weight
 
 __all__ = ["Int8SaveMixin", "Int8Trainer"]
 

@@ -46,7 +46,8 @@ from fsdp_int8.checkpoint import _generator_states
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
-from fsdp_int8.weight import Int8Weight, local_shard
+from fsdp_int8._dist import local_shard
+from fsdp_int8.weight import Int8Weight
 
 __all__ = [
     "Int8LinearConverter",
@@ -71,10 +72,12 @@ def _int8_class(parent: type) -> type:
         class Config(parent.Config):  # type: ignore[misc, name-defined]
             # a leading underscore keeps it out of torchtitan's config dumps (to_dict)
             _int8: Int8TrainingConfig = field(default_factory=Int8TrainingConfig)
+            _quantize_gradients: bool = False
 
         def __init__(self, config: Any) -> None:
             super().__init__(config)
             self._fsdp_int8_training = config._int8
+            self._fsdp_int8_quantize_gradients = config._quantize_gradients
             self.weight = int8_parameter(self.weight, config._int8)
 
     Int8Linear.__name__ = Int8Linear.__qualname__ = f"Int8{parent.__name__}"
@@ -108,6 +111,11 @@ class Int8LinearConverter(QuantizationConverter):
         filter_fqns: list[str] = field(default_factory=list)
         """Layers whose FQN contains any of these stay in full precision (as float8's)."""
 
+        quantize_gradients: bool = False
+        """Replace FSDP2's gradient reduce-scatter with the int8 one
+        (:func:`fsdp_int8.gradients.enable_quantized_reduce_scatter`, called by
+        :func:`int8_post_optimizer_build` once the model is sharded)."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
 
@@ -129,6 +137,7 @@ class Int8LinearConverter(QuantizationConverter):
             int8_config = _int8_class(linear_config._owner).Config(
                 **{f.name: getattr(linear_config, f.name) for f in fields(linear_config) if f.init},
                 _int8=self.config.training,
+                _quantize_gradients=self.config.quantize_gradients,
             )
             if parent is None:
                 model_config = int8_config
@@ -158,7 +167,7 @@ def int8_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
 
     Seeds the weights' stochastic rounding from the converter's seed and this rank's shard
     coordinate (shards must draw different noise, replicas the same), installs the int8
-    gradient reduce-scatter when ``Int8TrainingConfig.quantize_gradients`` is set, and logs
+    gradient reduce-scatter when the converter's ``quantize_gradients`` is set, and logs
     how much of each model part is int8.
 
     Raises:
@@ -178,7 +187,7 @@ def int8_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     # One bank for the process: any part's mesh gives this rank's shard coordinate.
     seed_weight_rounding(seed, next(filter(None, map(_dist.mesh_of, model_parts)), None))
     for model in model_parts:
-        if any(t.quantize_gradients for t in _trainings(model)):
+        if any(getattr(m, "_fsdp_int8_quantize_gradients", False) for m in model.modules()):
             enable_quantized_reduce_scatter(model, seed=seed)
         logger.info("torchtitan: %s", int8_census(model))
 

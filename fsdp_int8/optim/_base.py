@@ -19,7 +19,9 @@ from torch.optim.optimizer import Optimizer
 
 from fsdp_int8.guard import check_finite_gradients
 from fsdp_int8.optim._checks import check_floating
-from fsdp_int8.weight import Int8Weight, contiguous_strides, local_shard
+from fsdp_int8._dist import local_shard
+from fsdp_int8._ops.views import contiguous_strides
+from fsdp_int8.weight import Int8Weight
 
 # The update of a chunk of parameters runs on fp32 copies (dequantized weights, moments,
 # the denominator): at most this many elements at a time (one parameter at least), so the

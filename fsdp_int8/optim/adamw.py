@@ -13,7 +13,7 @@ from fsdp_int8.optim._base import FusedInt8Optimizer, Slot, keeps_whole_rows, li
 from fsdp_int8.optim._checks import check_number
 from fsdp_int8.optim._state_codec import dequantize_state_blocks, quantize_state_blocks
 from fsdp_int8.quant import ceil_div
-from fsdp_int8.weight import local_shard
+from fsdp_int8._dist import local_shard
 
 __all__ = ["Int8AdamW"]
 
@@ -54,7 +54,7 @@ class Int8AdamW(FusedInt8Optimizer):
     updated in place with the same math (in fp32 for bf16 / fp16 parameters, then cast
     back). DTensor parameters are updated through their local tensors (the only collective is the
     finite-gradient verdict). A NaN or Inf gradient raises
-    :class:`~fsdp_int8.NonFiniteGradientError` before anything changes.
+    :class:`~fsdp_int8.guard.NonFiniteGradientError` before anything changes.
     A step with ``lr == 0`` leaves int8 weights untouched (their values cannot change).
 
     **8-bit states** (``state_bits=8``) are used for every parameter with at least 2

@@ -10,7 +10,7 @@ from torch.optim.optimizer import ParamsT
 
 from fsdp_int8.optim._base import FusedInt8Optimizer, Slot
 from fsdp_int8.optim._checks import check_number
-from fsdp_int8.weight import local_shard
+from fsdp_int8._dist import local_shard
 
 __all__ = ["Int8SGD"]
 

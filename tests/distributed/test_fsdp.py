@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_int8
+import fsdp_int8.collectives
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import device_type_for, run_distributed
 
@@ -51,9 +52,9 @@ def _shard_blocks_plain(model: nn.Module, mesh, mp_policy) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
 
 
-def _one_step_collectives(model: nn.Module, rank: int) -> fsdp_int8.CollectiveCounter:
+def _one_step_collectives(model: nn.Module, rank: int) -> fsdp_int8.collectives.CollectiveCounter:
     x = torch.randn(4, model.layers[0].up.in_features, generator=torch.Generator().manual_seed(rank))
-    with fsdp_int8.count_collectives() as counter:
+    with fsdp_int8.collectives.count_collectives() as counter:
         model(x).sum().backward()
     return counter
 
@@ -124,7 +125,7 @@ def _check_weight_only_unshards_plain(rank: int, world: int) -> None:
             for step in range(2):  # step 1 refills the buffers of step 0 (out=)
                 expected = {n: p.full_tensor().dequantize(torch.bfloat16) for n, p in int8_params(model)}
                 seen.clear()
-                with fsdp_int8.count_collectives() as counter:
+                with fsdp_int8.collectives.count_collectives() as counter:
                     model(x).float().sum().backward()
                 assert len(seen) == 4, [n for n, _, _ in seen]
                 for name, kind, weight in seen:
@@ -156,7 +157,7 @@ def _check_optimizer_step_is_local(rank: int, world: int) -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **options)
             model(x).sum().backward()
             before = [local_of(p).int_data.clone() for _, p in int8_params(model)]
-            with fsdp_int8.count_collectives() as counter:
+            with fsdp_int8.collectives.count_collectives() as counter:
                 opt.step()
             assert counter.records == [], counter.summary()
             after = [local_of(p).int_data for _, p in int8_params(model)]
@@ -419,14 +420,18 @@ def _check_int8_weight_gradient_under_fsdp(rank: int, world: int) -> None:
 
 
 def _check_quantized_gradients_switch(rank: int, world: int) -> None:
-    """Int8TrainingConfig(quantize_gradients=True) replaces every gradient reduce-scatter
-    with int8 all-to-alls, and checkpoints carry its noise generator for exact resume."""
+    """enable_quantized_reduce_scatter on a shard_model'ed model replaces every gradient
+    reduce-scatter with int8 all-to-alls, and checkpoints carry its noise generator for
+    exact resume."""
     import tempfile
 
+    from fsdp_int8.gradients import enable_quantized_reduce_scatter
+
     torch.manual_seed(0)
-    model = fsdp_int8.shard_model(MLPNet(hidden=33), config=Int8TrainingConfig(quantize_gradients=True))
+    model = fsdp_int8.shard_model(MLPNet(hidden=33), config=Int8TrainingConfig())
+    assert enable_quantized_reduce_scatter(model) == 3  # 2 blocks + root
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
-    with fsdp_int8.count_collectives() as counter:
+    with fsdp_int8.collectives.count_collectives() as counter:
         model(x).sum().backward()
     assert counter.of("reduce_scatter_single") == [], counter.summary()
     assert len(counter.of("all_to_all_single")) == 3 and all(

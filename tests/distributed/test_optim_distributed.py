@@ -27,6 +27,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_int8
+import fsdp_int8.memory
+import fsdp_int8.guard
+import fsdp_int8.collectives
 from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import run_distributed
 
@@ -77,7 +80,7 @@ def _parity(rank: int, world: int, make_opt, steps: int = 4, hidden: int = 33) -
         x, y = _batch(step)
         loss = F.mse_loss(model(_mine(x)), _mine(y))
         loss.backward()
-        with fsdp_int8.count_collectives() as counter, CommDebugMode() as comm:
+        with fsdp_int8.collectives.count_collectives() as counter, CommDebugMode() as comm:
             opt.step()
         step_collectives.append(
             ([(r.name, r.numel) for r in counter.records], comm.get_total_counts())
@@ -165,7 +168,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
         try:
             opt.step()
             raise AssertionError("the step was not refused")
-        except fsdp_int8.NonFiniteGradientError:
+        except fsdp_int8.guard.NonFiniteGradientError:
             pass
         assert_identical(before, snapshot(model, opt), "after a refused step")
         opt.zero_grad()
@@ -187,7 +190,7 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
         out["loaded"] = snapshot(model, opt)
         _train(model, opt, 3, 3)
         out["resumed"] = snapshot(model, opt)
-        out["bytes"] = fsdp_int8.persistent_bytes(model, opt)  # this rank's shards only
+        out["bytes"] = fsdp_int8.memory.persistent_bytes(model, opt)  # this rank's shards only
     return out
 
 
@@ -203,7 +206,7 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     return dict(loaded=loaded, parity=parity)
 
 
-def _load_unsharded(root: str) -> tuple[dict, fsdp_int8.PersistentBytes]:
+def _load_unsharded(root: str) -> tuple[dict, fsdp_int8.memory.PersistentBytes]:
     """In this process, without a process group: the plain quantized model."""
     torch.manual_seed(0)
     model = fsdp_int8.quantize_(MLPNet(hidden=33), Int8TrainingConfig(seed=123, min_features=1))
@@ -215,7 +218,7 @@ def _load_unsharded(root: str) -> tuple[dict, fsdp_int8.PersistentBytes]:
     x, y = _batch(3)
     F.mse_loss(model(x), y).backward()  # and it trains on
     opt.step()
-    return loaded, fsdp_int8.persistent_bytes(model, opt)
+    return loaded, fsdp_int8.memory.persistent_bytes(model, opt)
 
 
 def test_fused_optimizers_on_fsdp2():

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdp_int8
+import fsdp_int8.collectives
 from fsdp_int8 import Int8TrainingConfig
 from fsdp_int8._fsdp_compat import ReduceScatter, fsdp_modules, param_groups, reduce_scatter_of
 from fsdp_int8.gradients import QuantizedReduceScatter, enable_quantized_reduce_scatter
@@ -198,8 +199,8 @@ def _check_unbiased(rank: int, world: int, trials: int = 400) -> dict:
 
 
 # ---------------------------------------------------------------- bytes on the wire
-def _one_step(model: nn.Module, tokens: torch.Tensor) -> fsdp_int8.CollectiveCounter:
-    with fsdp_int8.count_collectives() as counter:
+def _one_step(model: nn.Module, tokens: torch.Tensor) -> fsdp_int8.collectives.CollectiveCounter:
+    with fsdp_int8.collectives.count_collectives() as counter:
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     return counter
 
@@ -506,7 +507,7 @@ def _check_shard_world_one(rank: int, world: int) -> None:
         for op, factor in ((dist.ReduceOp.SUM, 1.0), (dist.ReduceOp.AVG, 1.0),
                            (dist.ReduceOp.PREMUL_SUM(0.5), 0.5)):
             out = torch.empty(300)
-            with fsdp_int8.count_collectives() as counter:
+            with fsdp_int8.collectives.count_collectives() as counter:
                 comm(out, x, mesh.get_group("shard"), op)
             assert counter.records == [] and torch.equal(out, x * factor)
 

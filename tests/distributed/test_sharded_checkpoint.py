@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_int8
+import fsdp_int8.checkpoint
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import device_type_for, run_distributed
 
@@ -95,7 +96,7 @@ def _resume_at_two_ranks(rank, world, root, root_from_one):
             # the same dequantized values, multiplied in another order: fp32 rounding only
             torch.testing.assert_close(plain(x), int8_output, rtol=1e-5, atol=1e-5)
         fresh, _ = _model()
-        fsdp_int8.load_full_state_dict(fresh, exported)  # rank 0 has it, others pass {}
+        fsdp_int8.checkpoint.load_full_state_dict(fresh, exported)  # rank 0 has it, others pass {}
         for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
             a_local, b_local = a._local_tensor, b._local_tensor
             if isinstance(a_local, Int8Weight):  # dequantize + round to nearest is exact

@@ -1,0 +1,116 @@
+"""Kernel bodies shared by the eager and the ``torch.compile``d paths, and the runner.
+
+Each body is written once: run eagerly it is several passes over its tensor, compiled
+(:func:`run_compiled`) it is one fused pass with the same fp32 operations in the same
+order, so both give the same bits. None takes an integer argument: dynamic shapes would
+turn it into a symbol and the loops into scalar code.
+
+Whether a weight's kernels are compiled is its own configuration
+(``Int8TrainingConfig.compile``, carried by each ``Int8Weight``); this module only keeps
+one fact per process: whether compiling has failed here, so a machine without a working
+compiler warns once and runs eagerly instead of failing every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+import torch
+
+from fsdp_int8._noise import NOISE_OFFSET, NOISE_STEP, noise_from_bytes
+
+INT8_MAX = 127  # symmetric: -127..127, so negation never overflows
+UINT8_MAX = 255
+
+_compile_failed = False  # torch.compile raised once in this process: stay eager from then on
+
+
+def round_scaled(
+    x: torch.Tensor, divisor: torch.Tensor, noise: torch.Tensor | None, low: int, high: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``clamp(round(x / divisor [+ v]), low, high)`` in ``dtype``: the one rounding formula.
+
+    Eager and compiled paths run exactly these fp32 operations in this order (noise: the
+    fp32 sum of ``x / divisor + 2**-17`` and ``r * 2**-16``, ``r * 2**-16`` exact), so
+    they agree bit for bit.
+    """
+    if noise is None:
+        scaled = torch.div(x, divisor)
+    else:  # x / divisor + 2**-17 (two roundings, as addcdiv's kernel makes), then the noise
+        scaled = torch.div(x, divisor).add_(NOISE_OFFSET).add_(noise, alpha=NOISE_STEP)
+    return scaled.round_().clamp_(low, high).to(dtype)
+
+
+def int8_rows(values: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed int8, one scale per row, with the quantizer's arithmetic."""
+    x = values.float()
+    scale = x.abs().amax(dim=1, keepdim=True) / INT8_MAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return round_scaled(x, divisor, noise, -INT8_MAX, INT8_MAX, torch.int8), scale.squeeze(1)
+
+
+def int8_rows_nearest(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return int8_rows(values, None)
+
+
+def int8_rows_stochastic(values: torch.Tensor, noise_bytes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return int8_rows(values, noise_from_bytes(noise_bytes))
+
+
+def int8_columns(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 with one scale per column (over the tokens), no transposed copy."""
+    x = values.float()
+    scale = x.abs().amax(dim=0, keepdim=True) / INT8_MAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return round_scaled(x, divisor, None, -INT8_MAX, INT8_MAX, torch.int8), scale.squeeze(0)
+
+
+def dequantize_whole(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.mul(q, scale).to(dtype)  # (a dtype argument is a constant, not a symbol)
+
+
+def dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[...] = (q * scale)`` rounded to ``out``'s dtype: :func:`dequantize_whole`'s
+    values, written in place (compiled: one pass that stores straight into ``out``)."""
+    out.copy_(torch.mul(q, scale))
+
+
+@functools.cache
+def compiled(function: Callable) -> Callable:
+    """``torch.compile(function, dynamic=True)``, made once per function."""
+    return torch.compile(function, dynamic=True)
+
+
+def compile_failed() -> bool:
+    """Whether ``torch.compile`` failed in this process (its kernels then run eagerly)."""
+    return _compile_failed
+
+
+def use_compiled(wanted: bool, tensor: torch.Tensor) -> bool:
+    """Whether to run a compiled kernel on ``tensor``: asked for, and worth a kernel."""
+    return wanted and not _compile_failed and not tensor.is_meta and tensor.numel() > 0
+
+
+def run_compiled(function: Callable, *args):
+    """``compiled(function)(*args)``; on a compile failure, warn once and go eager for good.
+
+    An error that the eager function raises too is the caller's: it propagates, and the
+    compiled kernels stay on.
+    """
+    global _compile_failed
+    if _compile_failed:
+        return function(*args)
+    try:
+        return compiled(function)(*args)
+    except Exception as error:  # noqa: BLE001 -- sorted out by the eager run below
+        result = function(*args)
+        _compile_failed = True
+        warnings.warn(
+            f"fsdp_int8: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
+            "quantization kernels run eagerly from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return result
