@@ -1,14 +1,16 @@
 """The FSDP2 conformance table of docs/testing.md: which scenarios each weight passes.
 
-    python -m benchmarks.conformance_table              # Int8Weight and the reference subclass
+    python -m benchmarks.conformance_table              # Int8Weight
     python -m benchmarks.conformance_table --torchao    # also torchao's int8 training weight
                                                         # (pip install torchao==0.18.0)
 
 Runs :func:`fsdp_int8.testing.check_fsdp2_conformance` at world sizes 1, 2 and 4 for each
 weight (about a minute each on 2 CPU cores), then prints one markdown table (scenario x
-weight) and every failure's reason. The specs are the tests' own
-(``tests/distributed/_conformance_specs.py``). A failure is a finding about that weight,
-not an error of this script.
+weight) and every failure's reason. ``Int8Weight``'s spec is the one our tests run
+(``fsdp_int8.testing._int8_weight_spec``); torchao's is defined here, since only this
+script runs it. The tests' reference subclass is not tabulated: a benchmark never imports
+the tests, and ``tests/distributed/test_conformance.py`` asserts that it passes every
+scenario. A failure is a finding about that weight, not an error of this script.
 """
 
 from __future__ import annotations
@@ -16,21 +18,41 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-from pathlib import Path
 
 import torch
 
-_SPECS_DIR = Path(__file__).resolve().parent.parent / "tests" / "distributed"
+from fsdp_int8.testing import SubclassSpec, check_fsdp2_conformance, device_type_for
+from fsdp_int8.testing._int8_weight_spec import INT8_ROUNDING_STEP, INT8_WEIGHT, int8_wire_bytes
 
 
-def _specs(with_torchao: bool) -> list:
-    sys.path.insert(0, str(_SPECS_DIR))  # inherited by the spawned ranks
-    import _conformance_specs as specs
+# ---------------------------------------------------------------- torchao (optional)
+# Module-level: the spawned ranks unpickle the spec's callables by name.
+def torchao_from_float(tensor: torch.Tensor) -> torch.Tensor:
+    from torchao.prototype.quantized_training.int8 import Int8QuantizedTrainingLinearWeight
 
-    chosen = [specs.INT8_WEIGHT, specs.BF16_REFERENCE]
-    if with_torchao:
-        chosen.append(specs.torchao_spec())
-    return chosen
+    return Int8QuantizedTrainingLinearWeight.from_float(tensor)
+
+
+def torchao_to_float(weight: torch.Tensor) -> torch.Tensor:
+    return weight.dequantize()
+
+
+def torchao_spec() -> SubclassSpec:
+    """torchao 0.18's int8 training weight: int8 data plus one scale per row (in the
+    weight's dtype, fp32 here); every in-place update rounds stochastically."""
+    import torchao
+
+    return SubclassSpec(
+        name=f"torchao {torchao.__version__} Int8QuantizedTrainingLinearWeight",
+        from_float=torchao_from_float,
+        to_float=torchao_to_float,
+        wire_bytes_per_element=int8_wire_bytes,
+        rounding_step=INT8_ROUNDING_STEP,
+    )
+
+
+def _specs(with_torchao: bool) -> list[SubclassSpec]:
+    return [INT8_WEIGHT, torchao_spec()] if with_torchao else [INT8_WEIGHT]
 
 
 def _cell(result) -> str:
@@ -64,8 +86,6 @@ def main() -> None:
     parser.add_argument("--torchao", action="store_true", help="also run torchao's weight")
     parser.add_argument("--world-sizes", default="1,2,4")
     args = parser.parse_args()
-    from fsdp_int8.testing import check_fsdp2_conformance, device_type_for
-
     world_sizes = tuple(int(w) for w in args.world_sizes.split(","))
     reports = []
     for spec in _specs(args.torchao):

@@ -1,6 +1,6 @@
 """The op table of ``Int8Weight``: which handler runs each aten op, kept apart from the tensor.
 
-:mod:`fsdp_int8._ops` fills it (one module per role) and :mod:`fsdp_int8.linear` adds
+:mod:`fsdp_int8._ops` fills it (one module per role) and :mod:`fsdp_int8._linear` adds
 ``F.linear``; ``Int8Weight.__torch_dispatch__`` / ``__torch_function__`` only look up
 here. An op with no rule raises ``NotImplementedError`` naming itself: an unknown op must
 never run on the int8 bytes as if they were floats.

@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Capability", "FAST_RATIO", "best_seconds", "capability", "hardware_line", "warn_if_slow"]
+__all__ = ["Capability", "FAST_RATIO", "best_seconds", "capability", "hardware_line"]
 
 FAST_RATIO = 2.0  # a kernel at most this many times the fp32 matmul's time counts as fast
 _PROBE_SIZE = 128  # m = n = k: a few milliseconds on a reference loop, microseconds natively

@@ -13,7 +13,7 @@ those can be sliced along any leading dim, and report their strides honestly.
 Every aten op that reaches it is looked up in the op table (:mod:`fsdp_int8._op_table`),
 which :mod:`fsdp_int8._ops` fills (``import fsdp_int8`` loads it); an op that is not there
 raises ``NotImplementedError`` naming itself. ``F.linear`` is routed through the same
-table to the autograd function in :mod:`fsdp_int8.linear`. The FSDP2 hooks are thin
+table to the autograd function in :mod:`fsdp_int8._linear`. The FSDP2 hooks are thin
 methods over :mod:`fsdp_int8._all_gather`, next to the wire format they write and read.
 This module imports neither the ops nor ``linear``: the dependency is one-way.
 """

@@ -74,3 +74,98 @@ def test_each_row_lists_exactly_what_its_module_imports_and_only_from_above():
             problems.append(f"{unit} imports {sorted(below)}, which the map lists below it")
         seen.add(unit)
     assert not problems, "docs/design.md's module map does not match the code:\n" + "\n".join(problems)
+
+
+# ------------------------------------------------------------------ the issue-25 limits
+MAX_PUBLIC_NAMES = 12  # what a user needs to train; everything else in its subpackage
+MAX_MODULE_LINES = 400  # one concern a module: a longer one is two
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """``module -> the package's modules it imports``, at any depth of its code.
+
+    ``from a.b import c`` is an import of the module ``a.b.c`` when there is one, else of
+    ``a.b``; ``import a.b`` of ``a.b``. Parents a Python import initialises on the way
+    (``a`` for ``a.b``) are not counted: they are what makes ``a.b`` reachable, not a use.
+    """
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = graph.setdefault(name, set())
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolved against this module's package
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                if not base.startswith("fsdp_int8"):
+                    continue
+                for alias in node.names:
+                    child = f"{base}.{alias.name}"
+                    targets.add(child if child in modules else base)
+        targets.discard(name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected component of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm (the package is small: recursion is fine)
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_top_level_api_is_at_most_twelve_names():
+    import fsdp_int8
+
+    assert len(fsdp_int8.__all__) <= MAX_PUBLIC_NAMES, fsdp_int8.__all__
+    assert all(hasattr(fsdp_int8, name) for name in fsdp_int8.__all__)
+
+
+def test_no_module_is_longer_than_the_limit():
+    lengths = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    too_long = {path: lines for path, lines in lengths.items() if lines > MAX_MODULE_LINES}
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
+
+
+def test_no_import_cycle_at_any_depth():
+    cycles = _cycles(_module_imports())
+    assert not cycles, f"modules that import each other (directly or through others): {cycles}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    """The check above is only as good as this: a two-module and a three-module cycle."""
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

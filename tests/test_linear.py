@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_int8
 from fsdp_int8 import Int8MatmulConfig, Int8TrainingConfig, Int8Weight, quantize_
-from fsdp_int8 import linear as int8_linear
+from fsdp_int8 import _linear as int8_linear
 from _quant import CountIntMM, compiled_kernels_ran
 
 

@@ -1,44 +1,27 @@
-"""``SubclassSpec``s of the weights the conformance suite is run on (module-level: the
-spawned ranks unpickle them by name).
+"""``SubclassSpec``s of the weights the conformance tests run the suite on (module-level:
+the spawned ranks unpickle them by name).
 
-* ``INT8_WEIGHT``: :class:`fsdp_int8.Int8Weight` as it trains by default (stochastic
-  rounding of updates), through its public API only.
+* ``INT8_WEIGHT``: :class:`fsdp_int8.weight.Int8Weight` as it trains by default
+  (stochastic rounding of updates), through its public API only. It lives in the package
+  (``fsdp_int8.testing._int8_weight_spec``): ``benchmarks.conformance_table`` runs it too.
 * ``BF16_REFERENCE`` and the ``BROKEN_*`` mutations: the reference subclass of
-  ``_reference_subclass``.
-* :func:`torchao_spec`: torchao's ``Int8QuantizedTrainingLinearWeight`` (optional).
+  ``_reference_subclass``, which only the tests use.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fsdp_int8 import Int8Weight
 from fsdp_int8.testing import SubclassSpec
+from fsdp_int8.testing._int8_weight_spec import INT8_WEIGHT
 
 from _reference_subclass import (
     BF16WireWeight, BrokenOutWeight, BrokenViewWeight, BrokenWireWeight,
 )
 
-INT8_ROUNDING_STEP = 1 / 127  # one int8 step of a row scaled by its absmax
+__all__ = ["INT8_WEIGHT", "BF16_REFERENCE", "BROKEN_OUT", "BROKEN_VIEW", "BROKEN_WIRE"]
+
 BF16_ROUNDING_STEP = 2 ** -7  # bf16 keeps 8 significant bits: one ulp <= 2^-7 of a value
-
-
-def int8_wire_bytes(shape: torch.Size) -> float:
-    """One int8 byte per element plus one fp32 scale per row of ``shape[1]`` elements."""
-    return 1 + 4 / shape[1]
-
-
-def int8_weight_to_float(weight: torch.Tensor) -> torch.Tensor:
-    return weight.dequantize(torch.float32)
-
-
-INT8_WEIGHT = SubclassSpec(
-    name="fsdp_int8.Int8Weight",
-    from_float=Int8Weight.from_float,
-    to_float=int8_weight_to_float,
-    wire_bytes_per_element=int8_wire_bytes,
-    rounding_step=INT8_ROUNDING_STEP,
-)
 
 
 def bf16_to_float(weight: torch.Tensor) -> torch.Tensor:
@@ -54,28 +37,3 @@ BF16_REFERENCE = _bf16_spec("BF16WireWeight (reference)", BF16WireWeight)
 BROKEN_OUT = _bf16_spec("BrokenOutWeight", BrokenOutWeight)
 BROKEN_VIEW = _bf16_spec("BrokenViewWeight", BrokenViewWeight)
 BROKEN_WIRE = _bf16_spec("BrokenWireWeight", BrokenWireWeight)
-
-
-# ---------------------------------------------------------------- torchao (optional)
-def torchao_from_float(tensor: torch.Tensor) -> torch.Tensor:
-    from torchao.prototype.quantized_training.int8 import Int8QuantizedTrainingLinearWeight
-
-    return Int8QuantizedTrainingLinearWeight.from_float(tensor)
-
-
-def torchao_to_float(weight: torch.Tensor) -> torch.Tensor:
-    return weight.dequantize()
-
-
-def torchao_spec() -> SubclassSpec:
-    """torchao 0.18's int8 training weight: int8 data plus one scale per row (in the
-    weight's dtype, fp32 here); every in-place update rounds stochastically."""
-    import torchao
-
-    return SubclassSpec(
-        name=f"torchao {torchao.__version__} Int8QuantizedTrainingLinearWeight",
-        from_float=torchao_from_float,
-        to_float=torchao_to_float,
-        wire_bytes_per_element=int8_wire_bytes,
-        rounding_step=INT8_ROUNDING_STEP,
-    )

@@ -1,6 +1,6 @@
 """The reusable multi-process test base, used the way a downstream project would use it.
 
-Three spawns in all (each costs a few seconds of ``import torch`` per rank):
+Four spawns in all (each costs a few seconds of ``import torch`` per rank):
 
 * one ``DistributedTestCase`` subclass with ONE test method (every method spawns its ranks);
 * ``run_distributed`` returning per-rank values;
@@ -23,9 +23,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-import fsdp_int8
-from fsdp_int8 import Int8Weight
+from fsdp_int8.sharding import shard_model
 from fsdp_int8.testing import DistributedTestCase, device_type_for, run_distributed
+from fsdp_int8.weight import Int8Weight
 
 _BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 
@@ -76,7 +76,7 @@ class TwoRankTestCase(DistributedTestCase):
             self.assertEqual((self.device_type, dist.get_backend()), ("cpu", "gloo"))
 
         torch.manual_seed(0)  # the same initial weights on every rank
-        model = fsdp_int8.shard_model(_TinyNet().to(self.device_type))
+        model = shard_model(_TinyNet().to(self.device_type))
         self.assertIsInstance(model, FSDPModule)
         int8 = [n for n, p in model.named_parameters() if isinstance(_local(p), Int8Weight)]
         self.assertEqual(
