@@ -87,6 +87,23 @@ def test_post_optimizer_hook_refuses_a_model_without_int8_layers():
         titan.int8_post_optimizer_build(None, [_build(titan_config(), "meta")], None)
 
 
+@pytest.mark.parametrize("quantize_gradients", [False, True])
+def test_post_optimizer_hook_installs_the_int8_reduce_scatter_where_the_converter_asks(
+    quantize_gradients, monkeypatch
+):
+    """The converter's ``quantize_gradients`` (torchtitan's spelling of
+    ``fsdp_int8.gradients.enable_quantized_reduce_scatter``) reaches the hook that runs
+    once the model is sharded: one call per model part, with the converter's seed."""
+    calls = []
+    monkeypatch.setattr(titan, "enable_quantized_reduce_scatter", lambda model, seed: calls.append((model, seed)))
+    converter = titan.Int8LinearConverter.Config(
+        training=Int8TrainingConfig(seed=7), quantize_gradients=quantize_gradients
+    ).build()
+    parts = [_build(converter.convert(titan_config()), "meta") for _ in range(2)]
+    titan.int8_post_optimizer_build(None, parts, None)
+    assert calls == ([(parts[0], 7), (parts[1], 7)] if quantize_gradients else [])
+
+
 def test_enable_int8_training_refuses_a_foreign_checkpoint_manager_before_changing_anything():
     from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
