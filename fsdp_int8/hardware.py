@@ -31,6 +31,7 @@ import functools
 import platform
 import time
 import warnings
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -81,7 +82,7 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def best_seconds(fn, device: torch.device, repeats: int) -> float:
+def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """The best of ``repeats`` timed calls of ``fn`` on ``device`` (synchronized), after one untimed."""
     fn()  # warm-up: first-call dispatch and allocation
     best = float("inf")

@@ -303,7 +303,7 @@ class Int8Weight(torch.Tensor):
 
     def __reduce_ex__(self, protocol: int):
         # torch.load(weights_only=True) accepts this: the rebuild function and the class
-        # are registered as safe globals in fsdp_int8/__init__.py.
+        # are registered as safe globals at the end of this module.
         return (
             _rebuild_int8_weight,
             (self.int_data.clone(), self.scale.clone(), self.dtype, self.row_len,
