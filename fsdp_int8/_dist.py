@@ -93,3 +93,11 @@ def collective_device() -> torch.device:
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's local tensor of an FSDP2 (DTensor) parameter, or the tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def device_type_for(world_size: int = 1) -> str:
+    """The accelerator's device type (``"cuda"``, ...) when this machine has one device for
+    each of ``world_size`` ranks, else ``"cpu"``: the one rule for picking a device."""
+    if torch.accelerator.is_available() and torch.accelerator.device_count() >= world_size:
+        return torch.accelerator.current_accelerator().type
+    return "cpu"

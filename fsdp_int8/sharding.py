@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8._all_gather import TENSOR_PARALLEL_UNSUPPORTED
+from fsdp_int8._dist import device_type_for
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, is_sharded, logger, parameter_owners, quantize_
@@ -21,12 +22,6 @@ __all__ = ["shard_model", "find_blocks", "BlockSpec"]
 
 # Which modules are blocks: module types, or a predicate on the module.
 BlockSpec = Union[type, Sequence[type], Callable[[nn.Module], bool]]
-
-
-def default_device_type() -> str:
-    """``"cuda"`` (or another accelerator) when one is available, else ``"cpu"``."""
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return accelerator.type if accelerator is not None else "cpu"
 
 
 def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:
@@ -231,7 +226,7 @@ def shard_model(
     param = next(model.parameters(), None)
     device_type = (
         param.device.type if param is not None and param.device.type != "meta"
-        else default_device_type()
+        else device_type_for()
     )
     mesh = _resolve_mesh(mesh, device_type)
     found = find_blocks(model, blocks)  # before quantizing: a refused model stays as it was

@@ -35,23 +35,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fsdp_int8._dist import device_type_for
+
 __all__ = ["device_type_for", "run_distributed", "DistributedTestCase"]
 
 DEFAULT_TIMEOUT_S = 300.0
 _POLL_S = 0.5  # how often a silent wait checks for ranks that died without reporting
 
 
-def device_type_for(world_size: int) -> str:
-    """``"cuda"`` when there is one GPU per rank, else ``"cpu"``."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "cuda"
-    return "cpu"
-
-
 def _init_process_group(rank: int, world_size: int, init_file: str) -> str:
     device_type = device_type_for(world_size)
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
+    if device_type != "cpu":
+        torch.accelerator.set_device_index(rank)
     else:  # ranks share the CPU cores: give each its share instead of oversubscribing
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(
