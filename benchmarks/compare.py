@@ -7,7 +7,8 @@
 The baseline is **bf16 FSDP2** (bf16 parameters, fp32 gradient reduction: torchtitan's
 default policy), the setting users would otherwise pick; every fsdp_int8 row computes in
 bf16 too (``MixedPrecisionPolicy(param_dtype=bfloat16)``, as the launcher does) and runs
-the compiled quantization kernels (``fsdp_int8.quant.use_compiled_kernels``).
+the compiled quantization kernels (``Int8TrainingConfig(compile=True)``). Rows are recipes
+of ``launch.precisions``.
 
 Every row trains the launcher's Llama-style model (default: preset small) on the
 embedded corpus (Python's standard library source) with torch AdamW (weight decay 0, so
@@ -43,38 +44,27 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import fsdp_int8
 from benchmarks import ratios
-from fsdp_int8 import _hardware
+from fsdp_int8 import hardware
+from fsdp_int8.collectives import count_collectives
+from fsdp_int8.memory import persistent_bytes
 from fsdp_int8.testing import device_type_for, run_distributed
 from launch.data import load_corpus, sample_batch
-from launch.model import PRESETS, ModelArgs, Transformer
+from launch.model import PRESETS, ModelArgs, Transformer, next_token_loss
+from launch.precisions import parse_row
 
-# name -> (row kind of benchmarks.ratios.build, AdamW weight decay)
-ROWS = {
-    "fp32 FSDP2": ("fp32", 0.0),
-    "bf16 FSDP2": ("bf16", 0.0),
-    "fsdp_int8 int8 matmuls": ("int8-mm", 0.0),
-    "fsdp_int8 weight-only": ("int8", 0.0),
-    "all-bf16 FSDP2 (bf16 reduce)": ("all-bf16", 0.0),
-    "fsdp_int8 + int8 gradients": ("int8-grads", 0.0),
-    "torchao int8 weight-only": ("torchao", 0.0),
-    "torchao, weight decay 0.1": ("torchao", 0.1),
-    "fsdp_int8, weight decay 0.1": ("int8", 0.1),
-}
-SWEEP_KINDS = (("bf16", "bf16 FSDP2"), ("int8-mm", "int8 matmuls"), ("int8", "weight-only"))
+# (row of benchmarks.ratios.build, AdamW weight decay): weight decay 0, so torchao can run,
+# but in the last two rows, which show what weight decay does to each
+ROWS = (("fp32", 0.0), ("bf16", 0.0), ("int8-mm", 0.0), ("int8", 0.0), ("all-bf16", 0.0), ("int8-grads", 0.0),
+        ("torchao", 0.0), ("torchao", 0.1), ("int8", 0.1))
+SWEEP_ROWS = ("bf16", "int8-mm", "int8")
 
 
-def model_args(settings: dict, dim: int | None = None) -> ModelArgs:
-    fields = dict(PRESETS[settings["preset"]].__dict__)
-    if dim:
-        fields.update(dim=dim, hidden_dim=0, n_heads=max(1, dim // 64))
-    if settings.get("n_layers"):
-        fields["n_layers"] = settings["n_layers"]
-    fields["max_seq_len"] = max(fields["max_seq_len"], settings["seq_len"])
-    return ModelArgs(**fields)
+def label(row: str, weight_decay: float = 0.0) -> str:
+    """What the tables call ``row`` trained with ``weight_decay``."""
+    return parse_row(row, compile=True).label + (f", weight decay {weight_decay:g}" if weight_decay else "")
 
 
 def _batch_fn(settings: dict, rank: int, device: torch.device, corpus=None):
@@ -88,25 +78,24 @@ def _batch_fn(settings: dict, rank: int, device: torch.device, corpus=None):
     return batch
 
 
-def _train_row(rank: int, world: int, kind: str, weight_decay: float, settings: dict) -> dict:
+def _train_row(rank: int, world: int, row: str, weight_decay: float, settings: dict) -> dict:
     """One row trained for the budget, alone in its processes: bytes, memory, val loss."""
     torch.set_num_threads(settings["threads"])
     device = torch.device(device_type_for(world))
-    args = model_args(settings, settings.get("dim"))
+    args = ratios.shape(settings)
     corpus = load_corpus(None, settings["max_bytes"])
-    model = ratios.build(kind, args)
+    model = ratios.build(row, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=weight_decay)
     batch = _batch_fn(settings, rank, device, corpus)
     gathered, collective, sent, bytes_per_param = 0, 0, 0.0, 0.0
     for step in range(settings["steps"]):
         inputs, targets = batch(step)
-        ratios.use_compiled_kernels(ratios.uses_compiled_kernels(kind))
-        with fsdp_int8.count_collectives() as counter:
-            loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        with count_collectives() as counter:
+            loss = next_token_loss(model, inputs, targets)
             loss.backward()
         optimizer.step()
         if step == 1:
-            bytes_per_param = fsdp_int8.persistent_bytes(model, optimizer).per_param
+            bytes_per_param = persistent_bytes(model, optimizer).per_param
             gathered, collective = counter.total_bytes("all_gather_single"), counter.total_bytes()
             sent = counter.wire_bytes()
         optimizer.zero_grad()
@@ -116,7 +105,7 @@ def _train_row(rank: int, world: int, kind: str, weight_decay: float, settings: 
         with torch.no_grad():
             for _ in range(settings["eval_batches"]):
                 inputs, targets = sample_batch(corpus.val, settings["batch_size"], settings["seq_len"], generator)
-                val += F.cross_entropy(model(inputs.to(device)).flatten(0, 1).float(), targets.to(device).flatten())
+                val += next_token_loss(model, inputs.to(device), targets.to(device))
         dist.all_reduce(val)
         val /= settings["eval_batches"] * world
     peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, device=device)
@@ -125,25 +114,25 @@ def _train_row(rank: int, world: int, kind: str, weight_decay: float, settings: 
                 bytes_per_param=bytes_per_param, val_loss=val.item() if settings["eval_batches"] else float("nan"))
 
 
-def _timed_rows(rank: int, world: int, kinds: list[str], settings: dict) -> dict:
-    """Every kind's model in this one launch, steps interleaved: ``{kind: dict(step_s,
+def _timed_rows(rank: int, world: int, rows: list[str], settings: dict) -> dict:
+    """Every row's model in this one launch, steps interleaved: ``{row: dict(step_s,
     all_gather, sent_per_rank)}`` (bytes counted on the first step)."""
     torch.set_num_threads(settings["threads"])
     device = torch.device(device_type_for(world))
-    args = model_args(settings, settings.get("dim"))
+    args = ratios.shape(settings)
     batch = _batch_fn(settings, rank, device)
-    rows, counted = {}, {}
-    for kind in kinds:
-        model = ratios.build(kind, args)
-        rows[kind] = (kind, model, torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.0))
+    models, counted = {}, {}
+    for row in rows:
+        model = ratios.build(row, args)
+        models[row] = (model, torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.0))
     inputs, targets = batch(0)
-    for kind, (_, model, optimizer) in rows.items():  # the first warm-up step, counted
-        with fsdp_int8.count_collectives() as counter:
-            ratios.train_step(kind, model, optimizer, inputs, targets, clip=False)
-        counted[kind] = dict(all_gather=counter.total_bytes("all_gather_single"), sent_per_rank=counter.wire_bytes())
-    times = ratios.time_interleaved(rows, lambda step: batch(step + 1), settings["timed_steps"],
+    for row, (model, optimizer) in models.items():  # the first warm-up step, counted
+        with count_collectives() as counter:
+            ratios.train_step(model, optimizer, inputs, targets, clip=False)
+        counted[row] = dict(all_gather=counter.total_bytes("all_gather_single"), sent_per_rank=counter.wire_bytes())
+    times = ratios.time_interleaved(models, lambda step: batch(step + 1), settings["timed_steps"],
                                     settings["warmup"] - 1, clip=False)
-    return {kind: dict(counted[kind], step_s=statistics.median(times[kind]), times=times[kind]) for kind in kinds}
+    return {row: dict(counted[row], step_s=statistics.median(times[row]), times=times[row]) for row in rows}
 
 
 def _run(body, world: int, *args) -> dict | str:
@@ -182,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = dict(preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                     lr=args.lr, threads=args.threads, eval_batches=8, max_bytes=8_000_000,
                     timed_steps=args.timed_steps, warmup=3)
-    model = model_args(settings)
+    model = ratios.shape(settings)
     params = sum(p.numel() for p in Transformer(model).parameters())
     lines: list[str] = []
 
@@ -195,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.world_size} ranks on {device_type_for(args.world_size)}, {args.threads} thread(s) each; "
         f"{args.steps} steps of torch AdamW (lr {args.lr}); step times: {args.timed_steps} steps per row "
         f"interleaved in one launch; fsdp_int8 rows compute in bf16 with compiled kernels")
-    say(f"{_hardware.hardware_line(device_type_for(args.world_size))}; Python {platform.python_version()}")
+    say(f"{hardware.hardware_line(device_type_for(args.world_size))}; Python {platform.python_version()}")
     try:
         import torchao
 
@@ -203,31 +192,34 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         say("torchao: not installed (pip install -e '.[bench]'): its rows are skipped")
     say()
-    results: dict[str, dict | str] = {}
-    for name, (kind, weight_decay) in ROWS.items():
-        if kind == "torchao" and not _has_torchao():
+    results: dict[str, dict | str] = {}  # by label
+    row_of = {label(row, weight_decay): row for row, weight_decay in ROWS}
+    for row, weight_decay in ROWS:
+        name = label(row, weight_decay)
+        if row == "torchao" and not _has_torchao():
             results[name] = "skipped: torchao is not installed"
             continue
-        results[name] = _run(_train_row, args.world_size, kind, weight_decay, settings)
+        results[name] = _run(_train_row, args.world_size, row, weight_decay, settings)
         print(f"  trained {name}: {results[name]}", flush=True)
-    kinds = list(dict.fromkeys(ROWS[n][0] for n, r in results.items() if isinstance(r, dict)))
-    timed = _run(_timed_rows, args.world_size, kinds, settings)
+    timed_rows = list(dict.fromkeys(row_of[n] for n, r in results.items() if isinstance(r, dict)))
+    timed = _run(_timed_rows, args.world_size, timed_rows, settings)
     for name, row in results.items():
         if isinstance(row, dict):
-            row["step_s"] = timed[ROWS[name][0]]["step_s"] if isinstance(timed, dict) else float("nan")
-            row["times"] = timed[ROWS[name][0]]["times"] if isinstance(timed, dict) else []
+            row["step_s"] = timed[row_of[name]]["step_s"] if isinstance(timed, dict) else float("nan")
+            row["times"] = timed[row_of[name]]["times"] if isinstance(timed, dict) else []
 
-    header = (f"| {'row':<28} | {'all-gather / step':>17} | {'collectives / step':>18} | {'step ms':>8} | "
+    width = max(28, *map(len, results))
+    header = (f"| {'row':<{width}} | {'all-gather / step':>17} | {'collectives / step':>18} | {'step ms':>8} | "
               f"{'vs bf16':>7} | {'vs fp32':>7} | {'peak RSS MB':>11} | {'bytes/param':>11} | {'val loss':>8} |")
     say(header)
     say("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
-    bf16, fp32 = results.get("bf16 FSDP2"), results.get("fp32 FSDP2")
+    bf16, fp32 = results.get(label("bf16")), results.get(label("fp32"))
     for name, row in results.items():
         if isinstance(row, str):
-            say(f"| {name:<28} | {row if row.startswith('skipped') else 'failed: ' + row} |")
+            say(f"| {name:<{width}} | {row if row.startswith('skipped') else 'failed: ' + row} |")
             continue
         vs = [f"{_paired(row, base):.2f}x" if isinstance(base, dict) and row["times"] else "-" for base in (bf16, fp32)]
-        say(f"| {name:<28} | {_mb(row['all_gather']):>17} | {_mb(row['collectives']):>18} | "
+        say(f"| {name:<{width}} | {_mb(row['all_gather']):>17} | {_mb(row['collectives']):>18} | "
             f"{row['step_s'] * 1e3:8.1f} | {vs[0]:>7} | {vs[1]:>7} | {row['peak_mb']:11.0f} | "
             f"{row['bytes_per_param']:11.2f} | {row['val_loss']:8.4f} |")
     if not isinstance(timed, dict):
@@ -235,11 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     say("(vs bf16, vs fp32: median over the interleaved rounds of the step time over that baseline's in the "
         "same round: lower is faster)")
 
-    ours, titan, all_bf16 = (results.get(k) for k in
-                             ("fsdp_int8 + int8 gradients", "bf16 FSDP2", "all-bf16 FSDP2 (bf16 reduce)"))
+    ours, titan, all_bf16 = (results.get(label(k)) for k in ("int8-grads", "bf16", "all-bf16"))
     if all(isinstance(r, dict) for r in (ours, titan, all_bf16)):
         say()
-        say(f"Whole-step collective bytes of fsdp_int8 + int8 gradients: "
+        say(f"Whole-step collective bytes of {label('int8-grads')}: "
             f"{ours['collectives'] / titan['collectives']:.3f} of bf16 params + fp32 reduce (torchtitan's "
             f"default; target <= 0.40), {ours['collectives'] / all_bf16['collectives']:.3f} of all-bf16 "
             f"(target <= 0.55). Embeddings, norms and the output head stay in full precision here "
@@ -280,17 +271,18 @@ def main(argv: list[str] | None = None) -> None:
         "< 1.00x at dim 512, weight-only <= 1.00x): " + "; ".join(summary) + ".")
 
     sweep = dict(settings, timed_steps=4 if args.quick else 8, warmup=2)
-    kinds = [k for k, _ in SWEEP_KINDS]
-    labels = dict(SWEEP_KINDS)
+    rows = list(SWEEP_ROWS)
+    labels = {row: label(row) for row in rows}
     say()
     say("How bytes and time grow with the world size (same model, batch per rank fixed; rows interleaved "
         "at every point):")
-    world_rows = _sweep("world", [(world, world, sweep) for world in (1, 2, 4)], kinds, labels, say,
+    world_rows = _sweep("world", [(world, world, sweep) for world in (1, 2, 4)], rows, labels, say,
                         sends=True)
     say()
     say(f"How bytes and time grow with the model width ({args.world_size} ranks; rows interleaved at every point):")
     dims = (128, 256, 512) if args.quick else (128, 256, 512, 1024)
-    width_rows = _sweep("dim", [(dim, args.world_size, dict(sweep, dim=dim)) for dim in dims], kinds, labels, say)
+    width_rows = _sweep("dim", [(dim, args.world_size, dict(sweep, dim=dim, n_heads=max(1, dim // 64)))
+                                for dim in dims], rows, labels, say)
     if args.write_docs:
         from benchmarks.report import write_report
 
@@ -298,23 +290,24 @@ def main(argv: list[str] | None = None) -> None:
         write_report(args.write_docs, command, lines, results, world_rows, width_rows)
 
 
-def _sweep(name: str, points: list[tuple[int, int, dict]], kinds: list[str], labels: dict[str, str],
+def _sweep(name: str, points: list[tuple[int, int, dict]], rows: list[str], labels: dict[str, str],
            say, *, sends: bool = False) -> list[tuple]:
     """Time every row at each ``(key, world size, settings)`` point, interleaved, and say a
-    line per row (with the bytes each rank sends if ``sends``); the ``(key, label, row)``s."""
-    rows = []
+    line per row (with the bytes each rank sends if ``sends``); the ``(key, label, result)``s."""
+    found = []
+    width = max(map(len, labels.values()))
     for key, world, settings in points:
-        point = _run(_timed_rows, world, kinds, settings)
+        point = _run(_timed_rows, world, rows, settings)
         if isinstance(point, str):
             say(f"  {name} {key}: failed: {point}")
             continue
-        for kind in kinds:
-            row = point[kind]
-            rows.append((key, labels[kind], row))
+        for row_name in rows:
+            row = point[row_name]
+            found.append((key, labels[row_name], row))
             sent = f"each rank sends {_mb(row['sent_per_rank']):>12}/step (all collectives), " if sends else ""
-            say(f"  {name} {key:5d}, {labels[kind]:<12}: all-gather {_mb(row['all_gather']):>12}/step, {sent}"
+            say(f"  {name} {key:5d}, {labels[row_name]:<{width}}: all-gather {_mb(row['all_gather']):>12}/step, {sent}"
                 f"step {row['step_s'] * 1e3:7.1f} ms ({_paired(row, point['bf16']):.2f}x bf16)")
-    return rows
+    return found
 
 
 def _full_precision_share(args: ModelArgs) -> float:

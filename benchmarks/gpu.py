@@ -18,8 +18,9 @@ Parts:
   x 4096x4096, 4096x14336, 14336x4096), raw and as ``F.linear`` runs it with an
   ``Int8Weight`` (activation quantization and the scale epilogue included), forward and
   forward + backward: TFLOP/s and the ratio to bf16.
-* ``train``: bf16 FSDP2 against int8 matmuls and weight-only int8 (bf16 compute), FSDP2
-  world size 1, the launcher's ``1b`` preset, rows interleaved step by step: tokens/s, peak
+* ``train``: bf16 FSDP2 against int8 matmuls and weight-only int8 (bf16 compute, compiled
+  kernels: the rows ``bf16``, ``int8-mm``, ``int8`` of ``launch.precisions``), FSDP2 world
+  size 1, the launcher's ``1b`` preset, rows interleaved step by step: tokens/s, peak
   memory, loss after the same steps.
 
 Writes a dated section into docs/gpu.md (``--out``) and its JSON next to it (with the
@@ -43,8 +44,10 @@ import torch.nn.functional as F
 
 import fsdp_int8
 from benchmarks import ratios
-from fsdp_int8 import Int8MatmulConfig, Int8Weight, _hardware, quant
+from fsdp_int8 import Int8MatmulConfig, Int8Weight, hardware
 from fsdp_int8.testing import device_type_for, run_distributed
+from launch.model import PRESETS, next_token_loss
+from launch.precisions import Recipe, build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("checks", "gemm", "train")
@@ -80,17 +83,33 @@ def _check_linear_shapes(device: str) -> None:
             raise AssertionError("in_features=60 ran an int8 GEMM on CUDA")
 
 
+def _compiled_or_eager_step(device: str, compile: bool) -> tuple[torch.Tensor, ...]:
+    """Forward, backward and an SGD step of a bf16 int8-matmul layer; what each wrote."""
+    torch.manual_seed(0)
+    config = fsdp_int8.Int8TrainingConfig(int8_matmul=Int8MatmulConfig(), compile=compile)
+    layer = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(512, 256)).to(torch.bfloat16), config).to(device)
+    x = torch.randn(64, 512, device=device).bfloat16().requires_grad_()
+    out = layer(x)
+    out.float().square().sum().backward()
+    torch.optim.SGD(layer.parameters(), lr=1e-2).step()
+    weight = layer[0].weight
+    return out.detach(), x.grad, weight.int_data.clone(), weight.scale.clone()
+
+
 def _check_compiled_matches_eager(device: str) -> None:
-    x = torch.randn(256, 512, device=device)
-    quant.use_compiled_kernels(False)
-    eager = quant.absmax_quantize(x)
-    quant.use_compiled_kernels(True)
-    try:
-        compiled = quant.absmax_quantize(x)
-        assert quant.compiled_kernels_enabled(), "torch.compile failed and fell back to eager"
-    finally:
-        quant.use_compiled_kernels(False)
-    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    # compile=True runs activation quantization, dequantization and the weight update as
+    # compiled passes with the eager passes' fp32 operations: the same bits. A compile that
+    # fails falls back to eager (with a warning, once per process), which would compare
+    # eager with eager: the profiler must see the compiled regions run.
+    from torch.profiler import ProfilerActivity, profile
+
+    eager = _compiled_or_eager_step(device, compile=False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled = _compiled_or_eager_step(device, compile=True)
+    regions = sum(e.count for e in prof.key_averages() if e.key.startswith("Torch-Compiled Region"))
+    assert regions >= 3, f"{regions} compiled regions ran (forward, backward, update): torch.compile fell back to eager"
+    for name, e, c in zip(("output", "grad_input", "int8 weight", "scales"), eager, compiled):
+        assert torch.equal(e, c), f"{name}: compiled != eager"
 
 
 def _check_deferred_finiteness(device: str) -> None:
@@ -120,22 +139,11 @@ def _check_checkpoint_round_trip(device: str, folder: Path) -> None:
 
 
 def _fsdp_one_rank(rank: int, world: int) -> str:
-    from launch.model import PRESETS, Transformer
-
-    model = fsdp_int8.shard_model(Transformer(PRESETS["tiny"]),
-                                  config=fsdp_int8.Int8TrainingConfig(int8_matmul=Int8MatmulConfig()))
-    device = next(model.parameters()).device
-    model.to_empty(device=device)
-    model.init_weights()
+    device = torch.device(device_type_for(world))
+    model = build_model(Recipe.of("int8-mm"), PRESETS["tiny"], device)  # on meta, sharded, then initialised
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (4, 33), device=device)
-    losses = []
-    for _ in range(3):
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = [ratios.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], clip=False) for _ in range(3)]
     assert losses[-1] < losses[0], losses
     return f"{device.type}: losses {losses[0]:.3f} -> {losses[-1]:.3f}"
 
@@ -190,12 +198,12 @@ def run_gemm(device: str, shapes: list[tuple[int, int, int]]) -> list[dict]:
         grad = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
         flops = 2.0 * tokens * k * n
         times = {
-            "bf16 raw": _hardware.best_seconds(lambda: x @ w.t(), dev, 5),
-            "int8 raw": _hardware.best_seconds(lambda: torch._int_mm(x8, w8.t()), dev, 5),
-            "bf16 linear forward": _hardware.best_seconds(lambda: F.linear(x, plain), dev, 5),
-            "int8 linear forward": _hardware.best_seconds(lambda: F.linear(x, weight), dev, 5),
-            "bf16 linear fwd+bwd": _hardware.best_seconds(lambda: F.linear(xg, plain).backward(grad), dev, 3),
-            "int8 linear fwd+bwd": _hardware.best_seconds(lambda: F.linear(xg, weight).backward(grad), dev, 3),
+            "bf16 raw": hardware.best_seconds(lambda: x @ w.t(), dev, 5),
+            "int8 raw": hardware.best_seconds(lambda: torch._int_mm(x8, w8.t()), dev, 5),
+            "bf16 linear forward": hardware.best_seconds(lambda: F.linear(x, plain), dev, 5),
+            "int8 linear forward": hardware.best_seconds(lambda: F.linear(x, weight), dev, 5),
+            "bf16 linear fwd+bwd": hardware.best_seconds(lambda: F.linear(xg, plain).backward(grad), dev, 3),
+            "int8 linear fwd+bwd": hardware.best_seconds(lambda: F.linear(xg, weight).backward(grad), dev, 3),
         }
         row = dict(tokens=tokens, k=k, n=n)
         for name, seconds in times.items():
@@ -207,17 +215,17 @@ def run_gemm(device: str, shapes: list[tuple[int, int, int]]) -> list[dict]:
 
 
 # ---------------------------------------------------------------- train
-TRAIN_ROWS = ("bf16", "int8-mm", "int8")
+TRAIN_ROWS = ("bf16", "int8-mm", "int8")  # rows of benchmarks.ratios: compiled kernels
 
 
 def _train_body(rank: int, world: int, settings: dict) -> dict:
-    args = ratios.model_args(settings)
+    args = ratios.shape(settings)
     device = torch.device(device_type_for(world))
     cuda = device.type == "cuda"
     rows, memory = {}, {}
-    for kind in settings["rows"]:
-        model = ratios.build(kind, args)
-        rows[kind] = (kind, model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1))
+    for row in settings["rows"]:
+        model = ratios.build(row, args)
+        rows[row] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1))
     data = torch.Generator().manual_seed(rank)
 
     def batch(step: int) -> tuple:
@@ -234,8 +242,7 @@ def _train_body(rank: int, world: int, settings: dict) -> dict:
     times = ratios.time_interleaved(rows, batch, settings["steps"], settings["warmup"], on_step=record_peak)
     inputs, targets = batch(10_000)
     with torch.no_grad():
-        losses = {name: float(F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten()))
-                  for name, (_, model, _) in rows.items()}
+        losses = {name: float(next_token_loss(model, inputs, targets)) for name, (model, _) in rows.items()}
     tokens = settings["batch_size"] * settings["seq_len"] * world
     result = {}
     for name, values in times.items():
@@ -253,8 +260,8 @@ def run_train(dry_run: bool) -> dict:
 
 
 # ---------------------------------------------------------------- report
-def _lines(hardware: str, results: dict) -> list[str]:
-    lines = [hardware, ""]
+def _lines(machine: str, results: dict) -> list[str]:
+    lines = [machine, ""]
     if "checks" in results:
         checks = results["checks"]
         passed = sum(v.startswith("pass") for v in checks.values())
@@ -293,10 +300,10 @@ def _goal_lines(results: dict) -> list[str]:
     return lines
 
 
-def write_docs(out: Path, hardware: str, results: dict, argv: list[str]) -> Path:
+def write_docs(out: Path, machine: str, results: dict, argv: list[str]) -> Path:
     """Append a dated section to ``out`` (docs/gpu.md) and write its JSON beside it."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = [f"## {stamp}: `python -m benchmarks.gpu {' '.join(argv)}`", "", *_lines(hardware, results),
+    section = [f"## {stamp}: `python -m benchmarks.gpu {' '.join(argv)}`", "", *_lines(machine, results),
                *_goal_lines(results), ""]
     if not out.exists():
         out.write_text("# fsdp_int8 on GPUs\n\nEach section below is one run of `python -m benchmarks.gpu`, "
@@ -305,7 +312,7 @@ def write_docs(out: Path, hardware: str, results: dict, argv: list[str]) -> Path
         file.write("\n".join(section) + "\n")
     json_path = out.with_suffix(".json")
     runs = json.loads(json_path.read_text()) if json_path.exists() else []
-    runs.append(dict(date=stamp, argv=argv, hardware=hardware, results=results))
+    runs.append(dict(date=stamp, argv=argv, hardware=machine, results=results))
     json_path.write_text(json.dumps(runs, indent=1) + "\n")
     return out
 
@@ -320,8 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA GPU here: run with --dry-run to check the code path on the CPU")
     device = "cpu" if args.dry_run else "cuda"
-    hardware = _hardware.hardware_line(device)
-    print(hardware, flush=True)
+    machine = hardware.hardware_line(device)
+    print(machine, flush=True)
     parts = PARTS if args.part == "all" else (args.part,)
     results: dict = {}
     if "checks" in parts:
@@ -331,10 +338,10 @@ def main(argv: list[str] | None = None) -> dict:
         results["gemm"] = run_gemm(device, DRY_GEMM_SHAPES if args.dry_run else GEMM_SHAPES)
     if "train" in parts:
         results["train"] = run_train(args.dry_run)
-    print("\n".join(_lines(hardware, results)[2:] + _goal_lines(results)), flush=True)
+    print("\n".join(_lines(machine, results)[2:] + _goal_lines(results)), flush=True)
     out = args.out or (None if args.dry_run else ROOT / "docs" / "gpu.md")
     if out is not None:
-        print(f"written: {write_docs(out, hardware, results, argv)}")
+        print(f"written: {write_docs(out, machine, results, argv)}")
     return results
 
 

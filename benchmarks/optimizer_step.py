@@ -5,8 +5,8 @@
 
 One process, one thread, no FSDP2: each optimizer owns its own int8 weights (the same
 initial values and gradients) and the steps of all of them are interleaved (step 1 of
-every optimizer, then step 2, ...), once with the eager quantization kernels and once with
-the compiled ones. Prints the median milliseconds per step (lower is faster) and each
+every optimizer, then step 2, ...), once with weights whose quantization kernels run
+eagerly and once with weights made with compiled ones (``Int8TrainingConfig(compile=True)``). Prints the median milliseconds per step (lower is faster) and each
 one's ratio to ``Int8AdamW``'s in the same mode.
 """
 
@@ -20,8 +20,7 @@ from typing import Callable
 import torch
 
 import fsdp_int8
-from fsdp_int8 import Int8Weight, _hardware
-from fsdp_int8.quant import use_compiled_kernels
+from fsdp_int8 import Int8Weight, hardware
 
 OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
     "Int8AdamW": lambda p: fsdp_int8.Int8AdamW(p, lr=1e-3, weight_decay=0.1),
@@ -32,11 +31,12 @@ OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer
 }
 
 
-def _weights(count: int, rows: int, cols: int) -> list[torch.nn.Parameter]:
+def _weights(count: int, rows: int, cols: int, compiled: bool) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(0)
     params = []
     for _ in range(count):
-        param = torch.nn.Parameter(Int8Weight.from_float(torch.randn(rows, cols, generator=generator) * 0.02))
+        values = torch.randn(rows, cols, generator=generator) * 0.02
+        param = torch.nn.Parameter(Int8Weight.from_float(values, compiled=compiled))
         param.grad = torch.randn(rows, cols, generator=generator) * 1e-3
         params.append(param)
     return params
@@ -46,8 +46,7 @@ def measure(count: int, rows: int, cols: int, steps: int, warmup: int = 3) -> di
     """``{mode: {optimizer: median seconds per step}}``, modes ``eager`` and ``compiled``."""
     results = {}
     for mode in ("eager", "compiled"):
-        use_compiled_kernels(mode == "compiled")
-        optimizers = {name: make(_weights(count, rows, cols)) for name, make in OPTIMIZERS.items()}
+        optimizers = {name: make(_weights(count, rows, cols, mode == "compiled")) for name, make in OPTIMIZERS.items()}
         times: dict[str, list[float]] = {name: [] for name in optimizers}
         for step in range(warmup + steps):
             for name, optimizer in optimizers.items():
@@ -56,7 +55,6 @@ def measure(count: int, rows: int, cols: int, steps: int, warmup: int = 3) -> di
                 if step >= warmup:
                     times[name].append(time.perf_counter() - began)
         results[mode] = {name: statistics.median(values) for name, values in times.items()}
-    use_compiled_kernels(False)
     return results
 
 
@@ -70,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     print(f"{args.weights} int8 weights [{args.rows}, {args.cols}], stochastic rounding, weight decay 0.1, "
           f"1 thread; median of {args.steps} interleaved steps")
-    print(_hardware.hardware_line())
+    print(hardware.hardware_line())
     results = measure(args.weights, args.rows, args.cols, args.steps)
     print(f"{'kernels':<10}" + "".join(f"{name:>17}" for name in OPTIMIZERS))
     for mode, row in results.items():

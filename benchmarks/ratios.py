@@ -14,20 +14,20 @@ next. Reported, from rank 0: each row's median step time and its ratio to the bf
 row's, and the median over the rounds of the two rows' step-time ratio within a round
 (lower is faster; the paired median cancels load that drifts between rounds).
 
-Rows (every fsdp_int8 row with bf16 compute, as the launcher runs it):
+Rows are recipes of ``launch.precisions`` (``NAME[:OPTION...]``); fsdp_int8 rows compute in
+bf16 with the compiled kernels, as the launcher runs them, unless their options say otherwise:
 
 * ``bf16``: bf16 FSDP2 (bf16 parameters, fp32 gradient reduction: torchtitan's policy),
   the baseline;
 * ``int8-mm``: int8 weights, all three matmuls (output, grad_input, grad_weight) as int8
-  GEMMs (``Int8MatmulConfig()``), compiled kernels on: what the launcher runs by default;
-* ``int8``: weight-only int8 (bf16 matmuls), compiled kernels on;
-* ``int8-mm-eager``: ``int8-mm`` without torch.compile anywhere;
-* ``int8-mm-all``: the same as ``int8-mm`` (the name from when the default kept the weight
-  gradient in bf16);
-* ``int8-mm-wgrad-bf16``: output and grad_input in int8, the weight gradient in bf16
-  (``Int8MatmulConfig(grad_weight=False)``, the default before);
+  GEMMs: what the launcher runs by default;
+* ``int8``: weight-only int8 (bf16 matmuls);
+* ``int8-mm:eager``: ``int8-mm`` without torch.compile anywhere (any fsdp_int8 row takes
+  ``:eager``, and ``:fp32`` for fp32 compute: ``int8:fp32``, ``int8:fp32:eager``);
+* ``int8-mm-wgrad-bf16``: output and grad_input in int8, the weight gradient in bf16;
 * ``int8-grads``: weight-only int8 plus the int8 gradient reduce-scatter;
-* ``fp32``: fp32 FSDP2, for context; ``all-bf16``: bf16 FSDP2 with a bf16 reduction.
+* ``fp32``: fp32 FSDP2, for context; ``all-bf16``: bf16 FSDP2 with a bf16 reduction;
+  ``torchao``: torchao's int8 weight-only training.
 
 ``--profile N`` records N more steps of every row with torch.profiler (interleaved too)
 and prints, per row, the self CPU time per step of each category of ops and the ops that
@@ -47,58 +47,30 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import fsdp_int8
-from fsdp_int8 import _hardware
-from fsdp_int8.quant import use_compiled_kernels
+from fsdp_int8 import hardware
 from fsdp_int8.testing import device_type_for, run_distributed
-from launch.model import Transformer
+from launch.model import ModelArgs, Transformer, model_args, next_token_loss
+from launch.precisions import build_model, parse_row, row_argument
 
-BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-ALL_BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-ROWS = ("bf16", "int8-mm", "int8", "int8-mm-eager", "int8-mm-all", "int8-mm-wgrad-bf16", "int8-grads", "fp32",
-        "all-bf16", "int8-fp32", "int8-fp32-eager")
 DEFAULT_ROWS = ("bf16", "int8-mm", "int8")
-_MATMULS = {
-    "int8-mm": fsdp_int8.Int8MatmulConfig(),
-    "int8-mm-eager": fsdp_int8.Int8MatmulConfig(),
-    "int8-mm-all": fsdp_int8.Int8MatmulConfig(grad_weight=True),
-    "int8-mm-wgrad-bf16": fsdp_int8.Int8MatmulConfig(grad_weight=False),
-}
 
 
-def uses_compiled_kernels(kind: str) -> bool:
-    """fsdp_int8 rows run the compiled kernels (as the launcher does), but ``*-eager``."""
-    return kind.startswith("int8") and not kind.endswith("-eager")
+def shape(settings: dict) -> ModelArgs:
+    """The model of a benchmark's ``settings`` (preset, seq_len, optional dim, n_layers, n_heads)."""
+    return model_args(settings["preset"], seq_len=settings["seq_len"], dim=settings.get("dim"),
+                      n_layers=settings.get("n_layers"), n_heads=settings.get("n_heads"))
 
 
-def build(kind: str, args) -> torch.nn.Module:
-    """The launcher's Transformer, initialised from seed 0 and sharded as row ``kind``."""
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
-    model.to(device_type_for(dist.get_world_size()))
-    if kind == "torchao":
-        from torchao.prototype.quantized_training import int8_weight_only_quantized_training
-        from torchao.quantization import quantize_
-
-        quantize_(model, int8_weight_only_quantized_training())
-        for block in model.layers:
-            fully_shard(block)
-        return fully_shard(model, reshard_after_forward=False)
-    if kind in ("fp32", "bf16", "all-bf16"):
-        policy = {"fp32": None, "bf16": BF16, "all-bf16": ALL_BF16}[kind]
-        return fsdp_int8.shard_model(model, quantize=False, mp_policy=policy)
-    config = fsdp_int8.Int8TrainingConfig(int8_matmul=_MATMULS.get(kind), quantize_gradients=kind == "int8-grads")
-    return fsdp_int8.shard_model(model, config=config, mp_policy=None if "fp32" in kind else BF16)
+def build(row: str, args: ModelArgs) -> torch.nn.Module:
+    """The launcher's Transformer, initialised whole from seed 0 (the same weights in every
+    row) and sharded as ``row`` (fsdp_int8 rows: compiled kernels unless ``:eager``)."""
+    return build_model(parse_row(row, compile=True), args, device_type_for(dist.get_world_size()), full_init=True)
 
 
-def train_step(kind: str, model, optimizer, inputs: torch.Tensor, targets: torch.Tensor, clip: bool = True) -> float:
-    """One training step of row ``kind``, ended by a barrier; returns the loss."""
-    use_compiled_kernels(uses_compiled_kernels(kind))
-    loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+def train_step(model, optimizer, inputs: torch.Tensor, targets: torch.Tensor, clip: bool = True) -> float:
+    """One training step, ended by a barrier; returns the loss."""
+    loss = next_token_loss(model, inputs, targets)
     loss.backward()
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -110,17 +82,17 @@ def train_step(kind: str, model, optimizer, inputs: torch.Tensor, targets: torch
 
 def time_interleaved(rows: dict, batch: Callable[[int], tuple], steps: int, warmup: int, clip: bool = True,
                      on_step: Callable | None = None) -> dict:
-    """``{name: [seconds of each timed step]}`` of ``rows`` (``{name: (kind, model,
-    optimizer)}``), step ``i`` of every row before step ``i + 1`` of any."""
+    """``{name: [seconds of each timed step]}`` of ``rows`` (``{name: (model, optimizer)}``),
+    step ``i`` of every row before step ``i + 1`` of any."""
     times = {name: [] for name in rows}
     names = list(rows)
     for step in range(warmup + steps):
         inputs, targets = batch(step)
         turn = step % len(names)  # rotate the order: no row always runs first (or last)
         for name in names[turn:] + names[:turn]:
-            kind, model, optimizer = rows[name]
+            model, optimizer = rows[name]
             began = time.perf_counter()
-            train_step(kind, model, optimizer, inputs, targets, clip)
+            train_step(model, optimizer, inputs, targets, clip)
             if step >= warmup:
                 times[name].append(time.perf_counter() - began)
             if on_step is not None:
@@ -164,10 +136,10 @@ def profile_interleaved(rows: dict, batch: Callable[[int], tuple], steps: int) -
     walls = {name: [] for name in rows}
     for step in range(steps):
         inputs, targets = batch(10_000 + step)
-        for name, (kind, model, optimizer) in rows.items():
+        for name, (model, optimizer) in rows.items():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 began = time.perf_counter()
-                train_step(kind, model, optimizer, inputs, targets)
+                train_step(model, optimizer, inputs, targets)
                 walls[name].append(time.perf_counter() - began)
             ops = defaultdict(float)
             for event in prof.key_averages():
@@ -181,19 +153,13 @@ def profile_interleaved(rows: dict, batch: Callable[[int], tuple], steps: int) -
     return tables
 
 
-def model_args(settings: dict):
-    from benchmarks.speed_memory import bench_model_args
-
-    return bench_model_args(settings)
-
-
 def _body(rank: int, world: int, settings: dict) -> dict:
     torch.set_num_threads(settings["threads"])
-    args = model_args(settings)
+    args = shape(settings)
     rows = {}
-    for kind in settings["rows"]:
-        model = build(kind, args)
-        rows[kind] = (kind, model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+    for row in settings["rows"]:
+        model = build(row, args)
+        rows[row] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     device = device_type_for(world)
     data = torch.Generator().manual_seed(rank)
 
@@ -223,7 +189,7 @@ def settings_for(dim: int, rows, *, steps: int, warmup: int, n_layers: int = 2, 
 
 def default_baseline(device: str = "cpu") -> str:
     """What users compare with: bf16 FSDP2 where bf16 matmuls are fast, else fp32 FSDP2."""
-    return "bf16" if _hardware.capability(device).bf16_matmul_fast else "fp32"
+    return "bf16" if hardware.capability(device).bf16_matmul_fast else "fp32"
 
 
 def paired_ratio(times: dict, row: str, baseline: str = "bf16") -> float:
@@ -234,11 +200,12 @@ def paired_ratio(times: dict, row: str, baseline: str = "bf16") -> float:
 
 def ratio_lines(times: dict, baseline: str = "bf16") -> list[str]:
     base = statistics.median(times[baseline])
-    lines = [f"{'row':<15} {'median ms':>10} {'ratio of medians':>17} {'median of ratios':>17} "
+    width = max(15, *map(len, times))
+    lines = [f"{'row':<{width}} {'median ms':>10} {'ratio of medians':>17} {'median of ratios':>17} "
              f"{'min ms':>8} {'max ms':>8} {'steps':>6}"]
     for row, values in times.items():
         median = statistics.median(values)
-        lines.append(f"{row:<15} {median * 1e3:10.1f} {median / base:16.2f}x "
+        lines.append(f"{row:<{width}} {median * 1e3:10.1f} {median / base:16.2f}x "
                      f"{paired_ratio(times, row, baseline):16.2f}x {min(values) * 1e3:8.1f} "
                      f"{max(values) * 1e3:8.1f} {len(values):6d}")
     return lines
@@ -254,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="per rank")
-    parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=ROWS)
+    parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), type=row_argument, metavar="ROW",
+                        help="recipes of launch.precisions, NAME[:OPTION...] (e.g. int8-mm:eager, int8:fp32)")
     parser.add_argument("--baseline", default="auto", choices=("auto", "bf16", "fp32"),
                         help="the row ratios are taken against; auto: bf16 FSDP2 where this hardware "
                         "has fast bf16 matmuls, else fp32 FSDP2")
@@ -270,19 +238,19 @@ def main(argv: list[str] | None = None) -> dict:
                             batch_size=args.batch_size, seq_len=args.seq_len, threads=args.threads,
                             profile=args.profile, baseline=baseline)
 
-    shape = model_args(settings)
-    params = sum(p.numel() for p in Transformer(shape).parameters())
-    print(f"model: launcher Transformer, dim {shape.dim}, {shape.n_layers} blocks, {shape.n_heads} heads "
+    model = shape(settings)
+    params = sum(p.numel() for p in Transformer(model).parameters())
+    print(f"model: launcher Transformer, dim {model.dim}, {model.n_layers} blocks, {model.n_heads} heads "
           f"({params / 1e6:.2f}M params); batch {args.batch_size} x {args.seq_len} per rank; "
           f"{args.world_size} ranks ({device_type_for(args.world_size)}), {args.threads} thread(s) each; "
           f"{args.steps} timed steps after {args.warmup}, rows interleaved step by step")
-    hardware = _hardware.hardware_line(device)
-    print(hardware)
+    machine = hardware.hardware_line(device)
+    print(machine)
     result = measure(settings, args.world_size)
     print("\n".join(ratio_lines(result["times"], baseline)))
     if args.json:
         ratios = {row: paired_ratio(result["times"], row, baseline) for row in result["times"]}
-        args.json.write_text(json.dumps(dict(hardware=hardware, settings=settings, baseline=baseline,
+        args.json.write_text(json.dumps(dict(hardware=machine, settings=settings, baseline=baseline,
                                              median_of_ratios=ratios, times=result["times"]), indent=1) + "\n")
     if args.profile:
         print_profile(result["profile"])

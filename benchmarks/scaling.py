@@ -4,10 +4,11 @@
     python -m benchmarks.scaling --measure         # + the check against gloo runs on this machine
     python -m benchmarks.scaling --measure --write-docs docs   # also the tables into docs/scaling.md
 
-Rows (what ``benchmarks.ratios`` calls them): ``bf16`` (bf16 FSDP2: bf16 parameters on
-the wire, fp32 gradient reduce-scatter), ``int8`` (fsdp_int8 weight-only: int8 weights +
-row scales on the wire, bf16 matmuls), ``int8-mm`` (the same wire, output and grad_input
-GEMMs in int8), ``int8-grads`` (weight-only plus the int8 gradient reduce-scatter).
+Rows (precisions of ``launch.precisions``): ``bf16`` (bf16 FSDP2: bf16 parameters on the
+wire, fp32 gradient reduce-scatter), ``int8`` (fsdp_int8 weight-only: int8 weights + row
+scales on the wire, bf16 matmuls), ``int8-mm`` (the same wire, the GEMMs in int8),
+``int8-grads`` (weight-only plus the int8 gradient reduce-scatter) and, projected only,
+``int8-mm-grads`` (``int8-mm`` plus the int8 gradient reduce-scatter).
 
 Per rank and step, with ``P`` parameters, ``N`` ranks, ``T`` tokens per rank:
 
@@ -37,13 +38,14 @@ import argparse
 import math
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("bf16", "int8", "int8-mm", "int8-grads")
+from launch.precisions import PRECISIONS
+
+KINDS = ("bf16", "int8", "int8-mm", "int8-grads")  # measured by the check, and projected
 PROJECTED_KINDS = KINDS + ("int8-mm-grads",)
-LABELS = {"bf16": "bf16 FSDP2", "int8": "int8 weight-only", "int8-mm": "int8 matmuls",
-          "int8-grads": "int8 + int8 grads", "int8-mm-grads": "int8 mm + grads"}
+LABELS = {kind: PRECISIONS[kind].label for kind in PROJECTED_KINDS}
 GRAD_BLOCK = 256  # values per fp32 scale in the int8 reduce-scatter
 
 
@@ -111,14 +113,15 @@ def all_gather_elements(shape: Shape) -> tuple[float, float]:
 
 def step_bytes(shape: Shape, kind: str) -> dict:
     """Bytes of the step's all-gather output buffers and reduce-scatter input buffers (all
-    ranks' shares: what ``fsdp_int8.count_collectives`` reports)."""
+    ranks' shares: what ``fsdp_int8.collectives.count_collectives`` reports)."""
     quantized, full = all_gather_elements(shape)
-    if kind == "bf16":
+    precision = PRECISIONS[kind]
+    if not precision.int8:  # the bf16 baseline
         gather = 2 * (quantized + full)
     else:
         scale_per_weight = sum(o * 4 for o, _ in shape.linear_rows()) / shape.quantized  # 4 / K on average
         gather = (1 + scale_per_weight) * quantized + 2 * full
-    reduce = shape.params * ((1 + 4 / GRAD_BLOCK) if kind.endswith("grads") else 4)
+    reduce = shape.params * ((1 + 4 / GRAD_BLOCK) if precision.int8_gradients else 4)
     return dict(all_gather=gather, reduce_scatter=reduce)
 
 
@@ -164,20 +167,22 @@ def ring_link(world: int, network: Link, gpus_per_node: int = 8) -> Link:
 def compute_seconds(shape: Shape, kind: str, tokens: int, device: Device) -> dict:
     """GEMM, attention and fsdp_int8's memory-bound passes, per rank and step."""
     gemm = 6 * shape.matmul_params * tokens
-    if kind.startswith("int8-mm"):
-        # the default Int8MatmulConfig: output, grad_input and the weight gradient in int8
-        int8_part = 6 * shape.quantized * tokens
+    precision = PRECISIONS[kind]
+    matmuls = precision.int8_matmul
+    if matmuls is not None:
+        # each of output, grad_input and the weight gradient is 2 of the 6 FLOPs per weight and token
+        int8_part = 2 * (matmuls.output + matmuls.grad_input + matmuls.grad_weight) * shape.quantized * tokens
         gemm_s = int8_part / device.int8 + (gemm - int8_part) / device.bf16
     else:
         gemm_s = gemm / device.bf16
     attention_s = 6 * shape.n_layers * shape.seq * shape.dim * tokens / device.bf16
     extra = 0.0
     rows = shape.linear_rows()
-    if kind.startswith("int8-mm"):
+    if matmuls is not None:  # (the default Int8MatmulConfig: all three GEMMs in int8)
         # x and grad_y quantized by rows and by columns (2 bytes in, 1 out, twice each); the
         # int32 output and grad_input dequantized (4 in, 2 out); the int32 weight gradient too
         extra = sum(12 * (o + i) * tokens + 6 * o * i for o, i in rows)
-    elif kind in ("int8", "int8-grads"):  # the weight in bf16 for each of its 2 matmuls: 1 byte in, 2 out
+    elif precision.int8:  # weight-only: the weight in bf16 for each of its 2 matmuls: 1 byte in, 2 out
         extra = sum(2 * 3 * o * i for o, i in rows)
     extra_s = extra / device.memory
     total = (gemm_s + attention_s + extra_s) / device.cores_per_rank
@@ -223,7 +228,8 @@ def projection_lines() -> tuple[list[str], dict]:
         lines.append("")
         lines.append(f"{shape.name}: {shape.params / 1e9:.2f}B params ({shape.quantized / shape.params:.1%} in "
                      f"int8 linears), {tokens} tokens per GPU per step, sequence {shape.seq}")
-        header = (f"{'GPUs':>5} {'network':<20} " + " ".join(f"{LABELS[k]:>18}" for k in PROJECTED_KINDS)
+        widths = {k: max(18, len(LABELS[k])) for k in PROJECTED_KINDS}
+        header = (f"{'GPUs':>5} {'network':<20} " + " ".join(f"{LABELS[k]:>{widths[k]}}" for k in PROJECTED_KINDS)
                   + "  bound (bf16)")
         lines.append(header)
         for network in NETWORKS:
@@ -238,7 +244,7 @@ def projection_lines() -> tuple[list[str], dict]:
                         (world, base / times[k]["total"]))
                 bound = "comm" if times["bf16"]["comm"] > times["bf16"]["compute"] else "compute"
                 lines.append(f"{world:5d} {link.name if world <= 8 else network.name:<20} " + " ".join(
-                    f"{c:>18}" for c in cells) + f"  {bound}")
+                    f"{c:>{widths[k]}}" for c, k in zip(cells, PROJECTED_KINDS)) + f"  {bound}")
     lines.append("")
     lines.append("Each cell: step time and bf16's step time over it (the speed-up, higher is faster).")
     return lines, series
@@ -335,19 +341,19 @@ def _gemm_rates(threads: int) -> tuple[float, float]:
 
 
 def check_lines(dim: int, steps: int, cores: int) -> list[str]:
-    from benchmarks import ratios
     from benchmarks.compare import _timed_rows
+    from fsdp_int8.testing import run_distributed
 
     shape = launcher_shape(f"launcher Transformer dim {dim}", dim, 2, 256)
     tokens = 4 * 256
-    settings = dict(preset="base", dim=dim, n_layers=2, seq_len=256, batch_size=4, threads=1, lr=1e-3,
-                    max_bytes=4_000_000, timed_steps=steps, warmup=3)
+    settings = dict(preset="base", dim=dim, n_layers=2, n_heads=max(1, dim // 64), seq_len=256, batch_size=4,
+                    threads=1, lr=1e-3, max_bytes=4_000_000, timed_steps=steps, warmup=3)
     bf16_rate, int8_rate = _gemm_rates(1)
     cpu = Device("this CPU, 1 thread", bf16=bf16_rate, int8=int8_rate, memory=8e9)
     links = {world: measure_link(world) for world in (2, 4)}
     measured = {}
     for world in (1, 2, 4):
-        measured[world] = ratios.run_distributed(_timed_rows, world, list(KINDS), settings, timeout=3600)[0]
+        measured[world] = run_distributed(_timed_rows, world, list(KINDS), settings, timeout=3600)[0]
     lines = [f"{shape.name}, 2 blocks, heads of 64, batch 4 x 256 per rank, torch AdamW; {steps} steps per row "
              f"interleaved in one launch per world size; {cores} cores, 1 thread per rank.",
              f"Measured here: bf16 GEMM {bf16_rate / 1e9:.0f} GFLOP/s, int8 GEMM {int8_rate / 1e9:.0f} GOP/s "
@@ -355,7 +361,8 @@ def check_lines(dim: int, steps: int, cores: int) -> list[str]:
                  f"{w} ranks: alpha {l.alpha * 1e6:.0f} us, beta {l.beta / 1e9:.2f} GB/s" for w, l in links.items()),
              "Predicted: bytes from the model above; time = compute measured at 1 rank, stretched by the CPU "
              "share (2 cores for N ranks), + alpha-beta communication, no overlap.", ""]
-    lines.append(f"{'ranks':>5} {'row':<18} {'all-gather MB':>14} {'(counted)':>10} {'sent MB/rank':>13} "
+    width = max(18, *(len(LABELS[k]) for k in KINDS))
+    lines.append(f"{'ranks':>5} {'row':<{width}} {'all-gather MB':>14} {'(counted)':>10} {'sent MB/rank':>13} "
                  f"{'(counted)':>10} {'step ms':>8} {'(measured)':>11} {'error':>7}")
     for world in (1, 2, 4):
         for kind in KINDS:
@@ -366,7 +373,7 @@ def check_lines(dim: int, steps: int, cores: int) -> list[str]:
             b = step_bytes(shape, kind)
             gather_mb = b["all_gather"] / 1e6 if world > 1 else 0.0
             sent_mb = (b["all_gather"] + b["reduce_scatter"]) * (world - 1) / world / 1e6
-            lines.append(f"{world:5d} {LABELS[kind]:<18} {gather_mb:14.2f} {row['all_gather'] / 1e6:10.2f} "
+            lines.append(f"{world:5d} {LABELS[kind]:<{width}} {gather_mb:14.2f} {row['all_gather'] / 1e6:10.2f} "
                          f"{sent_mb:13.2f} {row['sent_per_rank'] / 1e6:10.2f} {predicted * 1e3:8.0f} "
                          f"{row['step_s'] * 1e3:11.0f} {predicted / row['step_s'] - 1:+7.0%}")
     gemm_only = {k: compute_seconds(shape, k, tokens, cpu) for k in KINDS}
@@ -396,9 +403,9 @@ def main(argv: list[str] | None = None) -> None:
     check = []
     if args.measure:
         print()
-        from fsdp_int8 import _hardware
+        from fsdp_int8 import hardware
 
-        check = [_hardware.hardware_line(), *check_lines(args.dim, args.steps, args.cores)]
+        check = [hardware.hardware_line(), *check_lines(args.dim, args.steps, args.cores)]
         print("\n".join(check))
     if args.write_docs:
         _write_generated(args.write_docs / "scaling.md", lines, check, argv if argv is not None else sys.argv[1:])

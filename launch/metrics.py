@@ -7,7 +7,10 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MetricsLog:
@@ -77,6 +80,44 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class RunLog:
+    """Rank 0's record of a run: the progress bar and ``metrics.jsonl`` (nothing on the other
+    ranks, which only train)."""
+
+    def __init__(self, path: Path, *, total: int, start: int, resumed: bool, enabled: bool) -> None:
+        self.enabled = enabled
+        self.metrics = MetricsLog(path, resume_step=start if resumed else None) if enabled else None
+        self.progress = Progress(total=total, initial=start, enabled=enabled)
+
+    def start(self, line: str, **record: Any) -> None:
+        """Say ``line`` and record the start event."""
+        if self.enabled:
+            self.progress.write(line)
+            self.metrics.write(event="start", **record)
+
+    def step(self, step: int, loss: "torch.Tensor", lr: float, seconds: float, tokens: int, counter: Any) -> None:
+        """One training step: its loss, learning rate, time, tokens (all ranks) and the
+        bytes its collectives moved (``counter``: a ``CollectiveCounter``)."""
+        if not self.enabled:  # the loss stays on the device: no sync on the other ranks
+            return
+        loss, gathered = loss.item(), counter.total_bytes("all_gather_single")
+        self.progress.update(step, loss, tokens / seconds, gathered)
+        self.metrics.write(step=step, loss=loss, lr=lr, seconds=seconds, tokens_per_s=tokens / seconds,
+                           all_gather_bytes=gathered, collective_bytes=counter.total_bytes())
+
+    def validation(self, step: int, val: float) -> None:
+        if self.enabled:
+            self.metrics.write(step=step, val_loss=val)
+            self.progress.write(f"step {step}: validation loss {val:.4f} ({bits_per_byte(val):.3f} bits/byte)")
+
+    def close(self, step: int, val: float | None) -> None:
+        """Record the end event and close the file and the bar."""
+        self.progress.close()
+        if self.enabled:
+            self.metrics.write(event="end", step=step, val_loss=val)
+            self.metrics.close()
 
 
 def plot_losses(records: list[dict], path: Path, title: str) -> Path | None:

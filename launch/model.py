@@ -43,6 +43,29 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
+def model_args(
+    preset: str, *, seq_len: int, dim: int | None = None, n_layers: int | None = None, n_heads: int | None = None
+) -> ModelArgs:
+    """``PRESETS[preset]`` with the given overrides (``None`` or 0 keeps the preset's) and
+    room for sequences of ``seq_len``: the one shape rule of the launcher and benchmarks.
+
+    Raises:
+        ValueError: the overrides make an invalid shape (``dim`` not divisible by ``n_heads``).
+    """
+    fields = dict(PRESETS[preset].__dict__)
+    overrides = {k: v for k, v in (("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads)) if v}
+    if overrides:
+        fields.update(overrides, hidden_dim=0)  # 0: recomputed from the (new) width
+    fields["max_seq_len"] = max(fields["max_seq_len"], seq_len)
+    return ModelArgs(**fields)
+
+
+def next_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the model's logits for ``inputs`` against ``targets``, taken in
+    fp32 whatever the compute dtype (a bf16 log-softmax would round the loss itself)."""
+    return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -16,28 +16,29 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
-import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdp_int8
-from fsdp_int8 import _dist, _hardware
+from fsdp_int8.collectives import count_collectives
+from fsdp_int8.testing import device_type_for
+from launch import run_dir
 from launch.data import Corpus, load_corpus, sample_batch
-from launch.metrics import MetricsLog, Progress, bits_per_byte, plot_losses, read_metrics
-from launch.model import PRESETS, ModelArgs, Transformer
+from launch.metrics import RunLog, bits_per_byte, plot_losses, read_metrics
+from launch.model import PRESETS, Transformer, model_args, next_token_loss
+from launch.precisions import (AUTO, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, build_model, compile_wanted,
+                               resolve_auto)
 
-PRECISIONS = ("auto", "fp32", "bf16", "int8", "int8-mm", "int8-mm-all", "int8-mm-wgrad-bf16")
+# Everything random derives from --seed: the initial weights (torch.manual_seed), the
+# stochastic rounding of int8 updates (Int8TrainingConfig.seed) and the batches:
+BATCH_SEED_STRIDE = 1_000_003  # a prime above any rank or step count: (seed, rank, step) give distinct seeds
+VALIDATION_SEED = 10_000  # rank r's validation batches come from VALIDATION_SEED + r: the same at every evaluation
 
 
 # ---------------------------------------------------------------- arguments
@@ -54,12 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--n-layers", type=int, help="override the preset's number of blocks")
     model.add_argument("--n-heads", type=int, help="override the preset's attention heads")
     train = parser.add_argument_group("training")
-    train.add_argument("--precision", default="auto", choices=PRECISIONS,
-                       help="auto (default): int8 matmuls where this hardware has a fast int8 GEMM, "
-                       "else int8 weights only; int8-mm: int8 weights + int8 GEMMs for all three "
-                       "matmuls (int8-mm-all is the same; int8-mm-wgrad-bf16 keeps the weight gradient's "
-                       "GEMM in the compute dtype); int8: int8 weights only; fp32 / bf16: the FSDP2 baselines")
-    train.add_argument("--compute-dtype", default="auto", choices=("auto", "fp32", "bf16"),
+    train.add_argument("--precision", default=AUTO, choices=(AUTO, *LAUNCHER_PRECISIONS),
+                       help="auto (default): int8-mm where this hardware has a fast int8 GEMM, else int8; "
+                       + "; ".join(f"{name}: {PRECISIONS[name].help}" for name in LAUNCHER_PRECISIONS))
+    train.add_argument("--compute-dtype", default=AUTO, choices=(AUTO, "fp32", "bf16"),
                        help="compute dtype of int8 runs; auto (default): bf16 where this hardware has "
                        "fast bf16 matmuls, else fp32 (the all-gather is int8 either way)")
     train.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
@@ -101,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out, --overwrite deletes it: pass one")
     try:
-        args.model = model_args(args)
+        args.model = model_args(args.preset, seq_len=args.seq_len, dim=args.dim, n_layers=args.n_layers,
+                                n_heads=args.n_heads)
     except ValueError as error:
         parser.error(str(error))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -110,100 +110,77 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_args(args: argparse.Namespace) -> ModelArgs:
-    preset = PRESETS[args.preset]
-    overrides = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads") if getattr(args, k)}
-    fields = {**preset.__dict__, **overrides}
-    if overrides:
-        fields["hidden_dim"] = 0  # recomputed from the new width
-    fields["max_seq_len"] = max(fields["max_seq_len"], args.seq_len)
-    return ModelArgs(**fields)
+# ---------------------------------------------------------------- the run
+def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
+    """Set up, then train from step 0 (or the latest checkpoint) to --steps."""
+    rank, world, device = setup_distributed()
+    recipe = choose_recipe(args, device)
+    out = Path(args.out)
+    run_dir.prepare(out, mode)  # --out is this job's (and emptied for --overwrite) before any rank reads it
+    model = build_model(recipe, args.model, device, seed=args.seed, replicas=args.replicas)
+    optimizer = make_optimizer(args, model)
+    start = run_dir.resume(out, model, optimizer) if mode == "resume" else 0
+    if start >= args.steps:  # e.g. a restart after the last checkpoint: nothing left to do
+        if rank == 0:
+            print(f"the run in {out} is complete: its checkpoint is at step {start} and --steps is "
+                  f"{args.steps} (raise --steps to train further)", flush=True)
+        return
+    log = RunLog(out / "metrics.jsonl", total=args.steps, start=start, resumed=mode == "resume", enabled=rank == 0)
+    log.start(describe(args, model, corpus, world, device, start),
+              step=start, world_size=world, precision=args.precision, preset=args.preset)
+
+    tokens_per_step = args.batch_size * args.seq_len * world
+    val = None
+    for step in range(start, args.steps):
+        began = time.perf_counter()
+        lr = learning_rate(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, batch_generator(args, rank, step))
+        with count_collectives() as counter:  # the bytes each step moves, for the log
+            loss = next_token_loss(model, inputs.to(device), targets.to(device))
+            loss.backward()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        log.step(step, loss, lr, time.perf_counter() - began, tokens_per_step, counter)
+
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.steps:
+            val = evaluate(model, corpus, args, device)
+            log.validation(done, val)
+        if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
+            fsdp_int8.save_checkpoint(out / run_dir.CHECKPOINTS, model, optimizer, step=done, keep=args.keep,
+                                      extra={"argv": sys.argv[1:]})
+    log.close(args.steps, val)
+    if rank == 0:
+        report(args, world, loss.item(), val)
 
 
-# ---------------------------------------------------------------- set-up
+# ---------------------------------------------------------------- what train() calls, in order
 def setup_distributed() -> tuple[int, int, torch.device]:
-    """Rank, world size and device, from torchrun's environment."""
+    """Rank, world size and device (a GPU per local rank, else the CPU), from torchrun's environment."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    device_type = device_type_for(local_world)
+    if device_type != "cpu":
+        device = torch.device(device_type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    # After a torchrun restart the agent's store still holds the previous attempt's keys,
-    # and gloo would read the dead ranks' addresses from them: give each attempt its own.
-    store, rank, world = next(dist.rendezvous("env://"))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(
-        backend=dist.get_default_backend_for_device(device),
-        store=dist.PrefixStore(f"launch.train/attempt_{attempt}", store),
-        rank=rank, world_size=world,
-    )
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # the node's cores, shared
+    rank, world = run_dir.init_process_group(device)
     return rank, world, device
 
 
-def choose_for_hardware(args: argparse.Namespace, device: torch.device) -> str | None:
-    """Resolve ``auto`` in --precision and --compute-dtype from what ``device`` runs fast.
-
-    Rank 0 decides (its capability check may time a kernel) and every rank takes its
-    choice, so all ranks build the same model. Returns the line that says what was chosen
-    and why (``None`` if nothing was ``auto``).
-    """
-    if args.precision != "auto" and not (args.compute_dtype == "auto" and args.precision.startswith("int8")):
-        return None
-    found = _hardware.capability(device) if _dist.rank() == 0 else None
-    found = _dist.broadcast_from_rank0(found)
-    reasons = []
-    if args.precision == "auto":
-        args.precision = "int8-mm" if found.int8_gemm_fast else "int8"
-        kind = "a fast" if found.int8_gemm_fast else "no fast"
-        reasons.append(f"--precision {args.precision} ({kind} int8 GEMM: {found.int8_evidence})")
-    if args.compute_dtype == "auto" and args.precision.startswith("int8"):
-        args.compute_dtype = "bf16" if found.bf16_matmul_fast else "fp32"
-        kind = "a fast" if found.bf16_matmul_fast else "no fast"
-        reasons.append(f"--compute-dtype {args.compute_dtype} ({kind} bf16 matmul: {found.bf16_evidence})")
-    return f"auto on {found.name}: " + "; ".join(reasons)
-
-
-def int8_matmuls(precision: str) -> fsdp_int8.Int8MatmulConfig | None:
-    """Which matmuls an int8 ``--precision`` runs in int8 (``None``: weight-only)."""
-    if not precision.startswith("int8-mm"):
-        return None
-    return fsdp_int8.Int8MatmulConfig(grad_weight=precision != "int8-mm-wgrad-bf16")
-
-
-def compiled_kernels_wanted(compile: str, dim: int) -> bool:
-    """``--compile``: on, off, or auto (on from width 512, where its start-up cost pays)."""
-    return compile == "on" or (compile == "auto" and dim >= 512)
-
-
-def build_model(args: argparse.Namespace, device: torch.device) -> Transformer:
-    """Build on meta, shard (quantizing for int8), allocate on the device, initialise."""
-    with torch.device("meta"):
-        model = Transformer(args.model)
-    world = dist.get_world_size()
-    mesh = (
-        init_device_mesh(device.type, (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
-        if args.replicas > 1 else init_device_mesh(device.type, (world,))
-    )
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if args.precision.startswith("int8"):
-        fsdp_int8.quant.use_compiled_kernels(compiled_kernels_wanted(args.compile, args.model.dim))
-        fsdp_int8.shard_model(
-            model, mesh=mesh,
-            config=fsdp_int8.Int8TrainingConfig(seed=args.seed, int8_matmul=int8_matmuls(args.precision)),
-            mp_policy=bf16 if args.compute_dtype == "bf16" else None,
-        )
-    else:
-        fsdp_int8.shard_model(model, mesh=mesh, quantize=False,
-                              mp_policy=bf16 if args.precision == "bf16" else None)
-    model.to_empty(device=device)
-    torch.manual_seed(args.seed)
-    with warnings.catch_warnings():  # DTensor's CPU random-op notice; see docs/limits.md
-        warnings.filterwarnings("ignore", message="DTensor random operators")
-        model.init_weights()
-    return model
+def choose_recipe(args: argparse.Namespace, device: torch.device) -> Recipe:
+    """--precision, --compute-dtype and --compile as a recipe, ``auto`` resolved for this
+    hardware (``args`` takes the choices; rank 0 says what it chose and why)."""
+    args.precision, args.compute_dtype, why = resolve_auto(args.precision, args.compute_dtype, device)
+    if why and dist.get_rank() == 0:
+        print(why, flush=True)
+    return Recipe.of(args.precision, args.compute_dtype, compile_wanted(args.compile, args.model.dim))
 
 
 def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.Optimizer:
@@ -212,6 +189,15 @@ def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.
     state_bits = 8 if args.optimizer.endswith("8bit") else 32
     return fsdp_int8.Int8AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                state_bits=state_bits)
+
+
+def describe(args: argparse.Namespace, model: Transformer, corpus: Corpus, world: int, device: torch.device,
+             start: int) -> str:
+    """The run's opening line."""
+    params = sum(p.numel() for p in model.parameters())
+    return (f"{args.precision} {args.preset}: {params / 1e6:.2f}M parameters on {world} x {device.type}; "
+            f"{corpus.train.numel() / 1e6:.1f} MB of text from {corpus.source}"
+            + (f"; resumed at step {start}" if start else ""))
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
@@ -224,175 +210,19 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 
 def batch_generator(args: argparse.Namespace, rank: int, step: int) -> torch.Generator:
     """The batch depends only on (seed, rank, step): a resumed run sees the same data."""
-    return torch.Generator().manual_seed((args.seed * 1_000_003 + rank) * 1_000_003 + step)
-
-
-def loss_on(model: Transformer, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+    return torch.Generator().manual_seed((args.seed * BATCH_SEED_STRIDE + rank) * BATCH_SEED_STRIDE + step)
 
 
 @torch.no_grad()
 def evaluate(model: Transformer, corpus: Corpus, args: argparse.Namespace, device: torch.device) -> float:
-    generator = torch.Generator().manual_seed(10_000 + dist.get_rank())  # the same batches every time
+    """Mean validation loss over --eval-batches per rank, the same batches every time."""
+    generator = torch.Generator().manual_seed(VALIDATION_SEED + dist.get_rank())
     total = torch.zeros((), device=device)
     for _ in range(args.eval_batches):
         inputs, targets = sample_batch(corpus.val, args.batch_size, args.seq_len, generator)
-        total += loss_on(model, inputs.to(device), targets.to(device))
+        total += next_token_loss(model, inputs.to(device), targets.to(device))
     dist.all_reduce(total)
     return total.item() / (args.eval_batches * dist.get_world_size())
-
-
-def restarted_by_torchrun() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-
-
-# ---------------------------------------------------------------- who owns --out
-RUN_RECORD = "run.json"  # in --out: the torchrun job whose checkpoints are there
-
-
-def torchrun_job() -> str | None:
-    """torchrun's id of this job: the same in each of its restarts, new for each torchrun
-    on one node (a uuid); on several nodes it is --rdzv-id (None if left at "none")."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return None if job in ("", "none") else job
-
-
-def _owned_by_this_job(out: Path) -> bool:
-    """Whether --out's checkpoints were written by this torchrun job (in an earlier
-    attempt). Without a job id there is no telling: they are taken as this job's."""
-    job = torchrun_job()
-    if job is None:
-        return True
-    try:
-        return json.loads((out / RUN_RECORD).read_text()).get("torchrun_job") == job
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def start_mode(args: argparse.Namespace) -> str:
-    """How this process starts: ``"fresh"``, ``"resume"`` or ``"overwrite"``.
-
-    Decided from the files alone, before any process group exists and before any rank
-    writes to --out, so every rank decides the same.
-
-    Raises:
-        ValueError: --out holds checkpoints of another run, and neither --resume nor
-            --overwrite says what to do with them.
-    """
-    out = Path(args.out)
-    found = fsdp_int8.latest_checkpoint(out / "checkpoints")
-    if args.resume or (restarted_by_torchrun() and (found is None or _owned_by_this_job(out))):
-        return "resume"
-    if restarted_by_torchrun():
-        raise ValueError(
-            f"this torchrun restart found checkpoints of another run in {out / 'checkpoints'} "
-            f"(newest: {found.name}) and will not resume them: pass --resume to continue that "
-            "run, --overwrite to delete its checkpoints, or use another --out"
-        )
-    if found is None:
-        return "fresh"
-    if args.overwrite:
-        return "overwrite"
-    raise ValueError(
-        f"{out / 'checkpoints'} already holds checkpoints of another run (newest: {found.name}): "
-        "pass --resume to continue that run, --overwrite to delete them and start over, or "
-        "use another --out"
-    )
-
-
-def claim_output(out: Path, mode: str) -> None:
-    """On rank 0 of a job's first attempt: make --out this job's (for its restarts)."""
-    if mode == "overwrite":
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"torchrun_job": torchrun_job(), "argv": sys.argv[1:], "started": time.time()}
-    (out / RUN_RECORD).write_text(json.dumps(record) + "\n")
-
-
-# ---------------------------------------------------------------- the run
-def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
-    rank, world, device = setup_distributed()
-    chosen = choose_for_hardware(args, device)
-    if rank == 0 and chosen:
-        print(chosen, flush=True)
-    out = Path(args.out)
-    checkpoints = out / "checkpoints"
-    if rank == 0 and not restarted_by_torchrun():
-        claim_output(out, mode)
-    dist.barrier()  # --out is claimed (and emptied for --overwrite) before any rank reads it
-    model = build_model(args, device)
-    optimizer = make_optimizer(args, model)
-
-    start = 0
-    if mode == "resume" and fsdp_int8.latest_checkpoint(checkpoints):
-        start = fsdp_int8.load_checkpoint(checkpoints, model, optimizer).step
-    if start >= args.steps:  # e.g. a restart after the last checkpoint: nothing left to do
-        if rank == 0:
-            print(f"the run in {out} is complete: its checkpoint is at step {start} and --steps is "
-                  f"{args.steps} (raise --steps to train further)", flush=True)
-        summary = None
-    else:
-        summary = run_steps(args, corpus, model, optimizer, start, resumed=mode == "resume")
-    del model, optimizer  # free FSDP's state before the process group goes (gloo exit abort)
-    gc.collect()
-    dist.barrier()
-    if rank == 0 and summary is not None:
-        report(args, world, *summary)
-
-
-def run_steps(args: argparse.Namespace, corpus: Corpus, model: Transformer, optimizer: torch.optim.Optimizer,
-              start: int, resumed: bool) -> tuple[float, float | None]:
-    """Train steps ``start`` to ``--steps``, logging, evaluating and checkpointing; the
-    last training loss and validation loss."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = next(model.parameters()).device
-    out = Path(args.out)
-    log = MetricsLog(out / "metrics.jsonl", resume_step=start if resumed else None) if rank == 0 else None
-    progress = Progress(total=args.steps, initial=start, enabled=rank == 0)
-    if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
-        progress.write(
-            f"{args.precision} {args.preset}: {params / 1e6:.2f}M parameters on {world} x {device.type}; "
-            f"{corpus.train.numel() / 1e6:.1f} MB of text from {corpus.source}"
-            + (f"; resumed at step {start}" if start else "")
-        )
-        log.write(event="start", step=start, world_size=world, precision=args.precision, preset=args.preset)
-
-    tokens_per_step = args.batch_size * args.seq_len * world
-    val = None
-    for step in range(start, args.steps):
-        began = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args)
-        inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, batch_generator(args, rank, step))
-        with fsdp_int8.count_collectives() as counter:
-            loss = loss_on(model, inputs.to(device), targets.to(device))
-            loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-        seconds = time.perf_counter() - began
-        if rank == 0:
-            gathered = counter.total_bytes("all_gather_single")
-            progress.update(step, loss.item(), tokens_per_step / seconds, gathered)
-            log.write(step=step, loss=loss.item(), lr=learning_rate(step, args), seconds=seconds,
-                      tokens_per_s=tokens_per_step / seconds, all_gather_bytes=gathered,
-                      collective_bytes=counter.total_bytes())
-        done = step + 1
-        if done % args.eval_every == 0 or done == args.steps:
-            val = evaluate(model, corpus, args, device)
-            if rank == 0:
-                log.write(step=done, val_loss=val)
-                progress.write(f"step {done}: validation loss {val:.4f} ({bits_per_byte(val):.3f} bits/byte)")
-        if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
-            fsdp_int8.save_checkpoint(out / "checkpoints", model, optimizer, step=done, keep=args.keep,
-                                      extra={"argv": sys.argv[1:]})
-    progress.close()
-    if rank == 0:
-        log.write(event="end", step=args.steps, val_loss=val)
-        log.close()
-    return loss.item(), val
 
 
 def report(args: argparse.Namespace, world: int, last_loss: float, val: float | None) -> None:
@@ -417,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print("launch.train runs under torchrun, e.g.: torchrun --nproc_per_node 2 -m launch.train", file=sys.stderr)
         return 2
     try:  # before the process group exists: bad input fails here on every rank, no hang
-        mode = start_mode(args)
+        mode = run_dir.start_mode(Path(args.out), resume=args.resume, overwrite=args.overwrite)
         corpus = load_corpus(args.data, args.max_bytes)
         if corpus.val.numel() <= args.seq_len + 1:
             raise ValueError(
@@ -429,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         train(args, corpus, mode)
+        gc.collect()  # free the model's FSDP state before the process group goes (gloo aborts at exit otherwise)
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

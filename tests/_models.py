@@ -1,4 +1,8 @@
-"""Small models and tasks shared by the single-process tests (not collected by pytest)."""
+"""Small models and tasks shared by the single-process tests (not collected by pytest).
+
+The Llama the tests train is the launcher's own, ``launch.model.Transformer``, at a tiny
+``ModelArgs``: one model in the repository, not a second copy here.
+"""
 
 from __future__ import annotations
 
@@ -31,87 +35,6 @@ def regression_task(
     a = torch.randn(d_in, 48, generator=gen) / math.sqrt(d_in)
     b = torch.randn(48, d_out, generator=gen) / math.sqrt(48)
     return x, torch.tanh(x @ a) @ b * 2.0
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
-        return (x.float() * norm).type_as(x) * self.weight
-
-
-def rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding on ``[B, H, T, D]`` (D even), rotate-half convention."""
-    t, d = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    angles = torch.arange(t, dtype=torch.float32, device=x.device)[:, None] * inv_freq[None, :]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.head_dim = dim // n_heads
-        self.q_proj = nn.Linear(dim, dim, bias=False)
-        self.k_proj = nn.Linear(dim, dim, bias=False)
-        self.v_proj = nn.Linear(dim, dim, bias=False)
-        self.o_proj = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-
-        def heads(proj: nn.Linear) -> torch.Tensor:
-            return proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = rope(heads(self.q_proj)), rope(heads(self.k_proj)), heads(self.v_proj)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, d))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(dim)
-        self.attn = Attention(dim, n_heads)
-        self.mlp_norm = RMSNorm(dim)
-        self.mlp = SwiGLU(dim, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class TinyLlama(nn.Module):
-    """Embedding, one Llama-style block, final RMSNorm and an ``lm_head`` (kept fp32)."""
-
-    def __init__(self, vocab: int = 17, dim: int = 64, n_heads: int = 4, hidden: int = 128) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.block = Block(dim, n_heads, hidden)
-        self.norm = RMSNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(self.block(self.embed(tokens))))
 
 
 def fibonacci_mod_task(

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import fsdp_int8
+import fsdp_int8.sharding
+import fsdp_int8.checkpoint
 from fsdp_int8 import Int8TrainingConfig, Int8Weight, quantize_
 
 from _frameworks import VOCAB, hf_loss, tiny_gpt2, tiny_llama, titan_init, titan_loss, titan_model
@@ -93,7 +95,7 @@ def test_save_pretrained_of_the_exported_state_dict_reloads_in_full_and_in_int8(
     torch.testing.assert_close(hf_loss(plain, tokens), hf_loss(model, tokens))
     # The dequantized values load back into a quantized model as the same int8 values.
     again = quantize_(tiny_llama(seed=1))
-    fsdp_int8.load_full_state_dict(again, plain.state_dict())
+    fsdp_int8.checkpoint.load_full_state_dict(again, plain.state_dict())
     for name, weight in _int8(model).items():
         got = again.get_parameter(name)
         assert torch.equal(got.int_data, weight.int_data), name
@@ -140,7 +142,7 @@ def test_torchtitan_layer_dict_is_found_and_its_init_runs_on_int8_weights():
     torch.manual_seed(0)
     titan_init(plain)
     model = titan_model()
-    assert [id(b) for b in fsdp_int8.find_blocks(model)] == [id(b) for b in model.layers.values()]
+    assert [id(b) for b in fsdp_int8.sharding.find_blocks(model)] == [id(b) for b in model.layers.values()]
     quantize_(model)
     assert len(_int8(model)) == 2 * 5  # wqkv, wo, w1, w2, w3 per layer
     torch.manual_seed(0)

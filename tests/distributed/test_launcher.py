@@ -1,5 +1,6 @@
-"""The torchrun launcher end to end: a real run, a rank killed and restarted, bad input, and
-who may write into an --out that already holds checkpoints."""
+"""The torchrun launcher end to end: a real run, a rank killed and restarted, bad input,
+who may write into an --out that already holds checkpoints, and the precisions it and the
+benchmarks build (launch.precisions)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import torch
 import torch.nn as nn
 
 import fsdp_int8
-from fsdp_int8 import _hardware
-from launch import train
+from benchmarks import ratios
+from fsdp_int8 import hardware
+from fsdp_int8.testing import run_distributed
+from launch import precisions, run_dir, train
 from launch.metrics import read_metrics
-from launch.model import Transformer
+from launch.model import PRESETS, Transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 # A small, fast run: 2 MB of text, 40 steps of 4 x 64 bytes on the tiny preset.
@@ -190,26 +193,30 @@ def test_a_new_run_refuses_another_runs_checkpoints_and_a_finished_run_is_comple
 def test_a_torchrun_restart_resumes_only_its_own_jobs_checkpoints(monkeypatch, tmp_path):
     out = tmp_path / "out"
     fsdp_int8.save_checkpoint(out / "checkpoints", nn.Linear(2, 2), step=5)  # an earlier job's
-    args = train.parse_args(["--out", str(out)])
+
+    def start_mode(*argv: str) -> str:  # as main() decides it
+        args = train.parse_args(["--out", str(out), *argv])
+        return run_dir.start_mode(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     with pytest.raises(ValueError, match="already holds checkpoints of another run"):
-        train.start_mode(args)  # job b's first attempt
+        start_mode()  # job b's first attempt
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarts the refused job
     with pytest.raises(ValueError, match="this torchrun restart found checkpoints of another run"):
-        train.start_mode(args)
-    assert train.start_mode(train.parse_args(["--out", str(out), "--resume"])) == "resume"
+        start_mode()
+    assert start_mode("--resume") == "resume"
 
-    train.claim_output(out, "fresh")  # what job b's first attempt does when it may start
-    assert train.start_mode(args) == "resume"  # its restarts resume its own checkpoints
+    run_dir.claim_output(out, "fresh")  # what job b's first attempt does when it may start
+    assert start_mode() == "resume"  # its restarts resume its own checkpoints
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-c")
     with pytest.raises(ValueError, match="this torchrun restart found checkpoints of another run"):
-        train.start_mode(args)
+        start_mode()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # no id to tell jobs apart: as before
-    assert train.start_mode(args) == "resume"
+    assert start_mode() == "resume"
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
-    assert train.start_mode(train.parse_args(["--out", str(out), "--overwrite"])) == "overwrite"
+    assert start_mode("--overwrite") == "overwrite"
     with pytest.raises(SystemExit):
         train.parse_args(["--out", str(out), "--resume", "--overwrite"])
 
@@ -220,19 +227,71 @@ def test_a_torchrun_restart_resumes_only_its_own_jobs_checkpoints(monkeypatch, t
     [(False, False, "int8", "fp32"), (True, True, "int8-mm", "bf16"), (True, False, "int8-mm", "fp32")],
 )
 def test_auto_precision_follows_the_hardware(monkeypatch, int8_fast, bf16_fast, precision, compute):
-    found = _hardware.Capability("cpu", "a CPU", (), int8_fast, bf16_fast, "int8 evidence", "bf16 evidence")
-    monkeypatch.setattr(_hardware, "capability", lambda device: found)
+    found = hardware.Capability("cpu", "a CPU", (), int8_fast, bf16_fast, "int8 evidence", "bf16 evidence")
+    monkeypatch.setattr(hardware, "capability", lambda device: found)
     args = train.parse_args([])
     assert (args.precision, args.compute_dtype) == ("auto", "auto")  # the defaults
-    line = train.choose_for_hardware(args, torch.device("cpu"))
-    assert (args.precision, args.compute_dtype) == (precision, compute)
+    chosen, dtype, line = precisions.resolve_auto(args.precision, args.compute_dtype, torch.device("cpu"))
+    assert (chosen, dtype) == (precision, compute)
     assert line.startswith("auto on a CPU:") and "int8 evidence" in line and "bf16 evidence" in line
 
 
 def test_explicit_precision_wins_over_auto(monkeypatch):
-    monkeypatch.setattr(_hardware, "capability", lambda device: pytest.fail("asked the hardware"))
-    args = train.parse_args(["--precision", "int8-mm", "--compute-dtype", "bf16"])
-    assert train.choose_for_hardware(args, torch.device("cpu")) is None
-    assert (args.precision, args.compute_dtype) == ("int8-mm", "bf16")
-    args = train.parse_args(["--precision", "fp32"])  # a baseline: no compute dtype to choose
-    assert train.choose_for_hardware(args, torch.device("cpu")) is None
+    monkeypatch.setattr(hardware, "capability", lambda device: pytest.fail("asked the hardware"))
+    cpu = torch.device("cpu")
+    assert precisions.resolve_auto("int8-mm", "bf16", cpu) == ("int8-mm", "bf16", None)
+    # a baseline: no compute dtype to choose
+    assert precisions.resolve_auto("fp32", "auto", cpu) == ("fp32", "auto", None)
+    with pytest.raises(SystemExit):  # the old alias of int8-mm is gone
+        train.parse_args(["--precision", "int8-mm-all"])
+
+
+# ---------------------------------------------------------------- launch.precisions
+def test_a_row_spells_a_precision_and_its_options():
+    parse = precisions.parse_row
+    assert parse("int8-mm", compile=True) == precisions.Recipe(precisions.PRECISIONS["int8-mm"], "bf16", True)
+    assert parse("int8:fp32:eager", compile=True) == precisions.Recipe.of("int8", "fp32", False)
+    assert parse("int8:compiled", compile=False).compile
+    assert parse("bf16", compile=True) == precisions.Recipe.of("bf16", "fp32", True)  # options dropped
+    for name in ("int8-mm", "int8:fp32:eager", "int8:bf16-model", "int8-grads:eager", "all-bf16", "torchao"):
+        assert parse(name, compile=True).name == name  # the spelling of a recipe reads back as it
+    assert parse("int8:fp32:compiled", compile=False).name == "int8:fp32"
+    assert parse("int8-mm-wgrad-bf16:eager", compile=True).label == "int8 matmuls, float wgrad (eager)"
+    for bad, message in (("int8-mm-all", "unknown precision"), ("int8:fp16", "unknown option"),
+                         ("fp32:eager", "takes no options")):
+        with pytest.raises(ValueError, match=message):
+            parse(bad, compile=True)
+    assert set(precisions.LAUNCHER_PRECISIONS) <= set(precisions.PRECISIONS)
+    assert precisions.compile_wanted("auto", 511) is False and precisions.compile_wanted("auto", 512) is True
+
+
+def _every_precision_trains(rank: int, world: int) -> dict:
+    out = {}
+    shape = PRESETS["tiny"]
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    for row in ("fp32", "bf16", "all-bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16", "int8-grads",
+                "int8-mm-grads", "int8:fp32:eager", "int8-mm:bf16-model"):
+        recipe = precisions.parse_row(row, compile=False)
+        for full_init in (False, True):
+            model = precisions.build_model(recipe, shape, "cpu", full_init=full_init)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = [ratios.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], clip=False)
+                      for _ in range(3)]
+            locals_ = [p.to_local() for p in model.parameters()]
+            out[row, full_init] = dict(
+                losses=losses, int8=sum(isinstance(p, fsdp_int8.Int8Weight) for p in locals_),
+                dtypes={p.dtype for p in locals_ if not isinstance(p, fsdp_int8.Int8Weight)},
+            )
+    return out
+
+
+def test_every_precision_builds_shards_and_trains():
+    """Each precision of launch.precisions, built both ways (on meta then initialised by
+    shard, and initialised whole then sharded), trains: its loss falls over 3 steps."""
+    results = run_distributed(_every_precision_trains, 1)[0]
+    for (row, full_init), found in results.items():
+        recipe = precisions.parse_row(row, compile=False)
+        assert found["losses"][-1] < found["losses"][0], (row, full_init, found["losses"])
+        assert (found["int8"] == 7 * PRESETS["tiny"].n_layers) == recipe.precision.int8, (row, found)
+        stored = torch.bfloat16 if recipe.compute_dtype == "bf16-model" else torch.float32
+        assert found["dtypes"] == {stored}, (row, found)

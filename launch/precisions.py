@@ -1,0 +1,302 @@
+"""Every precision the launcher and the benchmarks train in, named once, and the one builder.
+
+A :class:`Precision` says what is stored, sent and multiplied in which format:
+
+* plain FSDP2 baselines (``fully_shard``, no fsdp_int8): ``fp32``; ``bf16``, bf16
+  parameters with an fp32 gradient reduction (torchtitan's default: what users run);
+  ``all-bf16``, the reduction in bf16 too;
+* fsdp_int8: ``int8`` (int8 weights, matmuls in the compute dtype), ``int8-mm`` (all three
+  GEMMs of each linear layer in int8), ``int8-mm-wgrad-bf16`` (the weight gradient's GEMM
+  in the compute dtype), ``int8-grads`` and ``int8-mm-grads`` (``int8`` and ``int8-mm``
+  plus the int8 gradient reduce-scatter);
+* ``torchao``: torchao's int8 weight-only training in the same FSDP2 groups (benchmarks).
+
+How an fsdp_int8 precision runs is orthogonal to it, so it is not part of the name: its
+compute dtype (``bf16``: FSDP2 mixed precision over fp32 parameters; ``fp32``;
+``bf16-model``: the model itself held in bf16, gradients and their reduction too) and
+whether its quantization kernels are ``torch.compile``d. A :class:`Recipe` is a precision
+with those two choices. The launcher takes them as ``--precision``, ``--compute-dtype``
+and ``--compile``; benchmark rows spell them ``NAME[:OPTION...]``::
+
+    int8-mm              bf16 compute, the benchmark's default kernels
+    int8-mm:eager        the same without torch.compile
+    int8:fp32:compiled   weight-only int8, fp32 compute, compiled kernels
+    int8:bf16-model      weight-only int8 in a bf16 model
+
+:func:`build_model` builds and shards the launcher's Transformer for any recipe.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fsdp_int8
+from fsdp_int8 import hardware
+from fsdp_int8.gradients import enable_quantized_reduce_scatter
+from launch.model import ModelArgs, Transformer
+
+BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One precision: its name (CLI and row spelling), table label, and how it is built.
+
+    Attributes:
+        name: What ``--precision`` and benchmark rows call it.
+        label: What tables print.
+        help: One line for ``--help`` and docs.
+        family: ``"fsdp2"`` (a baseline: plain ``fully_shard`` under ``policy``),
+            ``"fsdp_int8"`` (``shard_model`` with ``int8_matmul``), or ``"torchao"``.
+        policy: A baseline's FSDP2 mixed precision (``None``: fp32 throughout).
+        int8_matmul: Which GEMMs an fsdp_int8 precision runs in int8 (``None``: weight-only).
+        int8_gradients: Replace FSDP2's gradient reduce-scatter with fsdp_int8's int8 one.
+    """
+
+    name: str
+    label: str
+    help: str
+    family: str
+    policy: MixedPrecisionPolicy | None = None
+    int8_matmul: fsdp_int8.Int8MatmulConfig | None = None
+    int8_gradients: bool = False
+
+    @property
+    def baseline(self) -> bool:
+        """A plain FSDP2 run, what fsdp_int8 is compared with."""
+        return self.family == "fsdp2"
+
+    @property
+    def int8(self) -> bool:
+        """Built by fsdp_int8: the compute dtype and the compiled kernels apply."""
+        return self.family == "fsdp_int8"
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp32", "fp32 FSDP2", "FSDP2 in fp32", "fsdp2"),
+    Precision("bf16", "bf16 FSDP2", "FSDP2 with bf16 parameters and an fp32 gradient reduction "
+              "(torchtitan's default)", "fsdp2", policy=BF16_POLICY),
+    Precision("all-bf16", "all-bf16 FSDP2 (bf16 reduce)", "FSDP2 with bf16 parameters and a bf16 "
+              "gradient reduction", "fsdp2",
+              policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+    Precision("int8", "int8 weight-only", "int8 weights, matmuls in the compute dtype", "fsdp_int8"),
+    Precision("int8-mm", "int8 matmuls", "int8 weights and int8 GEMMs for all three matmuls",
+              "fsdp_int8", int8_matmul=fsdp_int8.Int8MatmulConfig()),
+    Precision("int8-mm-wgrad-bf16", "int8 matmuls, float wgrad", "int8-mm with the weight gradient's "
+              "GEMM in the compute dtype", "fsdp_int8",
+              int8_matmul=fsdp_int8.Int8MatmulConfig(grad_weight=False)),
+    Precision("int8-grads", "int8 + int8 gradients", "int8 weights and the int8 gradient reduce-scatter",
+              "fsdp_int8", int8_gradients=True),
+    Precision("int8-mm-grads", "int8 matmuls + int8 gradients", "int8-mm and the int8 gradient reduce-scatter",
+              "fsdp_int8", int8_matmul=fsdp_int8.Int8MatmulConfig(), int8_gradients=True),
+    Precision("torchao", "torchao int8 weight-only", "torchao's int8 weight-only training "
+              "(pip install torchao)", "torchao"),
+)}
+
+# What the launcher's --precision offers besides "auto": the choices it has always had.
+# all-bf16, int8-grads, int8-mm-grads and torchao are rows the benchmarks compare with.
+LAUNCHER_PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16")
+AUTO = "auto"
+
+COMPUTE_DTYPES = ("bf16", "fp32", "bf16-model")  # of fsdp_int8 precisions; bf16 is the default
+_COMPUTE_POLICY = {"bf16": BF16_POLICY, "fp32": None, "bf16-model": None}  # bf16-model: cast, no policy
+COMPILE_OPTIONS = ("compiled", "eager")
+# --compile auto turns the compiled kernels on from this width: below it the kernels are
+# too small for fusion to repay torch.compile's ~15 s of start-up per process.
+COMPILE_FROM_WIDTH = 512
+
+
+def compile_wanted(mode: str, dim: int) -> bool:
+    """``--compile``: ``"on"``, ``"off"``, or ``"auto"`` (on from :data:`COMPILE_FROM_WIDTH`)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"--compile is auto, on or off, not {mode!r}")
+    return mode == "on" or (mode == "auto" and dim >= COMPILE_FROM_WIDTH)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A precision with its run options: what one launcher run or benchmark row trains.
+
+    ``compute_dtype`` and ``compile`` apply to fsdp_int8 precisions only; the others fix
+    their own dtypes (``compute_dtype`` ``None``, ``compile`` ``False``).
+    """
+
+    precision: Precision
+    compute_dtype: str | None = "bf16"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision.int8 and self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+        if not self.precision.int8 and (self.compute_dtype is not None or self.compile):
+            raise ValueError(f"{self.precision.name} fixes its own dtypes and kernels: it takes no options")
+
+    @classmethod
+    def of(cls, name: str, compute_dtype: str = "bf16", compile: bool = False) -> "Recipe":
+        """The recipe of precision ``name``; the options are dropped where it fixes its own."""
+        precision = PRECISIONS[name]
+        if not precision.int8:
+            return cls(precision, None, False)
+        return cls(precision, compute_dtype, compile)
+
+    @property
+    def name(self) -> str:
+        """The row spelling: the precision, then each option that differs from bf16 and
+        compiled (``int8-mm``, ``int8:fp32:eager``)."""
+        options = []
+        if self.precision.int8:
+            options += [self.compute_dtype] if self.compute_dtype != "bf16" else []
+            options += [] if self.compile else ["eager"]
+        return ":".join([self.precision.name, *options])
+
+    @property
+    def label(self) -> str:
+        """The precision's label, with the options that differ from bf16 and compiled."""
+        options = self.name.split(":")[1:]
+        return self.precision.label + (f" ({', '.join(options)})" if options else "")
+
+
+def parse_row(text: str, *, compile: bool) -> Recipe:
+    """The recipe that a benchmark row spells ``NAME[:OPTION...]``; options are a compute
+    dtype (:data:`COMPUTE_DTYPES`) and ``compiled`` or ``eager``, ``compile`` the default.
+
+    Raises:
+        ValueError: an unknown name or option, or options on a precision that takes none.
+    """
+    name, *options = text.split(":")
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}: one of {', '.join(PRECISIONS)}")
+    compute_dtype = "bf16"
+    for option in options:
+        if option in COMPUTE_DTYPES:
+            compute_dtype = option
+        elif option in COMPILE_OPTIONS:
+            compile = option == "compiled"
+        else:
+            raise ValueError(f"unknown option {option!r} in {text!r}: a compute dtype "
+                             f"({', '.join(COMPUTE_DTYPES)}) or {' / '.join(COMPILE_OPTIONS)}")
+    if options and not PRECISIONS[name].int8:
+        raise ValueError(f"{text!r}: {name} fixes its own dtypes and kernels, it takes no options")
+    return Recipe.of(name, compute_dtype, compile)
+
+
+def row_argument(text: str) -> str:
+    """argparse ``type=`` of benchmark ``--rows``: ``text`` if it spells a recipe."""
+    import argparse
+
+    try:
+        parse_row(text, compile=True)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def resolve_auto(precision: str, compute_dtype: str, device: torch.device) -> tuple[str, str, str | None]:
+    """Resolve ``auto`` in ``--precision`` and ``--compute-dtype`` from what ``device`` runs fast.
+
+    ``auto`` precision: ``int8-mm`` with a fast int8 GEMM, else ``int8``; ``auto`` compute
+    dtype (of an int8 precision): ``bf16`` with fast bf16 matmuls, else ``fp32``. Under a
+    process group rank 0 decides (its check may time a kernel) and every rank takes its
+    answer, so all ranks build the same model. Returns the two choices and the line that
+    says what was chosen and why (``None`` if nothing was ``auto``).
+    """
+    needs_compute = compute_dtype == AUTO and (precision == AUTO or PRECISIONS[precision].int8)
+    if precision != AUTO and not needs_compute:
+        return precision, compute_dtype, None
+    found = [hardware.capability(device) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    found = found[0]
+    reasons = []
+    if precision == AUTO:
+        precision = "int8-mm" if found.int8_gemm_fast else "int8"
+        kind = "a fast" if found.int8_gemm_fast else "no fast"
+        reasons.append(f"--precision {precision} ({kind} int8 GEMM: {found.int8_evidence})")
+    if needs_compute:
+        compute_dtype = "bf16" if found.bf16_matmul_fast else "fp32"
+        kind = "a fast" if found.bf16_matmul_fast else "no fast"
+        reasons.append(f"--compute-dtype {compute_dtype} ({kind} bf16 matmul: {found.bf16_evidence})")
+    return precision, compute_dtype, f"auto on {found.name}: " + "; ".join(reasons)
+
+
+# ---------------------------------------------------------------- the builder
+def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, seed: int = 0,
+                replicas: int = 1, full_init: bool = False) -> Transformer:
+    """The launcher's Transformer of shape ``args``, sharded over all ranks for ``recipe``.
+
+    Weights come from ``torch.manual_seed(seed)`` (fsdp_int8's stochastic rounding from
+    ``seed`` too). By default the model is built on the meta device, sharded, allocated on
+    ``device`` and initialised shard by shard: no rank ever holds the whole model, which
+    large models need. ``full_init=True`` initialises the whole model on ``device`` first
+    and then shards it: every rank and every recipe starts from the same weights, which
+    benchmarks that compare recipes need (``torchao`` is built this way only).
+
+    Args:
+        recipe: What to build (see :class:`Recipe`).
+        args: The model's shape.
+        device: Where the shards live (one GPU per rank, or the CPU).
+        seed: Seed of the initial weights and of stochastic rounding.
+        replicas: HSDP: replicate the sharded model over this many groups of ranks.
+        full_init: Initialise the whole model before sharding (see above).
+    """
+    device = torch.device(device)
+    precision = recipe.precision
+    if precision.family == "torchao" and not full_init:
+        raise ValueError("torchao's int8 weights are built from initialised weights: pass full_init=True")
+    if full_init:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = Transformer(args)
+        model.init_weights()
+    else:
+        with torch.device("meta"):
+            model = Transformer(args)
+    if recipe.compute_dtype == "bf16-model":
+        model.to(torch.bfloat16)
+    mesh = _mesh(device.type, replicas)
+    if precision.int8:
+        config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=precision.int8_matmul, compile=recipe.compile)
+        fsdp_int8.shard_model(model, mesh=mesh, config=config, mp_policy=_COMPUTE_POLICY[recipe.compute_dtype])
+        if precision.int8_gradients:
+            enable_quantized_reduce_scatter(model, seed=seed)
+    else:
+        if precision.family == "torchao":
+            from torchao.prototype.quantized_training import int8_weight_only_quantized_training
+            from torchao.quantization import quantize_
+
+            quantize_(model, int8_weight_only_quantized_training())
+        _fully_shard(model, mesh, precision.policy)
+    if not full_init:
+        model.to_empty(device=device)
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():  # DTensor's CPU random-op notice; see docs/limits.md
+            warnings.filterwarnings("ignore", message="DTensor random operators")
+            model.init_weights()
+    return model
+
+
+def _mesh(device_type: str, replicas: int) -> DeviceMesh:
+    """All ranks in one FSDP dimension, or ``(replicate, shard)`` for HSDP."""
+    world = dist.get_world_size()
+    if world % replicas:
+        raise ValueError(f"{replicas} replicas do not divide the world size {world}")
+    if replicas == 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+
+
+def _fully_shard(model: Transformer, mesh: DeviceMesh, policy: MixedPrecisionPolicy | None) -> None:
+    """Plain FSDP2 in the groups ``shard_model`` makes (the embedding, each block, then the
+    root: norm and head), so a baseline gathers and reduces what an fsdp_int8 run does.
+    The last block and the root stay gathered after forward: backward needs them first."""
+    groups = [model.tok_embeddings, *model.layers]
+    options = dict(mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    for index, group in enumerate(groups):
+        fully_shard(group, reshard_after_forward=index < len(groups) - 1, **options)
+    fully_shard(model, reshard_after_forward=False, **options)
