@@ -91,7 +91,7 @@ def main() -> None:
     for spec in _specs(args.torchao):
         print(f"running {spec.name} ...", file=sys.stderr, flush=True)
         reports.append(check_fsdp2_conformance(spec, world_sizes))
-        print(f"  {reports[-1]._counts()} in {reports[-1].seconds:.0f} s", file=sys.stderr, flush=True)
+        print(f"  {reports[-1].summary()} in {reports[-1].seconds:.0f} s", file=sys.stderr, flush=True)
     versions = f"torch {torch.__version__}"
     if args.torchao:
         import torchao

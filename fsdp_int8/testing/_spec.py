@@ -140,14 +140,15 @@ class ConformanceReport:
 
     def table(self) -> str:
         """A markdown table: scenario | result | detail."""
-        lines = [f"{self.spec_name}: {self._counts()} (world sizes {self.world_sizes}, "
+        lines = [f"{self.spec_name}: {self.summary()} (world sizes {self.world_sizes}, "
                  f"{self.seconds:.0f} s)", "", "| scenario | result | detail |", "|---|---|---|"]
         for key, result in self.results.items():
             detail = result.detail.replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {key} | {result.status} | {detail} |")
         return "\n".join(lines)
 
-    def _counts(self) -> str:
+    def summary(self) -> str:
+        """How many scenarios passed, failed and did not apply, in one line."""
         statuses = [r.status for r in self.results.values()]
         return ", ".join(f"{statuses.count(s)} {s}" for s in (PASSED, FAILED, NOT_APPLICABLE))
 
