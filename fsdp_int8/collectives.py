@@ -52,7 +52,7 @@ class CollectiveRecord:
         return self.bytes * (self.world_size - 1) / self.world_size
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not equal records: nested counters leave the active list one by one
 class CollectiveCounter:
     """Records collectives while active; read :attr:`records` or the summaries."""
 

@@ -1,4 +1,5 @@
-"""``quantize_``: swap a model's eligible ``nn.Linear`` weights for ``Int8Weight`` parameters."""
+"""``quantize_``: swap a model's eligible ``nn.Linear`` (and GPT-2 ``Conv1D``) weights for
+``Int8Weight`` parameters."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from fsdp_int8._conv1d import int8_conv1d_, is_conv1d, why_not_convertible
 from fsdp_int8._dist import local_shard
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
@@ -74,37 +76,80 @@ def _named_list(names: list[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _untied_targets(
-    model: nn.Module, config: Int8TrainingConfig
-) -> tuple[list[tuple[str, nn.Module]], list[str]]:
-    """The modules to quantize, and warnings for weights tied to full-precision modules.
+def _selects_conv1d(config: Int8TrainingConfig, module: nn.Module, name: str) -> bool:
+    """``config.should_quantize``'s rule for a GPT-2 ``Conv1D`` (``nx`` in, ``nf`` out
+    features): the filter when there is one, else the skipped names and sizes."""
+    if config.module_filter is not None:
+        return bool(config.module_filter(module, name))
+    if name.rsplit(".", 1)[-1] in config.skip_names:
+        return False
+    return min(module.nx, module.nf) >= config.min_features
+
+
+def _adapter_layers(model: nn.Module) -> set[int]:
+    """Ids of the modules of PEFT adapters (LoRA's ``lora_A`` / ``lora_B``, ...), as each
+    peft tuner layer names them in ``adapter_layer_names`` (no peft import). They are the
+    part that trains: never quantized, whatever their size or name."""
+    found: set[int] = set()
+    for module in model.modules():
+        for attr in getattr(module, "adapter_layer_names", ()):
+            holder = getattr(module, attr, None)
+            if isinstance(holder, nn.Module):
+                found.update(id(m) for m in holder.modules())
+    return found
+
+
+class _Targets(NamedTuple):
+    """What :func:`_targets` found: the layers to quantize and those left alone, named."""
+
+    layers: list[tuple[nn.Module, bool]]  # (module, is a Conv1D: its weight is transposed)
+    tied: list[str]
+    unsupported: list[str]
+
+
+def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
+    """The modules to quantize, and the candidates left alone with the reason.
 
     A weight shared with a module that keeps it in full precision (an ``nn.Embedding``
     tied to the output head) is left alone: quantizing it for one owner would untie it
     (the other would keep a plain weight) or give the other an int8 weight it cannot use.
+    A Conv1D's weight is left alone if anything else holds it: its int8 weight is the
+    transpose, which no other module could use.
     """
-    targets = [
-        (name, module) for name, module in model.named_modules(remove_duplicate=False)
-        if config.should_quantize(module, name)
-    ]
-    target_names = {name for name, _ in targets}
+    selected: list[tuple[str, nn.Module, bool]] = []
+    adapters = _adapter_layers(model)
+    for name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in adapters:
+            continue
+        if config.should_quantize(module, name):
+            selected.append((name, module, False))
+        elif is_conv1d(module) and _selects_conv1d(config, module, name):
+            selected.append((name, module, True))
+    target_names = {name for name, _, _ in selected}
     owners = parameter_owners(model)
-    kept, tied = [], []
-    for name, module in targets:
-        others = [o for o in owners.get(id(module.weight), []) if o not in target_names]
-        if others and not isinstance(module.weight, Int8Weight):
-            tied.append(f"{name} (tied to {', '.join(others)})")
+    found = _Targets([], [], [])
+    seen: set[int] = set()
+    for name, module, transposed in selected:
+        if id(module) in seen:  # one module under two names
+            continue
+        seen.add(id(module))
+        holders = owners.get(id(module.weight), [])
+        if transposed:
+            others = [o for o in holders if model.get_submodule(o) is not module]
+            problem = why_not_convertible(module)
+            if problem is not None:
+                found.unsupported.append(f"{name} ({problem})")
+                continue
         else:
-            kept.append((name, module))
-    return kept, tied
+            others = [o for o in holders if o not in target_names]
+        if others and not isinstance(module.weight, Int8Weight):
+            found.tied.append(f"{name} (tied to {', '.join(others)})")
+        else:
+            found.layers.append((module, transposed))
+    return found
 
 
-def _is_transposed_linear(module: nn.Module) -> bool:
-    """A ``transformers.pytorch_utils.Conv1D`` (GPT-2's linears: weight ``[in, out]``)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
-
-
-def _warn_about_full_precision(model: nn.Module, tied: list[str]) -> None:
+def _warn_about_full_precision(tied: list[str], unsupported: list[str]) -> None:
     """One warning per kind of layer that ``quantize_`` cannot quantize, naming the layers."""
     if tied:
         warnings.warn(
@@ -113,13 +158,10 @@ def _warn_about_full_precision(model: nn.Module, tied: list[str]) -> None:
             "tie_word_embeddings=False) to quantize them.",
             stacklevel=3,
         )
-    transposed = [n for n, m in model.named_modules() if _is_transposed_linear(m)]
-    if transposed:
+    if unsupported:
         warnings.warn(
-            f"quantize_ left {len(transposed)} Conv1D layer(s) in full precision: "
-            f"{_named_list(transposed)}. transformers' Conv1D (GPT-2 style) stores its weight "
-            "as [in, out] and multiplies with addmm, not F.linear; only nn.Linear weights "
-            "are quantized.",
+            f"quantize_ left {len(unsupported)} Conv1D layer(s) in full precision: "
+            f"{_named_list(unsupported)}.",
             stacklevel=3,
         )
 
@@ -173,6 +215,14 @@ def int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Param
     return nn.Parameter(int8, requires_grad=weight.requires_grad)
 
 
+def _transposed_int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Parameter:
+    """A Conv1D's ``[in, out]`` ``weight`` as an ``[out, in]`` int8 parameter: one scale per
+    output feature, rows FSDP2 can shard (contiguous: rows must be whole in memory)."""
+    with torch.no_grad():
+        values = weight.detach().t().contiguous()
+    return int8_parameter(values, config).requires_grad_(weight.requires_grad)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``fully_shard`` (FSDP2) or another DTensor API has touched ``model``."""
     from torch.distributed.fsdp import FSDPModule
@@ -184,6 +234,14 @@ def is_sharded(model: nn.Module) -> bool:
 
 def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.Module:
     """Swap eligible ``nn.Linear`` weights of ``model`` for int8 weights, in place.
+
+    transformers' ``Conv1D`` layers (GPT-2; weight ``[in, out]``) are selected by the same
+    rule (``module_filter`` is offered the Conv1D, or ``skip_names`` and ``min_features``
+    with its ``nx`` / ``nf``) and become ``Int8Conv1D`` modules in place: ``nn.Linear``s
+    over the ``[out, in]`` int8 transpose (one scale per output feature), with GPT-2's
+    state-dict keys. Plain tensors under their keys are GPT-2's ``[in, out]``:
+    ``load_state_dict`` of a GPT-2 state dict works, and ``export_full_state_dict``
+    writes one.
 
     Quantization rounds to nearest; later optimizer updates use the config's rounding.
     Idempotent (already quantized weights are left alone), keeps tied weights tied, and
@@ -197,7 +255,8 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
 
     It warns once, naming them, about layers it leaves in full precision that look like
     candidates: weights tied to a module that is not quantized (an ``nn.Embedding`` tied
-    to the output head) and transformers' ``Conv1D`` layers (GPT-2). It logs the
+    to the output head), and ``Conv1D`` layers it cannot convert (a weight shared with
+    another module, a ``forward`` replaced on the instance). It logs the
     count of int8 weights and elements on the ``fsdp_int8`` logger at INFO.
 
     Args:
@@ -219,24 +278,28 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
     # Build every int8 weight first, then swap: a layer that cannot be quantized raises
     # before the model has changed.
     swapped: dict[int, nn.Parameter] = {}  # tied weights stay tied
-    targets: list[tuple[nn.Module, int]] = []
-    modules, tied = _untied_targets(model, config)
-    for name, module in modules:
+    targets: list[tuple[nn.Module, int, bool]] = []
+    found = _targets(model, config)
+    for module, transposed in found.layers:
         weight = module.weight
         if isinstance(weight, Int8Weight):
             continue
         if id(weight) not in swapped:
-            swapped[id(weight)] = int8_parameter(weight, config)
-        targets.append((module, id(weight)))
-    for module, key in targets:
-        module.weight = swapped[key]
+            make = _transposed_int8_parameter if transposed else int8_parameter
+            swapped[id(weight)] = make(weight, config)
+        targets.append((module, id(weight), transposed))
+    for module, key, transposed in targets:
+        if transposed:  # GPT-2's Conv1D becomes an nn.Linear over the transpose, in place
+            int8_conv1d_(module, swapped[key])
+        else:
+            module.weight = swapped[key]
         module.register_load_state_dict_post_hook(
             _RequantizeAssigned(config.stochastic_rounding, config.int8_matmul, config.compile)
         )
     if swapped:  # a repeated call changes nothing, not even the generator
         # Not sharded yet: every process holds every row, one shard (mesh=None).
         seed_weight_rounding(config.seed)
-    _warn_about_full_precision(model, tied)
+    _warn_about_full_precision(found.tied, found.unsupported)
     logger.info("quantize_: %s", int8_census(model))
     return model
 

@@ -409,3 +409,96 @@ def test_a_hyperparameter_the_optimizer_lacks_is_refused_before_anything_changes
     with pytest.raises(CheckpointError, match=r"does not fit this optimizer \(Int8AdamW\): .*maximize"):
         load_checkpoint(tmp_path, fresh, fresh_opt)
     _assert_unchanged(before, _state_of(fresh, fresh_opt))
+
+
+# ------------------------------------------------------------------ wrapped optimizers
+class _Forwarding:
+    """A hand-written wrapper, as frameworks write them: the optimizer in ``.optimizer``,
+    its ``param_groups``, ``state`` and state-dict methods forwarded, a ``step`` of its own
+    (which a checkpoint must never call: torch primes a fresh optimizer with a step)."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def step(self, closure=None):
+        raise AssertionError("the wrapper's step ran")
+
+
+@pytest.fixture
+def accelerate_state():
+    """accelerate's state is process-wide: leave it (and the environment) as found."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    environ = dict(os.environ)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _wrapped(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer):
+    if kind == "accelerate":
+        from accelerate import Accelerator
+
+        return Accelerator(cpu=True).prepare(model, optimizer)  # one process: no group
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    if kind == "lightning":  # what Trainer hands training_step; its step needs a Trainer
+        return model, LightningOptimizer(optimizer)
+    if kind == "forwarding":
+        return model, _Forwarding(optimizer)
+    return model, LightningOptimizer(_Forwarding(optimizer))  # wrappers of wrappers
+
+
+@pytest.mark.parametrize("kind", ["accelerate", "lightning", "forwarding", "lightning over forwarding"])
+def test_wrapped_optimizers_save_and_load_bit_exactly(tmp_path, kind, accelerate_state):
+    model, opt = _trained()
+    model, wrapped = _wrapped(kind, model, opt)
+    save_checkpoint(tmp_path, model, wrapped, step=2)
+    expected_draw = torch.rand(8, generator=WEIGHT_ROUNDING.generator("cpu"))
+    fresh = fsdp_int8.quantize_(_mlp(seed=1))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)  # no state yet
+    fresh, fresh_wrapped = _wrapped(kind, fresh, fresh_opt)
+    info = load_checkpoint(tmp_path, fresh, fresh_wrapped)
+    assert info.step == 2 and info.rng_restored
+    _assert_same_weights(model, fresh)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), key
+    assert torch.equal(torch.rand(8, generator=WEIGHT_ROUNDING.generator("cpu")), expected_draw)
+    # a fresh wrapped optimizer saves too: torch primes the optimizer inside, not the wrapper
+    unused = fsdp_int8.quantize_(_mlp(seed=2))
+    save_checkpoint(tmp_path / "fresh", *_wrapped(kind, unused, torch.optim.AdamW(unused.parameters())), step=0)
+
+
+def test_an_optimizer_that_only_refers_to_another_is_refused_before_anything_changes(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, model, opt, step=2)
+
+    class OwnState(_Forwarding):  # Lookahead-like: the groups shared, a state of its own
+        state = {}
+
+    fresh = fsdp_int8.quantize_(_mlp(seed=1))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    before = _state_of(fresh, fresh_opt)
+    with pytest.raises(TypeError, match=r"\(OwnState\) wraps AdamW in \.optimizer, but .* not that optimizer's"):
+        load_checkpoint(tmp_path, fresh, OwnState(fresh_opt))
+    with pytest.raises(TypeError, match=r"expected a torch.optim.Optimizer, or a wrapper .* got dict"):
+        save_checkpoint(tmp_path, fresh, {"lr": 1e-2}, step=3)
+    _assert_unchanged(before, _state_of(fresh, fresh_opt))
+    assert not (tmp_path / "step_00000003").exists()

@@ -170,15 +170,60 @@ class Conv1D(nn.Module):
         self.weight = nn.Parameter(torch.randn(nx, nf))
         self.bias = nn.Parameter(torch.zeros(nf))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
 
-def test_conv1d_layers_left_in_full_precision_are_named_once_and_counts_logged(caplog):
-    model = nn.ModuleDict({"c_attn": Conv1D(96, 32), "c_proj": Conv1D(32, 32), "mlp": nn.Linear(32, 32)})
-    with caplog.at_level("INFO", logger="fsdp_int8"):
-        with pytest.warns(UserWarning, match=r"2 Conv1D layer\(s\) in full precision: c_attn, c_proj") as record:
-            quantize_(model)
-    assert len(record) == 1
-    assert "1 int8 weights, 1,024 of 5,280 parameter elements (19%) int8" in caplog.text
-    assert isinstance(model.mlp.weight, Int8Weight) and type(model.c_attn.weight.data) is torch.Tensor
+
+def test_conv1d_layers_are_quantized_per_output_feature_by_the_same_rule(caplog):
+    """GPT-2's Conv1D (recognised without importing transformers) follows nn.Linear's
+    selection, with nx in and nf out features; tests/test_gpt2.py covers the real one."""
+    from fsdp_int8._conv1d import Int8Conv1D
+
+    model = nn.ModuleDict({
+        "c_attn": Conv1D(96, 32), "c_proj": Conv1D(32, 32), "mlp": nn.Linear(32, 32),
+        "narrow": Conv1D(8, 32),  # nf 8 < min_features: kept, silently (as a Linear would be)
+        "head": Conv1D(32, 32),  # skipped by name
+    })
+    before = {name: m.weight.detach().clone() for name, m in model.items()}
+    bias = model.c_attn.bias
+    x = torch.randn(3, 32)
+    expected = model.c_attn(x)
+    with caplog.at_level("INFO", logger="fsdp_int8"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left behind that could have been int8
+        quantize_(model)
+    assert "3 int8 weights, 5,120 of 6,600 parameter elements (78%) int8" in caplog.text
+    assert _int8_names(model) == {"c_attn", "c_proj", "mlp"}
+    layer = model.c_attn
+    assert type(layer) is Int8Conv1D and (layer.in_features, layer.out_features) == (32, 96)
+    assert layer.bias is bias and (layer.nf, layer.nx) == (96, 32)
+    q, s = quantize_rowwise(before["c_attn"].t())  # [out, in]: one scale per output feature
+    assert torch.equal(layer.weight.int_data, q) and torch.equal(layer.weight.scale, s)
+    # the same product as the float layer, up to the int8 rounding of the weight
+    bound = x.abs().sum(-1, keepdim=True) * s / 2
+    assert ((layer(x) - expected).abs() <= bound * (1 + 1e-4) + 1e-6).all()
+    for name in ("narrow", "head"):
+        assert type(model[name]) is Conv1D and torch.equal(model[name].weight, before[name])
+    # the filter is offered Conv1D layers too, and decides alone
+    seen = []
+    model = nn.ModuleDict({"c_attn": Conv1D(96, 32), "narrow": Conv1D(8, 32)})
+    quantize_(model, Int8TrainingConfig(module_filter=lambda m, n: seen.append((type(m), n)) or n == "narrow"))
+    assert seen == [(Conv1D, "c_attn"), (Conv1D, "narrow")] and _int8_names(model) == {"narrow"}
+
+
+def test_conv1d_layers_that_cannot_be_converted_are_named_once():
+    tied = Conv1D(32, 32)
+    embed = nn.Embedding(32, 32)
+    embed.weight = tied.weight  # its int8 weight would be the transpose: no tie survives it
+    hooked = Conv1D(32, 32)
+    hooked.forward = lambda x: x  # as accelerate's hooks replace it, bound to addmm
+    model = nn.ModuleDict({"tied": tied, "embed": embed, "hooked": hooked, "fine": Conv1D(32, 32)})
+    with pytest.warns(UserWarning) as record:
+        quantize_(model)
+    messages = sorted(str(w.message) for w in record)
+    assert len(messages) == 2
+    assert "1 Conv1D layer(s) in full precision: hooked (its forward is replaced on the instance" in messages[0]
+    assert "1 weight(s) in full precision because they are tied to a module that is not quantized: tied (tied to embed)" in messages[1]
+    assert _int8_names(model) == {"fine"} and model.tied.weight is model.embed.weight
 
 
 def test_quantize_seeds_the_rounding_stream_from_config():

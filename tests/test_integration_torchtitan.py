@@ -1,7 +1,8 @@
 """fsdp_int8.integrations.torchtitan in one process: the converter on torchtitan's model
-config, the post-optimizer hook's refusal, enable_int8_training's refusal, and the
+config, the post-optimizer hook's refusal, enable_int8_training's refusal, the
 checkpoint manager's model wrapper on the fused-QKV hooks (torchtitan's own wrapper fails
-there). The 2-rank run (torchtitan's FSDP, CheckpointManager save and load) is
+there), and export_full_state_dict in torchtitan's keys and export_hf_state_dict, through its state-dict adapter, in
+Hugging Face's. The 2-rank run (torchtitan's FSDP, CheckpointManager save and load) is
 tests/distributed/test_examples.py."""
 
 from __future__ import annotations
@@ -153,8 +154,9 @@ def test_model_wrapper_keeps_the_fused_qkv_split_current_where_torchtitans_canno
 
 def test_fsdp_int8_checkpoint_functions_name_the_working_path_for_fused_qkv_hooks(tmp_path):
     """torch's get_model_state_dict cannot map the hook's wq / wk / wv keys, with or without
-    int8: our functions say so and name what works instead. Loading a plain state dict
-    (unsharded) goes through the model's own load_state_dict, whose hook merges the keys."""
+    int8: our checkpoint functions say so and name what works instead (the export: below).
+    Loading a plain state dict (unsharded) goes through the model's own load_state_dict,
+    whose hook merges the keys."""
     from _frameworks import titan_model
 
     fsdp_int8.save_checkpoint(tmp_path / "other", torch.nn.Linear(4, 4), step=1)  # to load from
@@ -162,7 +164,6 @@ def test_fsdp_int8_checkpoint_functions_name_the_working_path_for_fused_qkv_hook
         calls = (
             lambda: fsdp_int8.save_checkpoint(tmp_path / "titan", model, step=1),
             lambda: fsdp_int8.load_checkpoint(tmp_path / "other", model),
-            lambda: fsdp_int8.export_full_state_dict(model),
         )
         for call in calls:
             with pytest.raises(fsdp_int8.checkpoint.CheckpointError, match="fused QKV.*Int8CheckpointManager"):
@@ -194,3 +195,82 @@ def test_rounding_streams_round_trip_through_dcp_and_are_found_only_for_this_ran
     dcp.save({"other": torch.zeros(2)}, checkpoint_id=str(tmp_path / "without"))
     assert not titan._holds_rounding_states(str(tmp_path / "without"), from_hf=False)
     assert not titan._holds_rounding_states(str(tmp_path / "with"), from_hf=True)
+
+
+# ------------------------------------------------------------------ export_full_state_dict (torchtitan keys, HF keys)
+def _trained_int8_titan() -> torch.nn.Module:
+    """A converted debug model, initialised by torchtitan and trained two steps (int8 rows
+    written by the optimizer's stochastic rounding, not only by the init)."""
+    model = _build(titan.Int8LinearConverter.Config().build().convert(titan_config()))
+    torch.manual_seed(0)
+    titan_init(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        titan_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's values as a plain fp32 tensor (int8 weights dequantized)."""
+    return {
+        name: p.dequantize(torch.float32) if isinstance(p, Int8Weight) else p.detach()
+        for name, p in model.named_parameters()
+    }
+
+
+def test_export_full_state_dict_loads_strictly_into_a_plain_torchtitan_model_with_the_int8_values():
+    """torch's get_model_state_dict cannot map the fused-QKV hook's keys: the export falls
+    back to the model's own state dict, whose keys the plain model loads."""
+    model = _trained_int8_titan()
+    exported = fsdp_int8.export_full_state_dict(model, torch.float32)
+    plain = _build(titan_config())  # unconverted: fp32 Linear weights, the fused-QKV hooks
+    assert list(exported) == list(plain.state_dict())  # wq / wk / wv, not wqkv
+    assert not any(isinstance(v, Int8Weight) for v in exported.values())
+    plain.load_state_dict(exported, strict=True)  # its own hook merges wq / wk / wv
+    ours, theirs = _values(model), _values(plain)
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():  # int8 * scale in fp32, bit for bit
+        assert torch.equal(theirs[name], value), name
+    assert all(v.dtype == torch.bfloat16 for v in fsdp_int8.export_full_state_dict(model).values() if v.is_floating_point())
+
+
+def _hf_llama_like_titan_config():
+    """transformers' Llama with titan_config()'s shapes, RoPE (theta 500000, llama3 scaling)
+    and RMSNorm eps: the model torchtitan's Llama3StateDictAdapter converts to."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    )
+    return LlamaForCausalLM(config)
+
+
+def test_export_hf_state_dict_through_torchtitans_adapter_gives_a_hugging_face_llama():
+    """The HF export (keys, and the Q / K rows permuted for HF's RoPE) computes what the
+    int8 torchtitan model computes: the same fp32 values, only the order of fp32 sums may
+    differ (a wrong permutation or row would move logits by their own size)."""
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    model = _trained_int8_titan()
+    config = titan.Int8LinearConverter.Config().build().convert(titan_config())
+    adapter = Llama3StateDictAdapter(config, None)
+    hf_state = titan.export_hf_state_dict(model, adapter, torch.float32)
+    assert "model.layers.1.self_attn.q_proj.weight" in hf_state
+    hf = _hf_llama_like_titan_config()
+    hf.load_state_dict(hf_state, strict=True)
+    # the adapter's way back gives the torchtitan export exactly (permutation undone)
+    native = fsdp_int8.export_full_state_dict(model, torch.float32)
+    back = adapter.from_hf(dict(hf_state))
+    assert back.keys() == native.keys() and all(torch.equal(back[k], native[k]) for k in native)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5 * ours.abs().max().item())

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdp_int8 import _dist
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.checkpoint import _dcp, _files, _fit, _generator_states
+from fsdp_int8.checkpoint._optimizers import innermost_optimizer
 from fsdp_int8.checkpoint.errors import CheckpointError, listing
 
 __all__ = ["CheckpointInfo", "latest_checkpoint", "load_checkpoint"]
@@ -318,7 +319,9 @@ def load_checkpoint(
     Args:
         directory: A checkpoint root (loads ``latest``) or one checkpoint's directory.
         model: The model to load into.
-        optimizer: Its optimizer, to restore its state too (it may be fresh).
+        optimizer: Its optimizer, to restore its state too (it may be fresh); or a wrapper
+            that forwards to it in ``.optimizer`` (accelerate's ``AcceleratedOptimizer``,
+            Lightning's ``LightningOptimizer``): the optimizer inside is loaded.
         step: Load ``step_<step>`` instead of the latest.
         verify: Check every file's size and sha256 against the manifest first.
         strict: Every entry of the model and optimizer must be in the checkpoint and every
@@ -332,7 +335,9 @@ def load_checkpoint(
         CheckpointError: missing, incomplete, truncated or corrupted checkpoints, folders
             without a manifest (unless ``allow_unverified``), checkpoints whose entries or
             shapes do not fit the model or optimizer, and any failure while reading.
+        TypeError: ``optimizer`` is no optimizer and forwards to none.
     """
+    optimizer = innermost_optimizer(optimizer) if optimizer is not None else None
     path = _resolve(directory, step)
     manifest = _manifest(path, allow_unverified)
     if manifest is not None and verify:

@@ -15,6 +15,7 @@ import torch.nn as nn
 from fsdp_int8 import _dist
 from fsdp_int8._version import __version__
 from fsdp_int8.checkpoint import _dcp, _files, _generator_states
+from fsdp_int8.checkpoint._optimizers import innermost_optimizer
 from fsdp_int8.checkpoint.errors import CheckpointError, listing
 
 __all__ = ["save_checkpoint"]
@@ -42,7 +43,8 @@ def save_checkpoint(
     Args:
         directory: The checkpoint root.
         model: The model (sharded or not).
-        optimizer: Its optimizer, if its state should be saved.
+        optimizer: Its optimizer, if its state should be saved; or a wrapper that forwards
+            to it in ``.optimizer`` (accelerate, Lightning): the optimizer inside is saved.
         step: The training step; names the checkpoint.
         extra: JSON-serialisable data saved in the manifest (e.g. the run's arguments).
         keep: Keep only the ``keep`` (>= 1) most recently *written* complete checkpoints,
@@ -55,6 +57,7 @@ def save_checkpoint(
 
     Raises:
         ValueError: ``step < 0`` or ``keep < 1``.
+        TypeError: ``optimizer`` is no optimizer and forwards to none.
         CheckpointError: NaN or Inf in the state (naming the first entries).
     """
     if step < 0:
@@ -64,6 +67,7 @@ def save_checkpoint(
             f"keep must be >= 1 (how many checkpoints to keep, this one included), got {keep}; "
             "pass keep=None to keep every checkpoint"
         )
+    optimizer = innermost_optimizer(optimizer) if optimizer is not None else None
     state = _dcp.training_state(model, optimizer)
     _refuse_non_finite(state)
     final = _files.step_dir(Path(directory), step)

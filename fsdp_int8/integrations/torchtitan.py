@@ -22,6 +22,9 @@ function once the optimizers exist (``ModelSpec.post_optimizer_build_fn``). Here
   saves each rank's stochastic-rounding generators, so a resumed run repeats the
   uninterrupted one bit for bit.
 * :func:`enable_int8_training` applies all three to a ``Trainer.Config`` in one call.
+* :func:`export_state_dict` exports the trained model in full precision, in torchtitan's
+  own keys (its fused-QKV hooks split ``wqkv``) or, through torchtitan's state-dict
+  adapter, in Hugging Face's.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from torchtitan.models.common.linear import Linear
 
 from fsdp_int8 import _dist
 from fsdp_int8._generators import seed_weight_rounding
-from fsdp_int8.checkpoint import _generator_states
+from fsdp_int8.checkpoint import _generator_states, export_full_state_dict
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
@@ -54,6 +57,7 @@ __all__ = [
     "Int8CheckpointManager",
     "int8_post_optimizer_build",
     "enable_int8_training",
+    "export_hf_state_dict",
 ]
 
 logger = logging.getLogger("fsdp_int8")
@@ -324,3 +328,23 @@ def enable_int8_training(trainer_config: Any, converter: Int8LinearConverter.Con
     spec.post_optimizer_build_fn = _chain(spec.post_optimizer_build_fn, int8_post_optimizer_build)
     trainer_config.checkpoint = checkpoint
     return trainer_config
+
+
+def export_hf_state_dict(model: nn.Module, sd_adapter: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """A torchtitan model's plain, full, dequantized state dict in Hugging Face's keys and
+    layout, for ``save_pretrained`` or safetensors: on rank 0 (``{}`` on the others), on
+    CPU. Call on every rank.
+
+    It is ``sd_adapter.to_hf`` of :func:`fsdp_int8.export_full_state_dict` (which gives
+    torchtitan's own keys, the fused ``wqkv`` split into ``wq`` / ``wk`` / ``wv`` by
+    torchtitan's state-dict hook).
+
+    Args:
+        model: A torchtitan model with int8 weights (:class:`Int8LinearConverter`, or
+            ``quantize_`` / ``shard_model``), sharded or not.
+        sd_adapter: torchtitan's state-dict adapter (``to_hf(state_dict)``), e.g.
+            ``Llama3StateDictAdapter(model_config, None)`` or the trainer's ``sd_adapter``.
+        dtype: Floating dtype of every floating entry.
+    """
+    plain = export_full_state_dict(model, dtype)
+    return sd_adapter.to_hf(plain) if _dist.rank() == 0 else {}

@@ -1,0 +1,182 @@
+"""GPT-2's ``Conv1D`` with an int8 weight: :class:`Int8Conv1D`, and its state-dict layout.
+
+``transformers.pytorch_utils.Conv1D`` stores its weight as ``[in, out]`` and computes
+``addmm(bias, x, weight)``. Its output features are the *columns* of that weight, while an
+``Int8Weight`` keeps one scale per *row*; FSDP2 shards dim 0 too. So a quantized Conv1D
+holds the transpose, ``[out, in]``, with one scale per output feature, and multiplies
+with ``F.linear(x, W, b) = x @ W^T + b``: the product Conv1D computed from ``W^T``. As
+far as the computation goes it *is* an ``nn.Linear``. ``quantize_`` turns each selected
+Conv1D into an :class:`Int8Conv1D` in place (``__class__`` assignment, as ``fully_shard``
+does): the module object, its name, hooks, ``nf`` / ``nx`` and its state-dict keys stay
+GPT-2's, and every code path of ``nn.Linear`` with an ``Int8Weight`` (matmuls, sharding,
+optimizers, checkpoints) applies unchanged.
+
+The one difference left is the layout of plain tensors under the layer's ``weight`` key:
+
+* an ``Int8Weight`` (the module's own ``state_dict()``, ``save_checkpoint``) is
+  ``[out, in]``: int8 bytes and scales exact, sharded along dim 0 like the parameter;
+* a plain tensor is GPT-2's ``[in, out]`` (every GPT-2 state dict, and
+  ``export_full_state_dict``'s output): :meth:`Int8Conv1D._load_from_state_dict`
+  transposes it;
+* a plain ``DTensor`` is ``[out, in]``: torch's full-state-dict loading shards the values
+  by the parameter's own placements before the module sees them, so
+  ``load_full_state_dict`` transposes them first (:func:`to_module_layout`).
+
+This module imports no framework: Conv1D is recognised by its name and attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_int8._dist import local_shard
+from fsdp_int8.weight import Int8Weight
+
+__all__ = [
+    "Int8Conv1D", "is_conv1d", "why_not_convertible", "int8_conv1d_", "conv1d_layers",
+    "to_gpt2_layout", "to_module_layout",
+]
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """A ``transformers.pytorch_utils.Conv1D`` (GPT-2's linears: weight ``[nx, nf]``).
+
+    Recognised by name and attributes, so that ``fsdp_int8`` never imports transformers.
+    """
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def why_not_convertible(module: nn.Module) -> str | None:
+    """Why a Conv1D cannot become an :class:`Int8Conv1D`, or ``None`` if it can."""
+    weight = module._parameters.get("weight")
+    if weight is None or weight.dim() != 2 or tuple(weight.shape) != (module.nx, module.nf):
+        return f"its weight is not [nx, nf] = [{module.nx}, {module.nf}]"
+    if not weight.is_floating_point():
+        return f"its weight is {weight.dtype}, not floating"
+    if "forward" in module.__dict__:
+        # accelerate's hooks (device_map) replace forward on the instance with one bound to
+        # Conv1D's addmm, which would multiply by the transposed weight.
+        return "its forward is replaced on the instance (accelerate hooks?)"
+    return None
+
+
+class Int8Conv1D(nn.Linear):
+    """A GPT-2 ``Conv1D`` whose weight is an ``[out, in]`` ``Int8Weight``: an ``nn.Linear``
+    that reads GPT-2's ``[in, out]`` layout from plain state dicts.
+
+    Made by ``quantize_`` from a Conv1D in place; it keeps that module's ``nf`` (out) and
+    ``nx`` (in) attributes. ``state_dict()`` holds the ``[out, in]`` int8 weight under
+    GPT-2's key; ``load_state_dict`` takes that, or a plain ``[in, out]`` tensor (a GPT-2
+    state dict), which it transposes and rounds to nearest.
+    """
+
+    def layout_error(self, key: str, value: torch.Tensor) -> str | None:
+        """Why the plain tensor ``value`` cannot load under this layer's weight ``key``:
+        ``None`` if it is GPT-2's ``[in, out]`` (or of any other shape: torch's own size
+        check names that)."""
+        int8_layout = (self.out_features, self.in_features)
+        if tuple(value.shape) != int8_layout or self.in_features == self.out_features:
+            return None
+        # Refused although it would fit: a square layer could not tell the two layouts
+        # apart, so that no kind of layer guesses, plain tensors are always GPT-2's.
+        return (
+            f"{key}: a plain tensor under a Conv1D weight key must be GPT-2's layout "
+            f"[in, out] = {[self.in_features, self.out_features]} (as export_full_state_dict "
+            f"writes it); got [out, in] = {list(value.shape)}, the int8 module's own layout. "
+            "Transpose it, or load the int8 state dict (model.state_dict()) instead"
+        )
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, local_metadata: dict, strict: bool,
+        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+    ) -> None:
+        key = prefix + "weight"
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and not isinstance(value, (Int8Weight, DTensor)):
+            state_dict = dict(state_dict)  # the caller's dict stays as it was
+            problem = self.layout_error(key, value)
+            if problem is not None:
+                del state_dict[key]
+                error_msgs.append(problem)
+            elif value.dim() == 2 and tuple(value.shape) == (self.in_features, self.out_features):
+                # contiguous: the rows of an Int8Weight built from it (assign=True) must be
+                state_dict[key] = value.t().contiguous()
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+def int8_conv1d_(module: nn.Module, weight: nn.Parameter) -> Int8Conv1D:
+    """Turn the Conv1D ``module`` into an :class:`Int8Conv1D` with ``weight`` (``[nf, nx]``),
+    in place: the same object, so every reference, hook and parent still holds it."""
+    out_features, in_features = weight.shape
+    module.__class__ = Int8Conv1D
+    module.in_features, module.out_features = in_features, out_features
+    module.weight = weight
+    if "bias" not in module._parameters:  # nn.Linear's forward reads self.bias
+        module.register_parameter("bias", None)
+    return module
+
+
+# ------------------------------------------------------------------ whole state dicts
+_TRANSPARENT = ("_checkpoint_wrapped_module", "_orig_mod")  # names torch's FQNs leave out
+
+
+def conv1d_layers(model: nn.Module) -> dict[str, Int8Conv1D]:
+    """Every :class:`Int8Conv1D` of ``model`` by its weight's key in torch's
+    ``get_model_state_dict`` (activation-checkpoint, ``torch.compile`` and DDP wrappers
+    left out of the names, as that function leaves them out)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found: dict[str, Int8Conv1D] = {}
+
+    def visit(module: nn.Module, path: tuple[str, ...]) -> None:
+        if isinstance(module, Int8Conv1D):
+            found[".".join((*path, "weight"))] = module
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            skip = name in _TRANSPARENT or (name == "module" and isinstance(module, DistributedDataParallel))
+            visit(child, path if skip else (*path, name))
+
+    visit(model, ())
+    return found
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(local_shard(value), Int8Weight)
+
+
+def to_gpt2_layout(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (plain, full tensors of ``model``) with each Conv1D weight transposed
+    back to GPT-2's ``[in, out]`` (contiguous: safetensors writes only contiguous tensors)."""
+    keys = conv1d_layers(model).keys() & state_dict.keys()
+    return {k: v.t().contiguous() if k in keys and _plain(v) else v for k, v in state_dict.items()}
+
+
+def to_module_layout(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (plain, full, GPT-2's layout) with the weights of *sharded* Conv1D
+    layers transposed to ``[out, in]`` (contiguous: collectives send it).
+
+    torch's ``set_model_state_dict`` cuts a sharded parameter's rows out of the full
+    value before the module's own load sees it, so the transposition must come first;
+    unsharded layers get the plain value and transpose it themselves.
+
+    Raises:
+        ValueError: a plain Conv1D weight is in the int8 layout ``[out, in]`` (checked for
+            every layer, so that sharded or not the same error comes first).
+    """
+    layers = {
+        k: m for k, m in conv1d_layers(model).items()
+        if k in state_dict and _plain(state_dict[k]) and not isinstance(state_dict[k], DTensor)
+    }
+    for key, layer in layers.items():
+        problem = layer.layout_error(key, state_dict[key])
+        if problem is not None:
+            raise ValueError(problem)
+    sharded = {k for k, m in layers.items() if isinstance(m.weight, DTensor)}
+    return {k: v.t().contiguous() if k in sharded else v for k, v in state_dict.items()}
