@@ -40,8 +40,6 @@ VOCAB, SEQ = 128, 16
 # The base is frozen: its weights never take an optimizer update, so the only rounding
 # left is the merge's, and round to nearest is the better one-off rounding.
 BASE = fsdp_int8.Int8TrainingConfig(stochastic_rounding=False)
-# For shard_model (which quantizes first) once PEFT has wrapped the int8 base: nothing more.
-ALREADY_INT8 = fsdp_int8.Int8TrainingConfig(module_filter=lambda module, name: False)
 
 
 def batch(seed: int, device: torch.device) -> torch.Tensor:
@@ -95,7 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
         lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
         model = get_peft_model(int8_base(device), lora)  # base frozen, LoRA trainable
         if sharded:
-            fsdp_int8.shard_model(model, config=ALREADY_INT8)
+            # the base is int8 already and PEFT's adapter layers are never quantized: shard_model
+            # only shards (the same config: the same seed for the weights' rounding stream)
+            fsdp_int8.shard_model(model, config=BASE)
         base_before = int8_shards(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # the base has no grads
         losses = []

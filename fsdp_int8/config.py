@@ -53,11 +53,16 @@ class Int8TrainingConfig:
             around an unsharded model) draw the same and stay bit-identical.
         module_filter: Decides which ``nn.Linear`` layers are quantized. ``None`` uses
             the default: every ``nn.Linear`` whose name is not in ``skip_names`` and
-            whose in and out features are both at least ``min_features``.
+            whose in and out features are both at least ``min_features``. Only
+            ``nn.Linear`` modules and transformers' ``Conv1D`` modules (GPT-2) are
+            offered; a ``Conv1D`` has ``nx`` (in) and ``nf`` (out) features, not
+            ``in_features`` / ``out_features``. PEFT adapter layers (LoRA's ``lora_A`` /
+            ``lora_B``) are never offered: they stay in full precision.
         skip_names: Last name components that stay in full precision (output heads,
             whose error is the most visible in the loss).
         min_features: Smaller layers stay in full precision: a row of K weights
-            carries a 4-byte scale, so tiny rows save little and lose precision.
+            carries a 4-byte scale, so tiny rows save little and lose precision. For a
+            ``Conv1D`` it is compared with ``nx`` and ``nf``.
         int8_matmul: Run the linear layers' matmuls as int8 GEMMs (see
             :class:`Int8MatmulConfig`); ``None`` (default) keeps weight-only int8, whose
             matmuls run in the compute dtype.

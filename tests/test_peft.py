@@ -160,13 +160,6 @@ def test_shard_models_block_discovery_sees_through_the_peft_wrapper():
     assert blocks[0] is model.base_model.model.model.layers[0]
 
 
-def test_a_config_that_quantizes_nothing_more_keeps_loras_layers_in_full_precision():
-    """What to give quantize_ / shard_model once PEFT has wrapped the int8 base."""
-    model = _lora(fsdp_int8.quantize_(tiny_llama()))
-    fsdp_int8.quantize_(model, Int8TrainingConfig(module_filter=lambda module, name: False))
-    assert len(_int8_weights(model)) == BASE_INT8
-
-
 def test_default_quantize_leaves_peft_adapter_layers_alone():
     """quantize_'s default filter chooses by name and size; LoRA's lora_A / lora_B at rank
     16 pass both, but PEFT names them as adapter layers: they stay in full precision."""

@@ -22,9 +22,9 @@ function once the optimizers exist (``ModelSpec.post_optimizer_build_fn``). Here
   saves each rank's stochastic-rounding generators, so a resumed run repeats the
   uninterrupted one bit for bit.
 * :func:`enable_int8_training` applies all three to a ``Trainer.Config`` in one call.
-* :func:`export_state_dict` exports the trained model in full precision, in torchtitan's
-  own keys (its fused-QKV hooks split ``wqkv``) or, through torchtitan's state-dict
-  adapter, in Hugging Face's.
+* :func:`fsdp_int8.export_full_state_dict` exports the trained model in full precision in
+  torchtitan's own keys (its fused-QKV hooks split ``wqkv``); :func:`export_hf_state_dict`
+  does it through torchtitan's state-dict adapter, in Hugging Face's keys.
 """
 
 from __future__ import annotations
