@@ -11,8 +11,12 @@ back to nearest into int8 shards (exact for weights as quantized), so each rank 
 rank 0's weights, still int8. The loop trains a few steps; ``accelerator.save_state``
 writes a torch.distributed.checkpoint (``SHARDED_STATE_DICT``: each rank its int8 shards,
 exactly) or a full ``torch.save`` (``FULL_STATE_DICT``), and ``accelerator.load_state``
-restores every int8 byte. On CPU, accelerate would pick DDP: ``_accelerate_cpu`` switches
-it to FSDP2 (gloo); on GPUs it changes nothing.
+restores every int8 byte. ``accelerator.save_model`` writes raw safetensors bytes, which an
+int8 weight does not have: ``save_pretrained`` of the gathered state dict writes the int8
+rows with their scales instead (the model carries fsdp_int8's transformers quantizer,
+``attach_hf_quantizer``), and ``from_pretrained`` reads them back exactly. On CPU,
+accelerate would pick DDP: ``_accelerate_cpu`` switches it to FSDP2 (gloo); on GPUs it
+changes nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
                         choices=["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
     args = parser.parse_args(argv)
     from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_int8.integrations.hf_quantizer import attach_hf_quantizer
 
     with accelerate_session():
         plugin = FullyShardedDataParallelPlugin(
@@ -48,6 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator = fsdp2_accelerator(plugin)
         rank = accelerator.process_index
         model = fsdp_int8.quantize_(tiny_llama(seed=rank))  # each rank its own init: rank 0's must win
+        attach_hf_quantizer(model)  # save_pretrained writes int8 rows + scales
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         model, optimizer = accelerator.prepare(model, optimizer)
 
@@ -77,7 +85,20 @@ def main(argv: list[str] | None = None) -> dict:
             moved = not same(int8_shards(model), saved)
             accelerator.load_state(box[0])
             reload_exact = moved and same(int8_shards(model), saved)
+            # Instead of accelerator.save_model: every rank gathers, rank 0 writes.
+            full = accelerator.get_state_dict(model)
+            hf_dir = f"{box[0]}/hf"
+            accelerator.unwrap_model(model).save_pretrained(
+                hf_dir, state_dict=full, is_main_process=accelerator.is_main_process
+            )
             accelerator.wait_for_everyone()
+            pretrained_exact = None
+            if rank == 0:
+                trained = {k: v for k, v in full.items() if isinstance(v, fsdp_int8.Int8Weight)}
+                pretrained_exact = len(trained) == int8_count(model) and same(
+                    int8_shards(AutoModelForCausalLM.from_pretrained(hf_dir)),
+                    {f"{k}.{part}": getattr(w, part) for k, w in trained.items() for part in ("int_data", "scale")},
+                )
         finally:
             if rank == 0:
                 shutil.rmtree(box[0], ignore_errors=True)
@@ -87,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
             "loaded_from_rank0_exact": loaded_from_rank0,
             "state_dict_type": args.state_dict_type,
             "reload_exact": reload_exact,
+            "save_pretrained_exact": pretrained_exact,  # checked on rank 0
         }
     if rank == 0:
         print(result)

@@ -1,17 +1,18 @@
-"""Hugging Face ``Trainer`` with FSDP2 and int8 weights: train, save_model, reload, resume.
+"""Hugging Face ``Trainer`` with FSDP2 and int8 weights: load, train, save_model, reload, resume.
 
     pip install "fsdp_int8[hf]"
     torchrun --nproc-per-node 2 examples/hf_trainer.py
 
-A tiny Llama (from a config, no download) is quantized before the Trainer sees it;
-``fsdp_config={"fsdp_version": 2, ...}`` makes accelerate shard it with FSDP2.
-``Int8Trainer`` (``fsdp_int8.integrations.hf``) is the stock Trainer except that its model
-saves hand safetensors the dequantized weights (safetensors cannot write an int8 weight's
-memory as floats) and its checkpoints keep the stochastic-rounding generator. With
-``state_dict_type: FULL_STATE_DICT`` ``save_model`` writes a plain ``model.safetensors``
-that ``from_pretrained`` loads and ``quantize_`` rounds back to the trained int8 values;
-checkpoints (``save_steps``) also hold the exact int8 state dict, and
-``train(resume_from_checkpoint=...)`` continues bit-exactly. On CPU, accelerate would pick
+A tiny Llama (from a config, no download) is written to a folder, standing in for a Hub
+checkpoint, and loaded the transformers way: ``from_pretrained(..., quantization_config=
+Int8TrainingHfConfig())`` quantizes each weight as it is read, on the meta device first.
+The stock ``transformers.Trainer`` then needs nothing else: ``fsdp_config={"fsdp_version":
+2, ...}`` makes accelerate shard the int8 weights with FSDP2, checkpoints (``save_steps``)
+and ``save_model`` write the int8 rows with their fp32 scales (``model.safetensors``) and
+``quantization_config`` into ``config.json``, and ``from_pretrained`` of the saved folder
+gives back the same int8 bytes. ``Int8Trainer`` (``fsdp_int8.integrations.hf``) adds the
+stochastic-rounding generator to the checkpoints, so that ``train(resume_from_checkpoint=
+...)`` repeats the uninterrupted run's losses bit for bit. On CPU, accelerate would pick
 DDP: ``_accelerate_cpu`` switches it to FSDP2 (gloo); on GPUs it changes nothing.
 """
 
@@ -48,55 +49,75 @@ def losses_of(trainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
+def same_int8(model, trained: dict[str, fsdp_int8.Int8Weight]) -> bool:
+    mine = dict(model.named_parameters())
+    return len(trained) > 0 and all(
+        isinstance(mine[k], fsdp_int8.Int8Weight)
+        and torch.equal(mine[k].int_data, w.int_data) and torch.equal(mine[k].scale, w.scale)
+        for k, w in trained.items()
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-2)
     args = parser.parse_args(argv)
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from transformers import LlamaForCausalLM, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from transformers.utils import logging
 
     from fsdp_int8.integrations.hf import Int8Trainer
+    from fsdp_int8.integrations.hf_quantizer import Int8TrainingHfConfig
 
     logging.set_verbosity_error()
+    half = args.steps // 2
     with accelerate_session():
-        root = tempfile.mkdtemp() if os.environ.get("RANK", "0") == "0" else None
-        training = TrainingArguments(
-            output_dir=root or "unused", use_cpu=on_cpu(), fsdp=True,
-            fsdp_config={
-                "fsdp_version": 2, "state_dict_type": "FULL_STATE_DICT",
-                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-            },
-            max_steps=args.steps, save_steps=args.steps // 2, per_device_train_batch_size=4,
-            learning_rate=args.lr, logging_steps=1, report_to=[], disable_tqdm=True,
-        )
-        box = [root]
+
+        def training(output_dir: str) -> TrainingArguments:
+            out = TrainingArguments(
+                output_dir=output_dir, use_cpu=on_cpu(), fsdp=True,
+                fsdp_config={
+                    "fsdp_version": 2, "state_dict_type": "FULL_STATE_DICT",
+                    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                },
+                max_steps=args.steps, save_steps=half, per_device_train_batch_size=4,
+                learning_rate=args.lr, logging_steps=1, report_to=[], disable_tqdm=True,
+            )
+            fsdp2_accelerator(FullyShardedDataParallelPlugin(**out.fsdp_plugin_args))
+            return out
+
+        def int8_llama():  # quantized while loading: no full-precision copy of the model
+            return AutoModelForCausalLM.from_pretrained(base, quantization_config=Int8TrainingHfConfig())
+
+        plain_args = training("unused")  # also starts the process group (accelerate's state)
+        box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)  # every rank writes into rank 0's folder
-        root = training.output_dir = box[0]
-        fsdp2_accelerator(FullyShardedDataParallelPlugin(**training.fsdp_plugin_args))
+        root = box[0]
+        plain_args.output_dir = os.path.join(root, "plain")
         try:
-            trainer = Int8Trainer(model=fsdp_int8.quantize_(tiny_llama(0)), args=training, train_dataset=Patterns())
+            base = os.path.join(root, "base")
+            if dist.get_rank() == 0:
+                tiny_llama(0).save_pretrained(base)
+            dist.barrier()
+            # 1. The stock Trainer: train, checkpoint, save_model, reload.
+            trainer = Trainer(model=int8_llama(), args=plain_args, train_dataset=Patterns())
             trainer.train()
-            losses = losses_of(trainer)
             final = os.path.join(root, "final")
             trainer.save_model(final)
             # The trained int8 weights, whole, on rank 0: compare the reload with them.
             full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             reload_exact = None
             if trainer.args.process_index == 0:
-                reloaded = fsdp_int8.quantize_(LlamaForCausalLM.from_pretrained(final))
                 trained = {k: v for k, v in full.items() if isinstance(v, fsdp_int8.Int8Weight)}
-                mine = dict(reloaded.named_parameters())
-                reload_exact = len(trained) > 0 and all(
-                    torch.equal(mine[k].int_data, w.int_data)
-                    and torch.allclose(mine[k].scale, w.scale, rtol=2 ** -23, atol=0)
-                    for k, w in trained.items()
-                )
-            # Resume from the mid-run checkpoint into a model with other weights.
-            resumed = Int8Trainer(model=fsdp_int8.quantize_(tiny_llama(1)), args=training, train_dataset=Patterns())
-            resumed.train(resume_from_checkpoint=os.path.join(root, f"checkpoint-{args.steps // 2}"))
-            half = args.steps // 2
+                reload_exact = same_int8(AutoModelForCausalLM.from_pretrained(final), trained)
+            # 2. Int8Trainer, the same run, then resumed from its mid-run checkpoint.
+            exact_args = training(os.path.join(root, "exact"))
+            exact = Int8Trainer(model=int8_llama(), args=exact_args, train_dataset=Patterns())
+            exact.train()
+            resumed = Int8Trainer(model=int8_llama(), args=exact_args, train_dataset=Patterns())
+            resumed.train(resume_from_checkpoint=os.path.join(root, "exact", f"checkpoint-{half}"))
+            losses, exact_losses = losses_of(trainer), losses_of(exact)
             again = {s: v for s, v in losses_of(resumed).items() if s > half}  # steps run again
             result = {
                 "losses": [losses[s] for s in sorted(losses)],
@@ -104,8 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
                 "int8_weights_resumed": int8_count(resumed.model),
                 "saved_files": sorted(os.listdir(final)),
                 "reload_exact": reload_exact,
+                "int8_trainer_matches_trainer": exact_losses == losses,
                 "resumed_losses": [again[s] for s in sorted(again)],
-                "resume_matches": len(again) == args.steps - half and all(again[s] == losses[s] for s in again),
+                "resume_matches": len(again) == args.steps - half
+                and all(again[s] == exact_losses[s] for s in again),
             }
             dist.barrier()
         finally:

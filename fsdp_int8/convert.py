@@ -20,6 +20,12 @@ from fsdp_int8.weight import Int8Weight
 
 __all__ = ["quantize_", "init_int8_weights_", "is_sharded", "dequantize_all"]
 
+# Called as hook(model, config) after quantize_ swapped weights of a model. The framework
+# adapters sit above this module, so they register here instead of being imported:
+# fsdp_int8.integrations adds the one that gives transformers models their quantizer (so
+# save_pretrained writes int8 rows and scales), at `import fsdp_int8`.
+AFTER_QUANTIZE: list[Callable[[nn.Module, Int8TrainingConfig], None]] = []
+
 
 def dequantize_all(tree: Any, dtype: torch.dtype | None = None) -> Any:
     """Replace every ``Int8Weight`` in a pytree by its dequantized plain tensor."""
@@ -299,6 +305,8 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
     if swapped:  # a repeated call changes nothing, not even the generator
         # Not sharded yet: every process holds every row, one shard (mesh=None).
         seed_weight_rounding(config.seed)
+        for hook in AFTER_QUANTIZE:
+            hook(model, config)
     _warn_about_full_precision(found.tied, found.unsupported)
     logger.info("quantize_: %s", int8_census(model))
     return model

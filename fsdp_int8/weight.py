@@ -246,12 +246,16 @@ class Int8Weight(torch.Tensor):
         """
         raise RuntimeError(
             "Int8Weight has no storage of its floating dtype (it holds int8 rows with fp32 "
-            "scales), so raw-bytes writers such as safetensors cannot save it. Save the "
-            "dequantized values instead: model.save_pretrained(path, "
-            "state_dict=fsdp_int8.export_full_state_dict(model, dtype)) or "
-            "safetensors.torch.save_file(fsdp_int8.export_full_state_dict(model, dtype), file); "
-            "a transformers Trainer: use fsdp_int8.integrations.hf.Int8Trainer (or its "
-            "Int8SaveMixin); for an exact int8 checkpoint use fsdp_int8.save_checkpoint."
+            "scales), so raw-bytes writers such as safetensors cannot save it. A transformers "
+            "model saves its int8 rows and scales once it has fsdp_int8's quantizer: "
+            "from_pretrained(..., quantization_config=Int8TrainingHfConfig()), or "
+            "attach_hf_quantizer(model) after quantize_ (both in "
+            "fsdp_int8.integrations.hf_quantizer); then save_pretrained and the Trainer work, "
+            "and instead of accelerator.save_model call accelerator.unwrap_model(model)."
+            "save_pretrained(path, state_dict=accelerator.get_state_dict(model)) on every rank "
+            "(unsharded save_state: safe_serialization=False). Dequantized values: "
+            "fsdp_int8.export_full_state_dict(model, dtype); an exact int8 checkpoint of any "
+            "model: fsdp_int8.save_checkpoint."
         )
 
     def __deepcopy__(self, memo: dict) -> "Int8Weight":

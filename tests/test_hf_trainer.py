@@ -1,12 +1,13 @@
-"""Single-process checks of ``fsdp_int8.integrations.hf`` and of ``load_state_dict(assign=True)``
-into a quantized model (the multi-process flows are in tests/distributed/test_examples.py).
+"""Single-process checks of transformers' ``Trainer`` and accelerate on int8 models, and of
+``load_state_dict(assign=True)`` into a quantized model (the multi-process flows are in
+tests/distributed/test_integrations_distributed.py and tests/distributed/test_examples.py).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,41 +23,122 @@ from _frameworks import VOCAB, tiny_llama  # noqa: E402
 
 class _Patterns(torch.utils.data.Dataset):
     def __len__(self) -> int:
-        return 8
+        return 16
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         tokens = (torch.arange(16) * 3 + i) % VOCAB
         return {"input_ids": tokens, "labels": tokens}
 
 
-def _trainer(cls, root: str):
+def _args(output_dir, steps: int = 4):
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir=root, use_cpu=True, max_steps=2, report_to=[], disable_tqdm=True)
-    return cls(model=fsdp_int8.quantize_(tiny_llama()), args=args, train_dataset=_Patterns())
+    return TrainingArguments(
+        output_dir=str(output_dir), use_cpu=True, max_steps=steps, save_steps=steps // 2,
+        per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1, report_to=[], disable_tqdm=True,
+    )
 
 
-def test_stock_trainer_save_is_refused_naming_the_fix_and_int8_trainer_saves():
-    from transformers import LlamaForCausalLM, Trainer
+def _losses(trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
+
+def _int8_bytes(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {n: (p.int_data.clone(), p.scale.clone()) for n, p in model.named_parameters() if isinstance(p, Int8Weight)}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
+
+
+def _from_pretrained_int8(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_int8.integrations.hf_quantizer import Int8TrainingHfConfig
+
+    if not (tmp_path / "float").exists():
+        tiny_llama().save_pretrained(tmp_path / "float")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=Int8TrainingHfConfig())
+
+
+def test_the_stock_trainer_checkpoints_saves_and_resumes_an_int8_model(tmp_path):
+    """A model loaded with quantization_config (quantize_ + attach_hf_quantizer: the DDP case
+    of tests/distributed/test_integrations_distributed.py)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, Trainer
+
+    trainer = Trainer(model=_from_pretrained_int8(tmp_path), args=_args(tmp_path / "run"), train_dataset=_Patterns())
+    trainer.train()
+    with safe_open(tmp_path / "run" / "checkpoint-2" / "model.safetensors", framework="pt") as saved:
+        assert saved.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.int8
+        assert saved.get_tensor("model.layers.0.mlp.up_proj.weight_scale").dtype == torch.float32
+    trainer.save_model(tmp_path / "final")
+    trained = _int8_bytes(trainer.model)
+    assert len(trained) == 14 and _same(_int8_bytes(AutoModelForCausalLM.from_pretrained(tmp_path / "final")), trained)
+
+    # resume_from_checkpoint: load_state_dict of the int8 rows and scales, then train on.
+    resumed = Trainer(model=_from_pretrained_int8(tmp_path), args=_args(tmp_path / "run"), train_dataset=_Patterns())
+    at_checkpoint = {}
+    original = resumed._load_from_checkpoint
+
+    def load_and_look(*args, **kwargs):
+        original(*args, **kwargs)
+        at_checkpoint.update(_int8_bytes(resumed.model))
+
+    resumed._load_from_checkpoint = load_and_look
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    from_file = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2")
+    assert _same(at_checkpoint, _int8_bytes(from_file))  # every byte of the checkpoint came back
+    assert len(_int8_bytes(resumed.model)) == 14
+    # Step 3 runs on exactly the checkpoint's weights; later steps round with another stream.
+    assert _losses(resumed)[3] == _losses(trainer)[3]
+
+
+def test_int8_trainer_resumes_bit_exactly_and_attaches_the_quantizer_itself(tmp_path):
     from fsdp_int8.integrations.hf import Int8Trainer
+    from fsdp_int8.integrations.hf_quantizer import Int8TrainingHfQuantizer
 
-    with tempfile.TemporaryDirectory() as root:
-        with pytest.raises(RuntimeError, match="Int8Trainer"):
-            _trainer(Trainer, root).save_model(f"{root}/stock")
-        trainer = _trainer(Int8Trainer, root)
-        trainer.save_model(f"{root}/int8")
-        plain = LlamaForCausalLM.from_pretrained(f"{root}/int8")
-        for name, param in trainer.model.named_parameters():
-            reloaded = plain.get_parameter(name)
-            if isinstance(param, Int8Weight):  # the dequantized values, in the weight's dtype
-                assert reloaded.dtype == param.dtype and torch.equal(reloaded, param.dequantize()), name
-            else:
-                assert torch.equal(reloaded, param), name
-        requantized = fsdp_int8.quantize_(plain)
-        for name, param in trainer.model.named_parameters():
-            if isinstance(param, Int8Weight):
-                assert torch.equal(requantized.get_parameter(name).int_data, param.int_data), name
+    def run(**kwargs):
+        model = fsdp_int8.quantize_(tiny_llama())  # no quantizer: Int8Trainer attaches it
+        trainer = Int8Trainer(model=model, args=_args(tmp_path), train_dataset=_Patterns())
+        assert isinstance(trainer.model.hf_quantizer, Int8TrainingHfQuantizer)
+        trainer.train(**kwargs)
+        return trainer
+
+    first = run()
+    assert os.path.isfile(tmp_path / "checkpoint-2" / "int8_rounding_0.pth")
+    resumed = run(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert [_losses(resumed)[s] for s in (3, 4)] == [_losses(first)[s] for s in (3, 4)]
+    assert _same(_int8_bytes(resumed.model), _int8_bytes(first.model))
+
+
+def test_accelerate_saves_through_save_pretrained_and_state_through_torch_save(tmp_path):
+    """accelerate's safetensors writers read raw bytes: save_model and the unsharded
+    save_state refuse an int8 weight, naming what works instead (both tested here)."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    accelerator = Accelerator(cpu=True)
+    from fsdp_int8.integrations.hf_quantizer import attach_hf_quantizer
+
+    model = attach_hf_quantizer(fsdp_int8.quantize_(tiny_llama()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    with pytest.raises(RuntimeError, match=r"unwrap_model\(model\)\.save_pretrained"):
+        accelerator.save_model(model, tmp_path / "refused")
+    with pytest.raises(RuntimeError, match="safe_serialization=False"):
+        accelerator.save_state(tmp_path / "refused")
+
+    accelerator.unwrap_model(model).save_pretrained(tmp_path / "hf", state_dict=accelerator.get_state_dict(model))
+    saved = _int8_bytes(model)
+    assert _same(_int8_bytes(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")), saved)
+    accelerator.save_state(tmp_path / "state", safe_serialization=False)
+    tokens = (torch.arange(16) * 3) % VOCAB
+    accelerator.backward(model(input_ids=tokens[None], labels=tokens[None]).loss)
+    optimizer.step()
+    assert not _same(_int8_bytes(model), saved)
+    accelerator.load_state(tmp_path / "state")
+    assert _same(_int8_bytes(model), saved)
 
 
 def test_assigning_a_float_weight_keeps_the_layer_int8():

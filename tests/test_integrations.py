@@ -71,12 +71,20 @@ def test_accelerate_re_maps_the_optimizer_by_data_ptr_onto_the_right_weights():
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
 
 
-def test_save_pretrained_refuses_at_once_naming_export_full_state_dict(tmp_path):
-    """safetensors reads raw bytes, which an int8 weight does not have as floats."""
+def test_save_pretrained_of_a_quantized_model_writes_int8_rows_and_scales(tmp_path):
+    """quantize_ gives a transformers model fsdp_int8's quantizer: a plain save_pretrained
+    writes each int8 weight as its int8 rows plus fp32 scales (test_hf_safetensors.py loads
+    them back bit for bit)."""
+    from safetensors import safe_open
+
     model = quantize_(tiny_llama())
-    with pytest.raises(RuntimeError, match=r"export_full_state_dict"):
-        model.save_pretrained(tmp_path)
-    assert not any(name.endswith(".safetensors") for name in os.listdir(tmp_path))
+    model.save_pretrained(tmp_path)
+    files = [name for name in os.listdir(tmp_path) if name.endswith(".safetensors")]
+    assert files
+    with safe_open(str(tmp_path / files[0]), "pt") as saved:
+        for name, weight in _int8(model).items():
+            assert torch.equal(saved.get_tensor(name), weight.int_data), name
+            assert torch.equal(saved.get_tensor(name + "_scale"), weight.scale), name
 
 
 def test_save_pretrained_of_the_exported_state_dict_reloads_in_full_and_in_int8(tmp_path):

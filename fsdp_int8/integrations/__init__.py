@@ -5,6 +5,35 @@ Each submodule imports its framework, so none is imported from here (nor by
 ``from fsdp_int8.integrations.hf import Int8Trainer``,
 ``from fsdp_int8.integrations.torchtitan import Int8LinearConverter`` or
 ``from fsdp_int8.integrations.lightning import Int8RoundingCheckpoint``.
+
+One adapter acts without being imported: a transformers model that
+:func:`fsdp_int8.quantize_` (or ``shard_model``) quantizes gets fsdp_int8's Hugging Face
+quantizer (:mod:`fsdp_int8.integrations.hf_quantizer`), so that ``save_pretrained``,
+``Trainer`` checkpoints and ``from_pretrained`` keep the int8 rows and scales. Only a
+model of a transformers class triggers the import of transformers.
 """
 
-__all__: list[str] = []  # the adapters are the submodules hf, lightning, torchtitan
+from __future__ import annotations
+
+import sys
+
+import torch.nn as nn
+
+from fsdp_int8 import convert
+from fsdp_int8.config import Int8TrainingConfig
+
+__all__: list[str] = []  # the adapters are the submodules hf, hf_quantizer, lightning, torchtitan
+
+
+def _after_quantize(model: nn.Module, config: Int8TrainingConfig) -> None:
+    """``quantize_``'s hook: a transformers model gets the int8 quantizer."""
+    transformers = sys.modules.get("transformers")  # a transformers model means it is imported
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return
+    from fsdp_int8.integrations import hf_quantizer
+
+    hf_quantizer.attach_after_quantize(model, config)
+
+
+if _after_quantize not in convert.AFTER_QUANTIZE:
+    convert.AFTER_QUANTIZE.append(_after_quantize)

@@ -1,21 +1,18 @@
-"""Hugging Face ``Trainer`` saves of int8 models: ``Int8Trainer`` and ``Int8SaveMixin``.
+"""Hugging Face ``Trainer`` checkpoints that resume bit-exactly: ``Int8Trainer`` and ``Int8SaveMixin``.
 
-transformers writes model weights with safetensors, which copies each tensor's raw memory
-as ``numel * itemsize`` bytes of its dtype. An ``Int8Weight`` has no such memory (int8 rows
-plus fp32 scales), so it refuses (``Int8Weight.storage()`` raises) and ``Trainer.save_model``
-fails, with or without FSDP2. The mixin hands ``save_pretrained`` the dequantized values
-instead, in each weight's own dtype: ``from_pretrained`` of the saved folder gives the plain
-model, and ``quantize_`` (or :func:`fsdp_int8.checkpoint.load_full_state_dict`) rounds it back to the
-same int8 values.
+A stock ``transformers.Trainer`` trains and saves an int8 model by itself once the model
+carries fsdp_int8's quantizer (:mod:`fsdp_int8.integrations.hf_quantizer`: load it with
+``from_pretrained(..., quantization_config=Int8TrainingHfConfig())``, or call
+``attach_hf_quantizer`` after ``quantize_``): ``save_model`` and every checkpoint write the
+int8 rows with their fp32 scales, and ``resume_from_checkpoint`` restores them exactly.
 
-Its checkpoints also hold the state of the stochastic-rounding generator of the int8
-weights (``int8_rounding_<rank>.pth``, beside transformers' ``rng_state_<rank>.pth``), so
-that ``resume_from_checkpoint`` at the same world size continues bit-exactly.
-
-Everything else is the stock ``Trainer``: FSDP2 through accelerate (``fsdp_config`` with
-``fsdp_version: 2``), its checkpoints (a ``SHARDED_STATE_DICT`` checkpoint is written by
-torch.distributed.checkpoint and keeps the int8 bytes exactly; a ``FULL_STATE_DICT`` one
-adds ``torch.save`` of the full state dict, exact too) and ``resume_from_checkpoint``.
+What transformers cannot know about is the stochastic-rounding generator of the int8
+weights. The mixin adds its state to every checkpoint (``int8_rounding_<rank>.pth``,
+beside transformers' ``rng_state_<rank>.pth``), so that a resume at the same world size
+rounds exactly as the uninterrupted run would have, and repeats its losses bit for bit.
+Without it a resumed run rounds from the seed's stream again: unbiased all the same.
+A ``TrainerCallback`` cannot do this: callbacks are not told which checkpoint a run
+resumes from; ``Trainer._load_rng_state`` is, on every rank.
 
 Usage::
 
@@ -23,9 +20,10 @@ Usage::
 
     model = fsdp_int8.quantize_(model)          # before the Trainer wraps it
     trainer = Int8Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
+    trainer.train()                             # checkpoints: int8 weights + rounding state
     trainer.save_model(path)                    # FSDP2: needs state_dict_type FULL_STATE_DICT
 
+``Int8Trainer`` attaches the quantizer to a model that ``quantize_`` quantized without it.
 A Trainer subclass of your own (TRL's ``SFTTrainer``, ...) takes the mixin first:
 ``class MyTrainer(Int8SaveMixin, SFTTrainer): ...``.
 
@@ -38,49 +36,34 @@ import os
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer
 
-from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8._dist import local_shard
-from fsdp_int8.convert import dequantize_all
+from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8.integrations.hf_quantizer import Int8TrainingHfQuantizer, attach_hf_quantizer
 from fsdp_int8.weight import Int8Weight
 
 __all__ = ["Int8SaveMixin", "Int8Trainer"]
 
 
-def _plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with every ``Int8Weight`` dequantized to its own dtype."""
-    sharded = [k for k, v in state_dict.items() if isinstance(v, DTensor) and isinstance(local_shard(v), Int8Weight)]
-    if sharded:
-        raise RuntimeError(
-            f"Int8Trainer got sharded int8 weights to save ({', '.join(sharded[:3])}"
-            f"{' ...' if len(sharded) > 3 else ''}): a model sharded outside the Trainer's "
-            "FSDP2 has no full state dict here. Shard it through the Trainer (fsdp_config "
-            "with fsdp_version 2 and state_dict_type FULL_STATE_DICT), or save "
-            "fsdp_int8.export_full_state_dict(model) yourself on every rank."
-        )
-    return dequantize_all(state_dict)
-
-
 class Int8SaveMixin:
-    """Mix into a ``transformers.Trainer`` (first): its saves write dequantized weights.
+    """Mix into a ``transformers.Trainer`` (first): its checkpoints hold the rounding state.
 
-    Overrides ``Trainer._save``, which every model save of the Trainer goes through
-    (``save_model`` and the model part of each checkpoint) on the rank that writes. Under
-    FSDP2 the Trainer gathers a full state dict first (``FULL_STATE_DICT``); with
-    ``SHARDED_STATE_DICT`` transformers' ``save_model`` writes no weights at all (for any
-    model) and checkpoints hold them in torch.distributed.checkpoint form.
+    Overrides ``Trainer._save_rng_state`` and ``Trainer._load_rng_state``, which every rank
+    runs for every checkpoint and every resume. At construction it attaches fsdp_int8's
+    quantizer (:func:`~fsdp_int8.integrations.hf_quantizer.attach_hf_quantizer`) to a
+    transformers model with int8 weights that has none, so that its saves write int8.
     """
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if state_dict is None and self.args.should_save:
-            # The stock _save would read the model's own state dict: read it here instead.
-            state_dict = self.accelerator.unwrap_model(self.model, keep_torch_compile=False).state_dict()
-        if state_dict is not None:
-            with torch.no_grad():
-                state_dict = _plain_state_dict(state_dict)
-        super()._save(output_dir, state_dict=state_dict)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        model = self.model
+        if (
+            isinstance(model, PreTrainedModel)
+            and not isinstance(getattr(model, "hf_quantizer", None), Int8TrainingHfQuantizer)
+            and any(isinstance(local_shard(p), Int8Weight) for p in model.parameters())
+        ):
+            attach_hf_quantizer(model)
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
@@ -101,4 +84,4 @@ def _rounding_file(rank: int) -> str:
 
 
 class Int8Trainer(Int8SaveMixin, Trainer):
-    """``transformers.Trainer`` whose model saves work with int8 weights (see the module)."""
+    """``transformers.Trainer`` whose checkpoints also hold the int8 rounding state (see the module)."""

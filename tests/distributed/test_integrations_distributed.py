@@ -1,7 +1,8 @@
 """Frameworks on 2 gloo ranks, in one spawn: plain DDP around a quantized model (replicas
-stay bit-identical), Hugging Face Llama with tied embeddings under ``shard_model``, and
-torchtitan's Llama built on the meta device, initialised by torchtitan and checkpointed
-through its own fused-QKV state-dict hooks.
+stay bit-identical), Hugging Face Llama with tied embeddings under ``shard_model``, the
+stock transformers ``Trainer`` and accelerate saving int8 weights (DDP, as accelerate
+picks on CPU, and FSDP2), and torchtitan's Llama built on the meta device, initialised by
+torchtitan and checkpointed through its own fused-QKV state-dict hooks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from _cases import case, int8_params, local_of
 from _nets import MLPNet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the framework models
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # accelerate on CPU
 from _frameworks import VOCAB, hf_loss, tiny_llama, titan_init, titan_loss, titan_model  # noqa: E402
 from _models import fibonacci_mod_task  # noqa: E402
 
@@ -107,6 +109,118 @@ def _tied_llama_under_fsdp(rank: int, root: str) -> dict:
     return {"loss": losses[-1]}
 
 
+class _Patterns(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        tokens = (torch.arange(16) * 3 + i) % VOCAB
+        return {"input_ids": tokens, "labels": tokens}
+
+
+def _int8_bytes(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in _bytes_of(model).items() if k.endswith((".int_data", ".scale"))}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return len(a) > 0 and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _saved_int8(path: str) -> dict[str, torch.Tensor]:
+    """The int8 rows and scales of a save_pretrained folder, named as :func:`_bytes_of` names them."""
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{path}/model.safetensors")
+    out = {}
+    for key, value in saved.items():
+        if key.endswith(".weight_scale"):
+            out[key.removesuffix("_scale") + ".int_data"] = saved[key.removesuffix("_scale")]
+            out[key.removesuffix("_scale") + ".scale"] = value
+    return out
+
+
+def _hf_trainer_and_accelerate(rank: int, root: str) -> None:
+    """The stock Trainer and accelerate on 2 processes, with nothing but the int8 model."""
+    from accelerate import Accelerator
+    from transformers import Trainer, TrainingArguments
+    from transformers.utils import logging
+
+    from _accelerate_cpu import accelerate_session, fsdp2_accelerator
+    from fsdp_int8.integrations.hf_quantizer import attach_hf_quantizer
+
+    logging.set_verbosity_error()
+
+    def int8_llama() -> nn.Module:
+        return attach_hf_quantizer(fsdp_int8.quantize_(tiny_llama()))
+
+    with case("HF Trainer, DDP (accelerate's choice on CPU): checkpoints, save_model, resume"), accelerate_session():
+        args = TrainingArguments(
+            output_dir=f"{root}/trainer", use_cpu=True, max_steps=4, save_steps=2, per_device_train_batch_size=4,
+            learning_rate=1e-2, logging_steps=1, report_to=[], disable_tqdm=True,
+        )
+        trainer = Trainer(model=int8_llama(), args=args, train_dataset=_Patterns())
+        trainer.train()
+        trainer.save_model(f"{root}/trainer/final")
+        dist.barrier()
+        assert _same(_saved_int8(f"{root}/trainer/final"), _int8_bytes(trainer.model))
+        resumed = Trainer(model=int8_llama(), args=args, train_dataset=_Patterns())
+        loaded = {}
+        load = resumed._load_from_checkpoint
+        resumed._load_from_checkpoint = lambda *a, **k: (load(*a, **k), loaded.update(_int8_bytes(resumed.model)))
+        resumed.train(resume_from_checkpoint=f"{root}/trainer/checkpoint-2")
+        assert _same(loaded, _saved_int8(f"{root}/trainer/checkpoint-2"))  # on every rank
+        assert len(int8_params(resumed.model)) == 14
+
+    with case("accelerate, DDP: save_pretrained of get_state_dict, save_state / load_state"), accelerate_session():
+        accelerator = Accelerator(cpu=True)
+        model = int8_llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        tokens = fibonacci_mod_task(4, 16, vocab=VOCAB, seed=rank)
+        accelerator.backward(hf_loss(model, tokens))
+        optimizer.step()
+        unwrapped = accelerator.unwrap_model(model)  # DDP's names start with "module."
+        saved = _int8_bytes(unwrapped)
+        unwrapped.save_pretrained(f"{root}/ddp", state_dict=accelerator.get_state_dict(model),
+                                  is_main_process=accelerator.is_main_process)
+        accelerator.save_state(f"{root}/ddp_state", safe_serialization=False)
+        accelerator.wait_for_everyone()
+        assert _same(_saved_int8(f"{root}/ddp"), saved)
+        accelerator.backward(hf_loss(model, tokens))
+        optimizer.step()
+        assert not _same(_int8_bytes(unwrapped), saved)
+        accelerator.load_state(f"{root}/ddp_state")
+        assert _same(_int8_bytes(unwrapped), saved)
+
+    with case("accelerate, FSDP2: save_pretrained of the gathered state dict"), accelerate_session():
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        accelerator = fsdp2_accelerator(FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        ))
+        model = int8_llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator.backward(hf_loss(model, fibonacci_mod_task(4, 16, vocab=VOCAB, seed=rank)))
+        optimizer.step()
+        unwrapped = accelerator.unwrap_model(model)
+        try:  # without the gathered state dict a rank holds shards only: refused on every rank
+            unwrapped.save_pretrained(f"{root}/refused", is_main_process=accelerator.is_main_process)
+            raise AssertionError("save_pretrained wrote sharded int8 weights")
+        except RuntimeError as error:
+            assert "accelerator.get_state_dict(model)" in str(error), error
+        full = accelerator.get_state_dict(model)  # on rank 0; {} elsewhere
+        unwrapped.save_pretrained(f"{root}/fsdp", state_dict=full, is_main_process=accelerator.is_main_process)
+        accelerator.wait_for_everyone()
+        if rank == 0:
+            expected = {}
+            for key, value in full.items():
+                if isinstance(value, Int8Weight):
+                    expected[key + ".int_data"], expected[key + ".scale"] = value.int_data, value.scale
+            assert len(expected) == 28 and _same(_saved_int8(f"{root}/fsdp"), expected)
+
+
 def _torchtitan_meta_init_and_checkpoint(rank: int, root: str) -> dict[str, torch.Tensor]:
     with case("torchtitan Llama: meta device, shard_model, to_empty, torchtitan's init"):
         model = titan_model(meta=True)
@@ -139,6 +253,7 @@ def _frameworks(rank: int, world: int, root: str) -> dict:
     return {
         "ddp": _ddp_replicas(rank),
         "llama": _tied_llama_under_fsdp(rank, f"{root}/llama"),
+        "hf": _hf_trainer_and_accelerate(rank, f"{root}/hf"),
         "titan": _torchtitan_meta_init_and_checkpoint(rank, f"{root}/titan"),
     }
 

@@ -1,0 +1,157 @@
+"""The safetensors layout of fsdp_int8's transformers quantizer, and reading it back.
+
+An ``Int8Weight`` entry ``<module>.weight`` of a state dict is written as two tensors:
+``<module>.weight`` (``int8``, ``[out, in]``) and ``<module>.weight_scale`` (``float32``,
+``[out]``), with ``weight = int8 * scale[:, None]``. Internal: the public side is
+:mod:`fsdp_int8.integrations.hf_quantizer`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_int8._dist import local_shard
+from fsdp_int8.weight import Int8Weight
+
+__all__ = [
+    "SCALE_SUFFIX",
+    "is_int8",
+    "int8_safetensors_state_dict",
+    "add_load_hooks",
+    "state_dict_given_to_save_pretrained",
+    "tied_and_fp32_modules",
+    "int8_layers_in_checkpoint",
+]
+
+SCALE_SUFFIX = "_scale"  # "<module>.weight" + SCALE_SUFFIX holds that weight's row scales
+
+
+def is_int8(module: nn.Module) -> bool:
+    """Whether ``module``'s own ``weight`` is an ``Int8Weight`` (or a shard of one)."""
+    weight = module._parameters.get("weight")
+    return weight is not None and isinstance(local_shard(weight), Int8Weight)
+
+
+def int8_safetensors_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each ``Int8Weight`` entry ``key`` split into ``key`` (its int8
+    rows, ``[out, in]``) and ``key + "_scale"`` (fp32, ``[out]``): what safetensors can write.
+
+    Other entries are kept as they are. The int8 rows and scales are views of the weight's
+    own storage (no copy). Raises ``RuntimeError`` for a sharded (DTensor) int8 weight: a
+    sharded model's full state dict has to be gathered on every rank first.
+    """
+    out: dict[str, Any] = {}
+    sharded = []
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor) and isinstance(local_shard(value), Int8Weight):
+            sharded.append(key)
+        elif isinstance(value, Int8Weight):
+            int_rows, scale = value.read_rows()
+            out[key] = int_rows.view(value.shape) if value.dim() == 2 else int_rows
+            out[key + SCALE_SUFFIX] = scale
+        else:
+            out[key] = value
+    if sharded:
+        raise RuntimeError(
+            f"cannot write sharded int8 weights ({', '.join(sharded[:3])}{' ...' if len(sharded) > 3 else ''}): "
+            "a sharded model's full state dict has to be gathered on every rank first. Call "
+            "model.save_pretrained(path, state_dict=accelerator.get_state_dict(model)) on every rank "
+            "(or state_dict=torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True, cpu_offload=True)))."
+        )
+    return out
+
+
+class _LoadInt8Entries:
+    """``load_state_dict`` pre-hook of an int8 layer: a ``weight`` (int8) + ``weight_scale``
+    pair in the state dict becomes one ``Int8Weight``, which then loads like any other.
+
+    A picklable object, not a closure: modules holding it still deep-copy and pickle.
+    """
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        scale = state_dict.get(prefix + "weight" + SCALE_SUFFIX)
+        data = state_dict.get(prefix + "weight")
+        weight = module._parameters.get("weight")
+        if scale is None or data is None or isinstance(data, Int8Weight) or weight is None:
+            return
+        local = local_shard(weight)
+        if not isinstance(local, Int8Weight) or isinstance(weight, DTensor):
+            return  # not this hook's layout: load_state_dict reports the keys as it would
+        if data.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != data.shape[:1]:
+            raise ValueError(
+                f"{prefix}weight: an int8 checkpoint entry needs int8 rows and fp32 row scales, "
+                f"got {data.dtype} {tuple(data.shape)} and {scale.dtype} {tuple(scale.shape)}"
+            )
+        del state_dict[prefix + "weight" + SCALE_SUFFIX]
+        state_dict[prefix + "weight"] = local.derive(data.to(local.device), scale.to(local.device))
+
+
+def add_load_hooks(model: nn.Module) -> None:
+    """Give every int8 layer of ``model`` the pre-hook that loads a ``weight`` +
+    ``weight_scale`` pair (once: a repeated call adds it only to new int8 layers)."""
+    for module in model.modules():
+        # torch keeps each hook wrapped (its `hook` attribute): look through the wrapper
+        hooks = [getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()]
+        if is_int8(module) and not any(isinstance(h, _LoadInt8Entries) for h in hooks):
+            module.register_load_state_dict_pre_hook(_LoadInt8Entries())
+
+
+def state_dict_given_to_save_pretrained() -> dict | None:
+    """The ``state_dict`` argument of the ``save_pretrained`` call asking us, if any.
+
+    transformers 5.23's ``save_pretrained`` replaces its ``state_dict`` argument by what
+    ``get_state_dict_and_metadata(model)`` returns (every quantizer's), yet the argument is
+    the only full state dict of a sharded model (``Trainer.save_model`` under FSDP gathers
+    it on every rank and passes it on rank 0). It is still bound in the caller's frame,
+    so read it there; any other caller gets ``None``.
+    """
+    frame = sys._getframe(2)  # 0: here, 1: get_state_dict_and_metadata, 2: its caller
+    try:
+        code = frame.f_code
+        if code.co_name != "save_pretrained" or "state_dict" not in code.co_varnames:
+            return None
+        given = frame.f_locals.get("state_dict")
+        return given if isinstance(given, Mapping) else None
+    finally:
+        del frame
+
+
+def tied_and_fp32_modules(model: nn.Module) -> list[str]:
+    """Layers that must stay in full precision: both ends of a tie (transformers ties them
+    only after loading, so quantize_ cannot see the tie yet) and ``_keep_in_fp32_modules``."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    names = {key.rsplit(".", 1)[0] for pair in tied.items() for key in pair}
+    return sorted(names | set(getattr(model, "_keep_in_fp32_modules", None) or ()))
+
+
+def int8_layers_in_checkpoint(model: nn.Module, files: list[str] | None) -> set[str] | None:
+    """Names of the model's layers the safetensors ``files`` hold scales for (``None``: no
+    safetensors to read, so the config's rule decides). Only the headers are read."""
+    if not files or not all(str(f).endswith(".safetensors") for f in files):
+        return None
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    keys = []
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            keys += [k for k in handle.keys() if k.endswith(".weight" + SCALE_SUFFIX)]
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    expected = model.state_dict()
+    names = set()
+    for key in keys:
+        weight, _ = rename_source_key(key.removesuffix(SCALE_SUFFIX), renamings, [], model.base_model_prefix, expected)
+        if weight not in expected or "." not in weight:
+            raise ValueError(
+                f"the checkpoint holds int8 rows with scales for {key.removesuffix(SCALE_SUFFIX)}, which is "
+                f"not a layer's weight in {type(model).__name__} (a weight it converts on load?)"
+            )
+        names.add(weight.rsplit(".", 1)[0])
+    return names

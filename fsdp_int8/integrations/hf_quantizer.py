@@ -1,0 +1,357 @@
+"""fsdp_int8 as a transformers quantization method: int8 weights in safetensors.
+
+Importing this module registers the quantization method ``"fsdp_int8"`` with transformers
+(``register_quantization_config`` / ``register_quantizer``). From then on:
+
+* ``AutoModelForCausalLM.from_pretrained(path, quantization_config=Int8TrainingHfConfig())``
+  builds the model on the meta device, swaps its linear weights for (meta) ``Int8Weight``
+  parameters, and quantizes each checkpoint weight as it is read (round to nearest): no
+  full-precision copy of the model is ever held, one weight at a time is;
+* ``model.save_pretrained(path)`` writes each int8 weight as two safetensors entries,
+  ``<module>.weight`` (``int8``, ``[out, in]``) and ``<module>.weight_scale`` (``float32``,
+  ``[out]``; ``weight = int8 * scale[:, None]``), and records the method in ``config.json``
+  (``"quantization_config": {"quant_method": "fsdp_int8", ...}``);
+* ``from_pretrained`` of such a folder restores every int8 byte and scale exactly. The
+  checkpoint decides which layers are int8 (those with a ``weight_scale`` entry); one
+  without any loads as the plain model it holds.
+
+A model quantized by :func:`fsdp_int8.quantize_` gets the same behaviour from
+:func:`attach_hf_quantizer`. Every layer it makes int8 also loads the two entries back in
+``load_state_dict`` (what ``Trainer`` does on ``resume_from_checkpoint``), next to the
+``Int8Weight`` entries of ``torch.save`` state dicts. ``model.state_dict()`` itself is
+unchanged (``Int8Weight`` values): DCP, ``fsdp_int8.save_checkpoint`` and accelerate's
+FSDP2 loading read it as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import PreTrainedModel
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from fsdp_int8 import convert
+from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
+from fsdp_int8.convert import quantize_
+from fsdp_int8.integrations._hf_layout import (
+    SCALE_SUFFIX,
+    add_load_hooks,
+    int8_layers_in_checkpoint,
+    int8_safetensors_state_dict,
+    is_int8,
+    state_dict_given_to_save_pretrained,
+    tied_and_fp32_modules,
+)
+from fsdp_int8.weight import Int8Weight
+
+__all__ = [
+    "QUANT_METHOD",
+    "SCALE_SUFFIX",
+    "Int8TrainingHfConfig",
+    "Int8TrainingHfQuantizer",
+    "attach_hf_quantizer",
+    "int8_safetensors_state_dict",
+]
+
+QUANT_METHOD = "fsdp_int8"
+_FORMAT_VERSION = 1
+_loading = False  # True while the quantizer runs quantize_ on a model transformers is loading
+
+
+class Int8TrainingHfConfig(QuantizationConfigMixin):
+    """The ``quantization_config`` of fsdp_int8 for transformers: what ``config.json`` records.
+
+    Args:
+        stochastic_rounding, seed, skip_names, min_features, compile: as in
+            :class:`fsdp_int8.Int8TrainingConfig`.
+        modules_to_not_convert: More linear layers to keep in full precision, matched as
+            transformers' quantizers match them (a module name, a prefix up to a ``.``, a
+            suffix such as ``"lm_head"``, or a regex). ``Int8TrainingConfig.module_filter``
+            has no JSON form: :meth:`from_training_config` lists here the layers it left out.
+        int8_matmul: The fields of :class:`fsdp_int8.Int8MatmulConfig` as a dict
+            (``{"output": True, ...}``), or ``None`` for weight-only int8.
+        format_version: Version of the safetensors layout (``1``: ``weight`` int8
+            ``[out, in]`` and ``weight_scale`` fp32 ``[out]``).
+
+    Loading a folder saved with int8 weights needs no config: ``config.json`` has it.
+    """
+
+    def __init__(
+        self,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+        skip_names: list[str] | tuple[str, ...] = ("lm_head", "output", "head"),
+        min_features: int = 16,
+        modules_to_not_convert: list[str] | None = None,
+        int8_matmul: dict[str, bool] | None = None,
+        compile: bool = False,
+        format_version: int = _FORMAT_VERSION,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("quant_method", None)  # from_dict of a config.json passes it back in
+        if kwargs:
+            raise TypeError(f"Int8TrainingHfConfig got unknown fields {sorted(kwargs)}")
+        if format_version != _FORMAT_VERSION:
+            raise ValueError(
+                f"this fsdp_int8 reads format_version {_FORMAT_VERSION} of int8 checkpoints, the "
+                f"checkpoint has {format_version}: upgrade fsdp_int8"
+            )
+        self.quant_method = QUANT_METHOD
+        self.format_version = format_version
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.seed = int(seed)
+        self.skip_names = list(skip_names)
+        self.min_features = int(min_features)
+        self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
+        self.int8_matmul = None if int8_matmul is None else dict(int8_matmul)
+        self.compile = bool(compile)
+        self.to_training_config()  # validates the fields now, not at load time
+
+    @classmethod
+    def from_training_config(
+        cls, config: Int8TrainingConfig | None = None, model: nn.Module | None = None
+    ) -> "Int8TrainingHfConfig":
+        """The JSON form of ``config``; with a custom ``module_filter``, ``model`` (already
+        quantized) names the linear layers it left in full precision."""
+        config = config or Int8TrainingConfig()
+        kept = None
+        if config.module_filter is not None:
+            if model is None:
+                raise ValueError("a module_filter has no JSON form: pass the quantized model to list what it kept")
+            kept = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_int8(m)]
+        return cls(
+            stochastic_rounding=config.stochastic_rounding, seed=config.seed,
+            skip_names=config.skip_names, min_features=config.min_features, modules_to_not_convert=kept,
+            int8_matmul=None if config.int8_matmul is None else dataclasses.asdict(config.int8_matmul),
+            compile=config.compile,
+        )
+
+    def to_training_config(self, more_to_not_convert: list[str] | tuple[str, ...] = ()) -> Int8TrainingConfig:
+        """The :class:`fsdp_int8.Int8TrainingConfig` these fields describe."""
+        excluded = [*(self.modules_to_not_convert or ()), *more_to_not_convert]
+        return Int8TrainingConfig(
+            stochastic_rounding=self.stochastic_rounding, seed=self.seed,
+            module_filter=_NotConverted(excluded, tuple(self.skip_names), self.min_features) if excluded else None,
+            skip_names=tuple(self.skip_names), min_features=self.min_features,
+            int8_matmul=None if self.int8_matmul is None else Int8MatmulConfig(**self.int8_matmul),
+            compile=self.compile,
+        )
+
+
+class _NotConverted:
+    """``module_filter``: the default rule, minus the modules ``patterns`` name (a picklable
+    object, as ``quantize_``'s config may be copied with the model)."""
+
+    def __init__(self, patterns: list[str], skip_names: tuple[str, ...], min_features: int) -> None:
+        self.patterns = patterns
+        self.default = Int8TrainingConfig(skip_names=skip_names, min_features=min_features)
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        if not should_convert_module(name, self.patterns):
+            return False
+        if isinstance(module, nn.Linear):
+            return self.default.should_quantize(module, name)
+        # quantize_ offers a filter GPT-2's Conv1D too (nx in, nf out features): its rule
+        return name.rsplit(".", 1)[-1] not in self.default.skip_names and min(
+            module.nx, module.nf
+        ) >= self.default.min_features
+
+
+class _OnlyThese:
+    """``module_filter`` of an int8 checkpoint: exactly the layers it holds scales for
+    (``quantize_`` offers a filter only the layers it can quantize)."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        return name in self.names
+
+
+class _QuantizeOnLoad(ConversionOps):
+    """Each full-precision checkpoint weight of an int8 layer, rounded to nearest into the
+    layer's (meta) ``Int8Weight`` metadata as soon as it is read."""
+
+    def __init__(self, hf_quantizer: "Int8TrainingHfQuantizer") -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict[str, Any], model: nn.Module | None = None, **kwargs: Any) -> dict[str, Any]:
+        out = {}
+        for key, values in input_dict.items():
+            value = values[0] if isinstance(values, list) else values
+            module, name = get_module_from_name(model, key)
+            target = module._parameters[name]  # the meta Int8Weight quantize_ put there
+            if hasattr(module, "nx") and hasattr(module, "nf"):
+                value = value.t().contiguous()  # GPT-2's Conv1D: [in, out] on disk, [out, in] int8
+            out[key] = Int8Weight.from_float(
+                value.to(target.dtype), stochastic_rounding=target.stochastic_rounding,
+                int8_matmul=target.int8_matmul, compiled=target.compiled,
+            )
+        return out
+
+
+class Int8TrainingHfQuantizer(HfQuantizer):
+    """transformers' side of fsdp_int8 (see the module): loads, quantizes and saves int8
+    weights. Trainable (``Trainer`` accepts the model as it is: the weights are the
+    training weights, not a frozen base for adapters)."""
+
+    requires_calibration = False
+    # a model's own weight converters (fused projections) carry the scales along
+    serialized_names = {"weight": ["weight", "weight" + SCALE_SUFFIX]}
+
+    def __init__(self, quantization_config: Int8TrainingHfConfig, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self._placeholders: dict[str, Int8Weight] = {}  # int8 layer -> its meta weight, while loading
+        self._plain_checkpoint = False
+
+    @property
+    def quantized_element_size(self) -> float:
+        return 1.0
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        return True
+
+    def is_serializable(self) -> bool:
+        return True
+
+    def get_quantize_ops(self) -> ConversionOps:
+        return _QuantizeOnLoad(self)
+
+    def param_needs_quantization(self, model: PreTrainedModel, param_name: str, **kwargs: Any) -> bool:
+        module, name = get_module_from_name(model, param_name)
+        return not self.pre_quantized and name == "weight" and is_int8(module)
+
+    def _process_model_before_weight_loading(
+        self, model: PreTrainedModel, checkpoint_files: list[str] | None = None, **kwargs: Any
+    ) -> None:
+        config = self.quantization_config.to_training_config(tied_and_fp32_modules(model))
+        names = None
+        if self.pre_quantized:
+            names = int8_layers_in_checkpoint(model, checkpoint_files)
+            if names is not None:
+                if not names:  # a full-precision export: load what it holds
+                    self._plain_checkpoint = True
+                    return
+                config = dataclasses.replace(config, module_filter=_OnlyThese(names))
+        global _loading
+        _loading = True  # transformers attaches this quantizer itself: quantize_'s hook must not
+        try:
+            quantize_(model, config)  # on the meta device: int8 metadata, hooks, the rounding seed
+        finally:
+            _loading = False
+        if self.pre_quantized:
+            if names is not None:
+                missed = sorted(n for n in names if not is_int8(model.get_submodule(n)))
+                if missed:
+                    raise ValueError(f"the checkpoint holds int8 rows for layers quantize_ cannot make int8: {missed}")
+            # The checkpoint's int8 rows load into `weight`, its scales into this placeholder.
+            for name, module in model.named_modules():
+                if is_int8(module):
+                    self._placeholders[name] = module.weight
+                    scale = torch.empty(module.weight.shape[0], dtype=torch.float32, device="meta")
+                    module.register_parameter("weight" + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+
+    def postprocess_model(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
+        if self._plain_checkpoint:
+            self.remove_quantization_config(model)
+            return model
+        return super().postprocess_model(model, **kwargs)
+
+    def _process_model_after_weight_loading(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
+        for name, placeholder in self._placeholders.items():
+            module = model.get_submodule(name)
+            scale = module._parameters.pop("weight" + SCALE_SUFFIX)
+            data = module.weight
+            if data.dtype != torch.int8 or scale.is_meta:
+                raise ValueError(f"{name}: the checkpoint has no int8 rows with scales for this layer")
+            weight = placeholder.derive(data.detach().to(scale.device), scale.detach().float())
+            module.weight = nn.Parameter(weight, requires_grad=True)
+        self._placeholders = {}
+        add_load_hooks(model)
+        return model
+
+    def get_state_dict_and_metadata(self, model: PreTrainedModel) -> tuple[dict[str, Any], dict[str, str]]:
+        """The state dict ``save_pretrained`` writes: ``int8_safetensors_state_dict`` of the
+        one it was given, or of ``model.state_dict()``."""
+        given = state_dict_given_to_save_pretrained()
+        return int8_safetensors_state_dict(model.state_dict() if given is None else given), {}
+
+
+def attach_hf_quantizer(model: PreTrainedModel, config: Int8TrainingConfig | None = None) -> PreTrainedModel:
+    """Give a model quantized by :func:`fsdp_int8.quantize_` the fsdp_int8 quantizer.
+
+    Afterwards the model behaves as one loaded with ``quantization_config=Int8TrainingHfConfig()``:
+    ``save_pretrained`` (so ``Trainer.save_model`` and every Trainer checkpoint) writes int8
+    rows with scales, ``config.json`` records the method, and ``load_state_dict`` accepts those
+    entries (``Trainer``'s ``resume_from_checkpoint``). Call it after ``quantize_`` (or
+    ``shard_model``); a repeated call only adds the load hooks of newly quantized layers.
+
+    Args:
+        model: A transformers model with int8 weights.
+        config: The config ``quantize_`` used (recorded in ``config.json``; default
+            ``Int8TrainingConfig()``).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        TypeError: ``model`` is not a ``transformers.PreTrainedModel``.
+        ValueError: it has no int8 weight, or another quantization method.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"attach_hf_quantizer needs a transformers PreTrainedModel, got {type(model).__name__}")
+    if not any(is_int8(m) for m in model.modules()):
+        raise ValueError("the model has no int8 weights: call fsdp_int8.quantize_(model) first")
+    current = getattr(model, "hf_quantizer", None)
+    if current is not None and not isinstance(current, Int8TrainingHfQuantizer):
+        raise ValueError(f"the model is already quantized with {current.quantization_config.quant_method}")
+    if current is None:
+        hf_config = Int8TrainingHfConfig.from_training_config(config, model)
+        model.hf_quantizer = Int8TrainingHfQuantizer(hf_config, pre_quantized=False)
+        model.is_quantized = True
+        model.quantization_method = QUANT_METHOD
+        model.config.quantization_config = hf_config
+        for module in model.modules():  # as transformers marks a model it quantized
+            if isinstance(module, PreTrainedModel):
+                module.config._is_quantized = True
+    add_load_hooks(model)
+    return model
+
+
+def attach_after_quantize(model: nn.Module, config: Int8TrainingConfig) -> None:
+    """What ``quantize_`` calls (through ``fsdp_int8.integrations``) for a transformers
+    model: it gets this quantizer, so that ``save_pretrained`` writes int8. Not while
+    transformers itself is loading the model with this quantizer (it attaches it then)."""
+    if isinstance(model, PreTrainedModel) and not _loading:
+        attach_hf_quantizer(model, config)
+
+
+def _register() -> None:
+    """Register the method with transformers once per process (a re-imported copy of this
+    module replaces its own earlier classes, never another method's)."""
+    for mapping, cls, register in (
+        (AUTO_QUANTIZATION_CONFIG_MAPPING, Int8TrainingHfConfig, register_quantization_config),
+        (AUTO_QUANTIZER_MAPPING, Int8TrainingHfQuantizer, register_quantizer),
+    ):
+        known = mapping.get(QUANT_METHOD)
+        if known is None:
+            register(QUANT_METHOD)(cls)
+        elif known.__qualname__ == cls.__qualname__ and known.__module__ == cls.__module__:
+            mapping[QUANT_METHOD] = cls
+        elif known is not cls:
+            raise RuntimeError(f"transformers already has a quantization method {QUANT_METHOD!r}: {known}")
+
+
+_register()

@@ -1,0 +1,240 @@
+"""fsdp_int8 as a transformers quantization method (``fsdp_int8.integrations.hf_quantizer``):
+int8 rows and fp32 scales in safetensors, ``quantization_config`` in ``config.json``,
+bit-exact reloads, quantization while loading from the meta device, and models quantized
+by ``quantize_``. Tiny models built from configs; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_int8
+from fsdp_int8 import Int8TrainingConfig, Int8Weight
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _frameworks import VOCAB, hf_loss, tiny_llama  # noqa: E402
+from _models import fibonacci_mod_task  # noqa: E402
+
+from fsdp_int8.integrations import hf_quantizer as hfq  # noqa: E402  (registers the method)
+
+
+def tiny_qwen2(seed: int = 0) -> nn.Module:
+    """A transformers ``Qwen2ForCausalLM`` (q/k/v with biases): hidden 64, 2 layers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    """A transformers ``GPT2LMHeadModel``: its linears are ``Conv1D`` (weight ``[in, out]``),
+    which ``quantize_`` turns into int8 ``[out, in]`` layers; embeddings tied to the head."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def _int8(model: nn.Module) -> dict[str, Int8Weight]:
+    return {n: p for n, p in model.named_parameters() if isinstance(p, Int8Weight)}
+
+
+def _assert_same_model(got: nn.Module, want: nn.Module) -> None:
+    """Every int8 byte and scale, and every other parameter, equal; int8 exactly where ``want`` is."""
+    mine = dict(got.named_parameters())
+    assert mine.keys() == dict(want.named_parameters()).keys()
+    for name, param in want.named_parameters():
+        assert type(mine[name]) is type(param), name
+        if isinstance(param, Int8Weight):
+            assert torch.equal(mine[name].int_data, param.int_data), name
+            assert torch.equal(mine[name].scale, param.scale), name
+            assert mine[name].dtype == param.dtype and mine[name].requires_grad, name
+        else:
+            assert torch.equal(mine[name], param), name
+
+
+def _train(model: nn.Module, steps: int = 2) -> None:
+    """A few AdamW steps with weight decay: scales no longer straight from the quantizer."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    tokens = fibonacci_mod_task(4, 12, vocab=VOCAB)
+    for _ in range(steps):
+        hf_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _folder_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize(
+    "build, layers", [(tiny_llama, 14), (tiny_qwen2, 14), (tiny_gpt2, 8)], ids=["llama", "qwen2", "gpt2"]
+)
+def test_save_pretrained_writes_int8_rows_and_scales_and_from_pretrained_restores_them_exactly(tmp_path, build, layers):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    build().save_pretrained(tmp_path / "float")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=hfq.Int8TrainingHfConfig())
+    # Llama, Qwen2: 2 layers x (q, k, v, o, gate, up, down); GPT-2: 2 x 4 Conv1D; heads kept
+    assert len(_int8(model)) == layers
+    _train(model)
+    model.save_pretrained(tmp_path / "int8")
+
+    saved = load_file(tmp_path / "int8" / "model.safetensors")
+    for name, weight in _int8(model).items():
+        assert saved[name].dtype == torch.int8 and saved[name].shape == weight.shape, name
+        assert torch.equal(saved[name], weight.int_data), name
+        scale = saved[name + "_scale"]
+        assert scale.dtype == torch.float32 and scale.shape == (weight.shape[0],), name
+        assert torch.equal(scale, weight.scale), name
+    int8_keys = set(_int8(model)) | {k + "_scale" for k in _int8(model)}
+    assert all(v.is_floating_point() for k, v in saved.items() if k not in int8_keys)
+    recorded = json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]
+    assert recorded == {
+        "quant_method": "fsdp_int8", "format_version": 1, "stochastic_rounding": True, "seed": 0,
+        "skip_names": ["lm_head", "output", "head"], "min_features": 16, "modules_to_not_convert": None,
+        "int8_matmul": None, "compile": False,
+    }
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
+    _assert_same_model(reloaded, model)
+    assert isinstance(reloaded.hf_quantizer, hfq.Int8TrainingHfQuantizer)
+    tokens = fibonacci_mod_task(4, 12, vocab=VOCAB)
+    assert torch.equal(hf_loss(reloaded, tokens), hf_loss(model, tokens))
+    _train(reloaded, 1)  # and it trains on: int8 weights take the optimizer's updates
+    assert len(_int8(reloaded)) == layers
+
+
+def test_the_int8_folder_is_about_half_the_bf16_one(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=hfq.Int8TrainingHfConfig())
+    assert all(w.dtype == torch.bfloat16 for w in _int8(model).values())  # the outer dtype is kept
+    model.save_pretrained(tmp_path / "int8")
+    ratio = _folder_bytes(tmp_path / "int8") / _folder_bytes(tmp_path / "bf16")
+    # The int8 layers: 1 byte per value + 4 per row (scale), against 2 per value, so
+    # 0.5 + 2 / in_features of a layer; the embedding, the head and the norms stay bf16.
+    # 0.546 for this model (0.543 from the sizes, plus the headers).
+    print(f"int8 / bf16 safetensors bytes: {ratio:.3f}")
+    assert 0.5 < ratio < 0.57
+
+
+def test_from_pretrained_quantizes_on_the_meta_device_one_weight_at_a_time(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama().save_pretrained(tmp_path)
+    seen = []  # per weight quantized: (int8 layers already loaded, still meta, tensors handed in)
+    original = hfq._QuantizeOnLoad.convert
+
+    def spy(self, input_dict, model=None, **kwargs):
+        targets = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, Int8Weight)]
+        assert len(targets) == 14  # the skeleton has every int8 layer from the start
+        seen.append((sum(not w.is_meta for w in targets), sum(w.is_meta for w in targets), len(input_dict)))
+        return original(self, input_dict, model=model, **kwargs)
+
+    monkeypatch.setattr(hfq._QuantizeOnLoad, "convert", spy)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=hfq.Int8TrainingHfConfig())
+    # Built on the meta device; each full-precision weight is quantized as it is read, one
+    # at a time, into int8 storage: the model never holds a full-precision int8 layer.
+    assert seen == [(i, 14 - i, 1) for i in range(14)], seen
+    assert all(not w.is_meta for w in _int8(model).values()) and len(_int8(model)) == 14
+    # The same bytes as loading in full precision and quantizing afterwards.
+    _assert_same_model(model, fsdp_int8.quantize_(AutoModelForCausalLM.from_pretrained(tmp_path)))
+
+
+def test_a_model_quantized_by_quantize_saves_the_same_way_once_attached(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = fsdp_int8.quantize_(tiny_llama())
+    with pytest.raises(RuntimeError, match="attach_hf_quantizer"):  # raw bytes: refused, naming the fix
+        save_file({"w": model.model.layers[0].mlp.up_proj.weight.detach()}, tmp_path / "refused.safetensors")
+    hfq.attach_hf_quantizer(model)
+    _train(model)
+    model.save_pretrained(tmp_path / "int8")
+    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "int8"), model)
+    model.save_pretrained(tmp_path / "shards", max_shard_size="100KB")  # several files, an index
+    assert len([f for f in os.listdir(tmp_path / "shards") if f.endswith(".safetensors")]) > 1
+    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "shards"), model)
+    # Trainer's resume: load_state_dict of the safetensors file, int8 rows and scales included.
+    fresh = hfq.attach_hf_quantizer(fsdp_int8.quantize_(tiny_llama(seed=1)))
+    result = fresh.load_state_dict(load_file(tmp_path / "int8" / "model.safetensors"))
+    assert not result.missing_keys and not result.unexpected_keys
+    _assert_same_model(fresh, model)
+    # model.state_dict() is untouched: Int8Weight values, for torch.save, DCP and accelerate.
+    state = model.state_dict()
+    assert isinstance(state["model.layers.0.mlp.up_proj.weight"], Int8Weight)
+    assert not any(k.endswith("_scale") for k in state)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    again = fsdp_int8.quantize_(tiny_llama(seed=2))
+    again.load_state_dict(torch.load(buf, weights_only=True))
+    _assert_same_model(again, model)
+
+
+def test_a_custom_module_filter_is_recorded_by_name_and_the_checkpoint_decides(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = Int8TrainingConfig(module_filter=lambda m, n: isinstance(m, nn.Linear) and "mlp" in n)
+    model = hfq.attach_hf_quantizer(fsdp_int8.quantize_(tiny_llama(), config), config)
+    assert len(_int8(model)) == 6
+    kept = model.config.quantization_config.modules_to_not_convert
+    assert "lm_head" in kept and "model.layers.1.self_attn.q_proj" in kept and len(kept) == 9
+    model.save_pretrained(tmp_path)
+    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path), model)
+
+
+def test_a_full_precision_export_saves_and_loads_as_the_plain_model(tmp_path):
+    """save_pretrained(state_dict=...) writes what it is given, the quantizer attached or not."""
+    from transformers import AutoModelForCausalLM
+
+    model = hfq.attach_hf_quantizer(fsdp_int8.quantize_(tiny_llama()))
+    exported = fsdp_int8.export_full_state_dict(model, torch.float32)
+    model.save_pretrained(tmp_path, state_dict=exported)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not _int8(plain) and getattr(plain, "hf_quantizer", None) is None
+    assert not hasattr(plain.config, "quantization_config")
+    for key, value in exported.items():
+        assert torch.equal(plain.state_dict()[key], value), key
+
+
+def test_configs_round_trip_and_wrong_uses_are_refused():
+    matmul = fsdp_int8.Int8MatmulConfig(grad_weight=False)
+    config = Int8TrainingConfig(stochastic_rounding=False, seed=3, min_features=32, int8_matmul=matmul, compile=True)
+    hf_config = hfq.Int8TrainingHfConfig.from_training_config(config)
+    assert hf_config.to_training_config() == config
+    assert hfq.Int8TrainingHfConfig.from_dict(hf_config.to_dict()).to_dict() == hf_config.to_dict()
+    with pytest.raises(ValueError, match="format_version"):
+        hfq.Int8TrainingHfConfig(format_version=2)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        hfq.attach_hf_quantizer(fsdp_int8.quantize_(nn.Sequential(nn.Linear(32, 32))))
+    with pytest.raises(ValueError, match="no int8 weights"):
+        hfq.attach_hf_quantizer(tiny_llama())
+
+
+def test_quantize_attaches_the_quantizer_to_transformers_models():
+    model = fsdp_int8.quantize_(tiny_llama())
+    assert isinstance(model.hf_quantizer, hfq.Int8TrainingHfQuantizer)
