@@ -9,9 +9,8 @@ the base int8 (rows + one fp32 scale per row), then PEFT's ``get_peft_model`` fr
 base and adds LoRA's full-precision A and B matrices, the only parameters that train. On
 several processes ``shard_model`` shards the PEFT model with FSDP2: the all-gathers carry
 the base's int8 bytes beside the LoRA parameters, and only LoRA gradients are
-reduce-scattered. It is given a config that quantizes nothing more: the base is int8
-already, and its default choice (by name and size) would also take LoRA's own layers once
-the rank reaches ``min_features`` (16).
+reduce-scattered. It quantizes nothing more: the base is int8 already, and PEFT's adapter
+layers (LoRA's A and B) are never quantized, whatever their rank.
 
 Then the adapter is saved the PEFT way (``save_pretrained``: the adapter only; under FSDP2
 from ``export_full_state_dict``), loaded onto a freshly quantized base, and merged twice:

@@ -1,8 +1,9 @@
 """Frameworks on 2 gloo ranks, in one spawn: plain DDP around a quantized model (replicas
 stay bit-identical), Hugging Face Llama with tied embeddings under ``shard_model``, the
 stock transformers ``Trainer`` and accelerate saving int8 weights (DDP, as accelerate
-picks on CPU, and FSDP2), and torchtitan's Llama built on the meta device, initialised by
-torchtitan and checkpointed through its own fused-QKV state-dict hooks.
+picks on CPU, and FSDP2), torchtitan's Llama built on the meta device, initialised by
+torchtitan and checkpointed through its own fused-QKV state-dict hooks, and GPT-2's Conv1D
+layers sharded (tests/test_gpt2.py's body, in this spawn so it costs no spawn of its own).
 """
 
 from __future__ import annotations
@@ -249,7 +250,15 @@ def _torchtitan_meta_init_and_checkpoint(rank: int, root: str) -> dict[str, torc
     return mine
 
 
+def _gpt2_sharded(rank: int, world: int, root: str) -> None:
+    from test_gpt2 import _sharded
+
+    with case("GPT-2 Conv1D: shard_model, training, export, sharded loads, checkpoints"):
+        _sharded(rank, world, root)
+
+
 def _frameworks(rank: int, world: int, root: str) -> dict:
+    _gpt2_sharded(rank, world, f"{root}/gpt2")
     return {
         "ddp": _ddp_replicas(rank),
         "llama": _tied_llama_under_fsdp(rank, f"{root}/llama"),
