@@ -13,8 +13,8 @@ writes a torch.distributed.checkpoint (``SHARDED_STATE_DICT``: each rank its int
 exactly) or a full ``torch.save`` (``FULL_STATE_DICT``), and ``accelerator.load_state``
 restores every int8 byte. ``accelerator.save_model`` writes raw safetensors bytes, which an
 int8 weight does not have: ``save_pretrained`` of the gathered state dict writes the int8
-rows with their scales instead (the model carries fsdp_int8's transformers quantizer,
-``attach_hf_quantizer``), and ``from_pretrained`` reads them back exactly. On CPU,
+rows with their scales instead (``quantize_`` gave the model fsdp_int8's transformers
+quantizer), and ``from_pretrained`` reads them back exactly. On CPU,
 accelerate would pick DDP: ``_accelerate_cpu`` switches it to FSDP2 (gloo); on GPUs it
 changes nothing.
 """
@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> dict:
     from accelerate.utils import FullyShardedDataParallelPlugin
     from transformers import AutoModelForCausalLM
 
-    from fsdp_int8.integrations.hf_quantizer import attach_hf_quantizer
 
     with accelerate_session():
         plugin = FullyShardedDataParallelPlugin(
@@ -55,7 +54,6 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator = fsdp2_accelerator(plugin)
         rank = accelerator.process_index
         model = fsdp_int8.quantize_(tiny_llama(seed=rank))  # each rank its own init: rank 0's must win
-        attach_hf_quantizer(model)  # save_pretrained writes int8 rows + scales
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         model, optimizer = accelerator.prepare(model, optimizer)
 

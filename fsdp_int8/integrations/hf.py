@@ -1,9 +1,9 @@
 """Hugging Face ``Trainer`` checkpoints that resume bit-exactly: ``Int8Trainer`` and ``Int8SaveMixin``.
 
 A stock ``transformers.Trainer`` trains and saves an int8 model by itself once the model
-carries fsdp_int8's quantizer (:mod:`fsdp_int8.integrations.hf_quantizer`: load it with
-``from_pretrained(..., quantization_config=Int8TrainingHfConfig())``, or call
-``attach_hf_quantizer`` after ``quantize_``): ``save_model`` and every checkpoint write the
+carries fsdp_int8's quantizer (:mod:`fsdp_int8.integrations.hf_quantizer`), which
+``fsdp_int8.quantize_`` (and ``shard_model``) gives every transformers model, as does
+``from_pretrained(..., quantization_config=Int8TrainingHfConfig())``: ``save_model`` and every checkpoint write the
 int8 rows with their fp32 scales, and ``resume_from_checkpoint`` restores them exactly.
 
 What transformers cannot know about is the stochastic-rounding generator of the int8
