@@ -5,7 +5,14 @@ Not an example itself; the scripts import it from their own folder.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -85,3 +92,28 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Whether two ``local_state`` (or ``int8_shards``) results hold the same keys and bytes."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@contextlib.contextmanager
+def job_folder(prefix: str, device: torch.device, *, one_process_ok: bool = False) -> Iterator[tuple[int, str]]:
+    """``(rank, folder)``: the example's process group and a scratch folder of rank 0's that
+    every rank writes into; both cleaned up afterwards.
+
+    The process group is created from torchrun's environment unless the caller already has
+    one (it is then used as it is, and kept). ``one_process_ok``: a plain ``python`` run
+    (``WORLD_SIZE`` unset or 1) makes none and runs unsharded, rank 0.
+    """
+    created = not dist.is_initialized() and (not one_process_ok or int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    if created:
+        dist.init_process_group(dist.get_default_backend_for_device(device))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    folder = [tempfile.mkdtemp(prefix=prefix) if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(folder)  # every rank writes into rank 0's folder
+    try:
+        yield rank, folder[0]
+    finally:  # no collective here: a rank that failed must exit, not wait for the others
+        if rank == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
+        if created:
+            dist.destroy_process_group()

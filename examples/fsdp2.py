@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -23,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_int8
-from _common import TinyLM, local_state, same
+from _common import TinyLM, job_folder, local_state, same
 
 VOCAB, SEQ = 64, 16  # TinyLM's default vocabulary
 
@@ -59,13 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     device = pick_device()
-    created = not dist.is_initialized()
-    if created:  # under torchrun; a caller's process group is used as it is
-        dist.init_process_group(dist.get_default_backend_for_device(device))
-    rank = dist.get_rank()
-    directory = [tempfile.mkdtemp(prefix="fsdp2_example_") if rank == 0 else None]
-    dist.broadcast_object_list(directory)  # every rank saves into rank 0's directory
-    try:
+    with job_folder("fsdp2_example_", device) as (rank, directory):
         model, optimizer = build(device)
         data = torch.Generator().manual_seed(rank)  # each rank its own batches
         losses = []
@@ -76,9 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer.zero_grad()
             losses.append(loss.item())
 
-        fsdp_int8.save_checkpoint(directory[0], model, optimizer, step=args.steps)
+        fsdp_int8.save_checkpoint(directory, model, optimizer, step=args.steps)
         resumed, resumed_optimizer = build(device)  # a fresh run, as after a restart
-        info = fsdp_int8.load_checkpoint(directory[0], resumed, resumed_optimizer)
+        info = fsdp_int8.load_checkpoint(directory, resumed, resumed_optimizer)
         saved, loaded = local_state(model, optimizer), local_state(resumed, resumed_optimizer)
 
         # A plain float state dict ({} on ranks > 0): the unquantized model loads it as it is
@@ -102,11 +94,6 @@ def main(argv: list[str] | None = None) -> dict:
         }
         dist.barrier()  # every rank is done with the checkpoint before rank 0 removes it
         return summary
-    finally:  # no collective here: a rank that failed must exit, not wait for the others
-        if rank == 0:
-            shutil.rmtree(directory[0], ignore_errors=True)
-        if created:
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

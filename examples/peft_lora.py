@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -33,7 +31,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 import fsdp_int8
 import fsdp_int8.collectives
-from _common import int8_names, int8_shards, same, tiny_llama
+from _common import int8_names, int8_shards, job_folder, same, tiny_llama
 
 VOCAB, SEQ = 128, 16
 # The base is frozen: its weights never take an optimizer update, so the only rounding
@@ -79,15 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
         index = int(os.environ.get("LOCAL_RANK", torch.accelerator.current_device_index()))
         torch.accelerator.set_device_index(index)
         device = torch.device(torch.accelerator.current_accelerator().type, index)
-    created = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    if created:  # under torchrun; a caller's process group is used as it is
-        dist.init_process_group(dist.get_default_backend_for_device(device))
-    sharded = dist.is_initialized()
-    rank = dist.get_rank() if sharded else 0
-    folder = [tempfile.mkdtemp(prefix="peft_lora_") if rank == 0 else None]
-    if sharded:
-        dist.broadcast_object_list(folder)
-    try:
+    with job_folder("peft_lora_", device, one_process_ok=True) as (rank, folder):
+        sharded = dist.is_initialized()
         torch.manual_seed(0)  # LoRA's A matrices: the same on every rank
         lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
         model = get_peft_model(int8_base(device), lora)  # base frozen, LoRA trainable
@@ -134,16 +125,11 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             trained_logits = model(probe).logits
         if rank == 0:
-            model.save_pretrained(folder[0], state_dict=full)
-            summary.update(merges(folder[0], probe, trained_logits, device))
+            model.save_pretrained(folder, state_dict=full)
+            summary.update(merges(folder, probe, trained_logits, device))
         if sharded:
             dist.barrier()  # rank 0 is done with the folder
         return summary
-    finally:  # no collective here: a rank that failed must exit, not wait for the others
-        if rank == 0:
-            shutil.rmtree(folder[0], ignore_errors=True)
-        if created:
-            dist.destroy_process_group()
 
 
 def merges(folder: str, probe: torch.Tensor, trained_logits: torch.Tensor, device: torch.device) -> dict:

@@ -56,3 +56,15 @@ def fibonacci_mod_task(
 def lm_loss(model: nn.Module, seqs: torch.Tensor) -> torch.Tensor:
     logits = model(seqs[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
+
+
+def train_steps(model: nn.Module, loss_fn, optimizer: torch.optim.Optimizer, batch, steps: int) -> list[float]:
+    """``steps`` optimizer steps of ``loss_fn(model, batch)`` on one batch; the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

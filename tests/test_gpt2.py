@@ -20,7 +20,7 @@ from fsdp_int8 import Int8TrainingConfig, Int8Weight, quantize_
 from fsdp_int8._conv1d import Int8Conv1D
 from fsdp_int8.checkpoint import load_full_state_dict
 
-from _models import fibonacci_mod_task
+from _models import fibonacci_mod_task, train_steps
 
 VOCAB = 128
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # per block
@@ -151,13 +151,7 @@ def test_training_lowers_the_loss_and_changes_only_int8_bytes():
     start = {n: (w.int_data.clone(), w.scale.clone(), w.int_data.data_ptr()) for n, w in weights.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = _tokens()
-    losses = []
-    for _ in range(6):
-        loss = _loss(model, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, _loss, opt, tokens, 6)
     assert losses[-1] < losses[0] - 0.5, losses
     for name, weight in _int8(model).items():
         int_data, scale, pointer = start[name]

@@ -17,6 +17,7 @@ import fsdp_int8.checkpoint
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
 
 from _frameworks import VOCAB, titan_config, titan_init, titan_loss
+from _models import train_steps
 
 # torchtitan is in the test extra: these tests run in CI, never skip
 import fsdp_int8.integrations.torchtitan as titan  # noqa: E402
@@ -67,13 +68,7 @@ def test_converted_model_initialises_and_trains_with_torchtitans_init():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
     before = weight.int_data.clone()
-    losses = []
-    for _ in range(3):
-        loss = titan_loss(model, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, titan_loss, opt, tokens, 3)
     assert losses[-1] < losses[0] and not torch.equal(before, weight.int_data), losses
 
 

@@ -24,7 +24,7 @@ from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.sharding import find_blocks
 
 from _frameworks import VOCAB, hf_loss, tiny_llama
-from _models import fibonacci_mod_task
+from _models import fibonacci_mod_task, train_steps
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RANK = 16  # >= Int8TrainingConfig.min_features: LoRA's own layers pass quantize_'s default filter
@@ -57,13 +57,7 @@ def trained():
     before = _snapshot(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # as users write it
     tokens = fibonacci_mod_task(16, 16, vocab=VOCAB, seed=0)
-    losses = []
-    for _ in range(STEPS):
-        loss = hf_loss(model, tokens)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, hf_loss, optimizer, tokens, STEPS)
     model.eval()
     return {"model": model, "before": before, "optimizer": optimizer, "losses": losses, "tokens": tokens}
 

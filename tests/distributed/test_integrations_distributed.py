@@ -31,20 +31,9 @@ from _nets import MLPNet
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the framework models
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # accelerate on CPU
 from _frameworks import VOCAB, hf_loss, tiny_llama, titan_init, titan_loss, titan_model  # noqa: E402
-from _models import fibonacci_mod_task  # noqa: E402
+from _models import fibonacci_mod_task, train_steps  # noqa: E402
 
 STEPS = 8
-
-
-def _train(model: nn.Module, loss_fn, opt: torch.optim.Optimizer, tokens: torch.Tensor, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        loss = loss_fn(model, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _bytes_of(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -71,7 +60,7 @@ def _ddp_replicas(rank: int) -> dict[str, dict[str, torch.Tensor]]:
             ddp = DistributedDataParallel(model)
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
             x, y = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank)), torch.randn(16, 4)
-            losses = _train(ddp, lambda m, _: F.mse_loss(m(x), y), opt, x, STEPS)
+            losses = train_steps(ddp, lambda m, _: F.mse_loss(m(x), y), opt, x, STEPS)
             assert losses[-1] < losses[0], losses
             assert len(int8_params(model)) == 4
             out[name] = _bytes_of(model)
@@ -85,7 +74,7 @@ def _tied_llama_under_fsdp(rank: int, root: str) -> dict:
         assert len(int8_params(model)) == 14
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         tokens = fibonacci_mod_task(8, 16, vocab=VOCAB, seed=rank)
-        losses = _train(model, hf_loss, opt, tokens, 4)
+        losses = train_steps(model, hf_loss, opt, tokens, 4)
         assert losses[-1] < losses[0], losses
         assert model.lm_head.weight is model.model.embed_tokens.weight
     with case("sharded state dict deep-copies (FSDP2 itself refuses to deep-copy modules)"):
@@ -231,7 +220,7 @@ def _torchtitan_meta_init_and_checkpoint(rank: int, root: str) -> dict[str, torc
         titan_init(model)  # trunc_normal_ on DTensor(Int8Weight) shards, fused QKV views
         assert len(int8_params(model)) == 2 * 5
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = _train(model, titan_loss, opt, fibonacci_mod_task(8, 16, vocab=VOCAB, seed=rank), 4)
+        losses = train_steps(model, titan_loss, opt, fibonacci_mod_task(8, 16, vocab=VOCAB, seed=rank), 4)
         assert losses[-1] < losses[0], losses
     with case("torchtitan's state-dict hooks through dcp: int8 bytes round-trip exactly"):
         state = model.state_dict()  # wqkv split into wq / wk / wv by torchtitan's hook
