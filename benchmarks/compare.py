@@ -258,14 +258,14 @@ def main(argv: list[str] | None = None) -> None:
 
     say()
     summary = []
-    for label, where in (("preset " + args.preset, None), ("dim 1024", 1024), ("dim 512", 512)):
+    for shape, where in (("preset " + args.preset, None), ("dim 1024", 1024), ("dim 512", 512)):
         if where is None and isinstance(timed, dict) and "bf16" in timed:
             r = {k: ratios.paired_ratio({k: v["times"], "bf16": timed["bf16"]["times"]}, k) for k, v in timed.items()}
         elif where in issue:
             r = issue[where]
         else:
             continue
-        summary.append(f"{label}: int8 matmuls {r.get('int8-mm', float('nan')):.2f}x, "
+        summary.append(f"{shape}: int8 matmuls {r.get('int8-mm', float('nan')):.2f}x, "
                        f"weight-only {r.get('int8', float('nan')):.2f}x")
     say("Summary, step time over bf16 FSDP2's (bf16 compute; goals: int8 matmuls <= 0.80x at dim 1024 and "
         "< 1.00x at dim 512, weight-only <= 1.00x): " + "; ".join(summary) + ".")

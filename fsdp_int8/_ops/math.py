@@ -8,7 +8,6 @@ import torch
 
 from fsdp_int8 import _op_table
 from fsdp_int8.convert import dequantize_all
-from fsdp_int8.weight import Int8Weight
 
 aten = torch.ops.aten
 

@@ -37,7 +37,6 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from fsdp_int8 import convert
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
 from fsdp_int8.convert import quantize_
 from fsdp_int8.integrations._hf_layout import (

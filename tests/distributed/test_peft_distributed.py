@@ -31,7 +31,6 @@ def _titan_export(rank: int) -> dict:
     weight's int8 values dequantized, bit for bit."""
     sys.path.insert(0, str(TESTS))
     from _frameworks import titan_init, titan_model
-    import fsdp_int8.integrations.torchtitan as titan
 
     with case("torchtitan: export_full_state_dict of a sharded model"):
         model = titan_model(meta=True)
