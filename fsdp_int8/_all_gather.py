@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from fsdp_int8 import _dist, hardware
+from fsdp_int8 import _dist, _tensor_parallel, hardware
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.quant import ceil_div, dequantize_rows_into
 
@@ -124,6 +124,7 @@ def pre_all_gather(weight: Int8WeightLike, mesh: Any) -> tuple[tuple[torch.Tenso
     """
     if not torch.compiler.is_compiling():
         WEIGHT_ROUNDING.adopt_shard_coordinate(mesh)
+        _tensor_parallel.settle_if_waiting((weight,))
     rows = padded_rows(weight.full_rows, mesh.size())
     if _is_expected_shard(weight, mesh):
         wire = pack_rows(weight.int_rows(), weight.scale, rows)
@@ -161,6 +162,8 @@ def post_all_gather(
     """
     (gathered,) = outputs
     full_rows, rows = metadata
+    if out is not None:  # a tensor-parallel weight's unsharded parameter is a DTensor: its local part
+        out = _dist.local_shard(out)
     if out is None:  # the first unshard: one sync per weight reads every rank's flag
         flagged = flagged_shards(gathered, rows, weight.row_len)
         if flagged:

@@ -80,6 +80,25 @@ def shard_coordinate(mesh: DeviceMesh | None) -> int:
     return 0 if mesh is None else mesh.get_local_rank(mesh.ndim - 1)
 
 
+def rounding_coordinate(mesh: DeviceMesh | None) -> int:
+    """This rank's (pp, dp shard) index for the weights' stochastic-rounding streams.
+
+    ``mesh`` is the data-parallel mesh (FSDP's shard mesh, or the HSDP mesh): its last dim
+    gives the dp shard (:func:`shard_coordinate`). Pipeline stages hold different layers,
+    so a root mesh dim named ``"pp"`` (torchtitan's name) is mixed in; with one stage the
+    index is the dp shard's, as before pipelining existed. Replicas (HSDP's replicate
+    dim, DDP) share it.
+    """
+    shard = shard_coordinate(mesh)
+    if mesh is None:
+        return shard
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names = getattr(root, "mesh_dim_names", None) or ()
+    if "pp" in names and "pp" not in (getattr(mesh, "mesh_dim_names", None) or ()):
+        return root.get_local_rank("pp") * mesh.size(mesh.ndim - 1) + shard
+    return shard
+
+
 def collective_device() -> torch.device:
     """Where the default process group's collectives take tensors: the current accelerator
     for an accelerator backend (NCCL and friends), else the CPU (gloo)."""

@@ -6,12 +6,17 @@ seeded from the configured seed and the *shard coordinate* (see
 DDP replicas of one shard must draw the same, or they would drift apart. Seeded before
 the model is sharded (``quantize_``, then ``fully_shard`` by hand or by a framework), it
 learns the coordinate from the first all-gather of a weight shard (see
-:meth:`GeneratorBank.adopt_shard_coordinate`). Each
+:meth:`GeneratorBank.adopt_shard_coordinate`). The coordinate is the rank's (pp, dp shard)
+index (:func:`fsdp_int8._dist.rounding_coordinate`); a weight split by tensor parallelism
+draws from a stream of its own per tp coordinate (its ``tensor_parallel.stream``), while
+weights that tp peers replicate draw the same noise on every peer. Each
 :class:`~fsdp_int8.gradients.QuantizedReduceScatter` owns a bank of its own, seeded by
 global rank. Both save and restore their states for exact resumption.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,6 +25,7 @@ from fsdp_int8 import _dist
 
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive ranks apart
 _MASK63 = (1 << 63) - 1
+_TENSOR_PARALLEL_SALT = 0x5445_4E53_4F52  # tp streams never repeat a dp coordinate's stream
 
 
 def seed_for(seed: int, coordinate: int) -> int:
@@ -45,9 +51,10 @@ class GeneratorBank:
     def __init__(self, salt: int = 0) -> None:
         self._salt = salt
         self._base_seed = 0
-        self._seed = seed_for(salt, 0)
+        self._coordinate = 0
         self._awaiting_coordinate = False
         self._generators: dict[str, torch.Generator] = {}
+        self._streams: dict[str, tuple[int, int]] = {"": (0, 1)}  # key -> (tp coordinate, tp size)
 
     def manual_seed(self, seed: int, coordinate: int | None = 0) -> None:
         """Reset every device's generator to the stream of ``(seed, coordinate)``.
@@ -57,9 +64,17 @@ class GeneratorBank:
         """
         self._base_seed = seed
         self._awaiting_coordinate = coordinate is None
-        self._seed = seed_for(seed ^ self._salt, coordinate or 0)
-        for gen in self._generators.values():
-            gen.manual_seed(self._seed)
+        self._coordinate = coordinate or 0
+        for key, gen in self._generators.items():
+            gen.manual_seed(self._seed_of(key.partition("/")[2]))
+
+    def _seed_of(self, stream: str) -> int:
+        if not stream:
+            return seed_for(self._base_seed ^ self._salt, self._coordinate)
+        tp_coordinate, tp_size = self._streams[stream]
+        return seed_for(
+            self._base_seed ^ self._salt ^ _TENSOR_PARALLEL_SALT, self._coordinate * tp_size + tp_coordinate
+        )
 
     def adopt_shard_coordinate(self, mesh: DeviceMesh) -> None:
         """Reseed for this rank's coordinate on the shard ``mesh`` if the bank was seeded
@@ -73,19 +88,27 @@ class GeneratorBank:
         if not self._awaiting_coordinate:
             return
         self._awaiting_coordinate = False
-        coordinate = _dist.shard_coordinate(mesh)
+        coordinate = _dist.rounding_coordinate(mesh)
         if coordinate != 0:
             self.manual_seed(self._base_seed, coordinate)
 
-    def generator(self, device: torch.device | str) -> torch.Generator | None:
-        """The generator for ``device`` (``None`` on meta: nothing is drawn there)."""
+    def generator(self, device: torch.device | str, tensor_parallel: Any = None) -> torch.Generator | None:
+        """The generator for ``device`` (``None`` on meta: nothing is drawn there).
+
+        ``tensor_parallel``: a weight's ``TensorParallelShard`` (its own stream per tp
+        coordinate), or ``None`` for the rank's (pp, dp shard) stream.
+        """
         if torch.device(device).type == "meta":
             return None
-        key = _device_key(device)
+        device_key = _device_key(device)
+        stream = "" if tensor_parallel is None else tensor_parallel.stream
+        key = f"{device_key}/{stream}" if stream else device_key
         gen = self._generators.get(key)
         if gen is None:
-            gen = torch.Generator(device=key)
-            gen.manual_seed(self._seed)
+            if stream:
+                self._streams[stream] = (tensor_parallel.coordinate, tensor_parallel.size)
+            gen = torch.Generator(device=device_key)
+            gen.manual_seed(self._seed_of(stream))
             self._generators[key] = gen
         return gen
 
@@ -98,7 +121,14 @@ class GeneratorBank:
         this rank's shard: no coordinate is adopted after this)."""
         self._awaiting_coordinate = False
         for key, value in state.items():
-            self.generator(key).set_state(value.clone())
+            device_key, _, stream = key.partition("/")
+            if stream and stream not in self._streams:
+                coordinate, size = (int(n) for n in stream[len("tp"):].split("of"))
+                self._streams[stream] = (coordinate, size)
+            gen = self._generators.get(key)
+            if gen is None:
+                gen = self._generators[key] = torch.Generator(device=device_key)
+            gen.set_state(value.clone())
 
 
 WEIGHT_ROUNDING = GeneratorBank()
@@ -113,4 +143,4 @@ def seed_weight_rounding(seed: int, mesh: DeviceMesh | None = None) -> None:
     stay bit-identical. ``mesh=None`` (not sharded yet): coordinate 0 until a sharded
     weight's first all-gather tells the coordinate (``Int8Weight.fsdp_pre_all_gather``).
     """
-    WEIGHT_ROUNDING.manual_seed(seed, None if mesh is None else _dist.shard_coordinate(mesh))
+    WEIGHT_ROUNDING.manual_seed(seed, None if mesh is None else _dist.rounding_coordinate(mesh))

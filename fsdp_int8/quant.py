@@ -44,7 +44,10 @@ from fsdp_int8._kernels import (
 )
 from fsdp_int8._noise import noise_values, rounding_noise_bytes
 
-__all__ = ["INT8_MAX", "UINT8_MAX", "ceil_div", "absmax_quantize", "absmax_dequantize", "dequantize_rows_into"]
+__all__ = [
+    "INT8_MAX", "UINT8_MAX", "ceil_div", "absmax_quantize", "absmax_dequantize", "dequantize_rows_into",
+    "signed_row_absmax",
+]
 
 Rounding = Literal["nearest", "stochastic"]
 # "raise": a ValueError naming the count (weights, optimizer states: a NaN scale would
@@ -164,6 +167,13 @@ def _signed_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.maximum(x.amax(dim=dim), x.amin(dim=dim).neg())
 
 
+def signed_row_absmax(values: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` of each row of a 2-D tensor (fp32 ``[rows]``; 0 for empty rows)."""
+    if values.shape[1] == 0:
+        return values.new_zeros(values.shape[0], dtype=torch.float32)
+    return _signed_absmax(values.float(), 1)
+
+
 def absmax_quantize(
     values: torch.Tensor,
     *,
@@ -176,6 +186,7 @@ def absmax_quantize(
     out: torch.Tensor | None = None,
     what: str = "a tensor",
     compiled: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D floating tensor with one absmax scale per block.
 
@@ -194,6 +205,9 @@ def absmax_quantize(
         out: Optional destination of the 8-bit values (``values``' shape, may be strided).
         what: How an error message names ``values``.
         compiled: Run the signed whole-row path as one ``torch.compile``d pass (same bits).
+        amax: Whole rows only: each row's absmax to scale by, ``[rows]`` fp32, at least the
+            row's own (tensor-parallel peers holding parts of one row share it). The
+            non-finite check is the caller's.
 
     Returns:
         ``(q, scale)``: ``q`` of ``values``' shape; ``scale`` fp32 ``[rows]`` (whole rows),
@@ -218,6 +232,12 @@ def absmax_quantize(
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     options = dict(signed=signed, rounding=rounding, nonfinite=nonfinite, generator=generator)
+    if amax is not None:
+        if block_size is not None or dim != -1 or tuple(amax.shape) != (rows,):
+            raise ValueError(f"amax= gives whole rows' absmax: [{rows}] with dim=-1 and no blocks")
+        rounded, scale = _round_into(values.float(), amax.float().unsqueeze(1), levels, **options)
+        out = rounded if out is None else out.copy_(rounded)
+        return out, scale.squeeze(1)
     if block_size is None and dim == -1 and signed and nonfinite != "propagate" and use_compiled(compiled, values):
         if rounding == "stochastic":
             noise_bytes = rounding_noise_bytes((rows, length), generator, values.device)

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from fsdp_int8 import _all_gather, _op_table, _update_checks
+from fsdp_int8 import _all_gather, _op_table, _tensor_parallel, _update_checks
 from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8._tensor_parallel import TensorParallelShard
 from fsdp_int8.config import Int8MatmulConfig
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
@@ -51,6 +52,8 @@ class Int8Weight(torch.Tensor):
         compiled: Run this weight's quantization kernels (updates, dequantization,
             activation quantization) as ``torch.compile``d passes
             (``Int8TrainingConfig.compile``).
+        tensor_parallel: This rank's part of a weight split by tensor parallelism
+            (``fsdp_int8.parallel``'s styles set it), or ``None``.
 
     Use :meth:`from_float` to build one from a plain tensor.
     """
@@ -62,6 +65,7 @@ class Int8Weight(torch.Tensor):
     stochastic_rounding: bool
     int8_matmul: Int8MatmulConfig | None
     compiled: bool
+    tensor_parallel: TensorParallelShard | None
 
     @staticmethod
     def __new__(
@@ -75,6 +79,7 @@ class Int8Weight(torch.Tensor):
         stochastic_rounding: bool = True,
         int8_matmul: Int8MatmulConfig | None = None,
         compiled: bool = False,
+        tensor_parallel: TensorParallelShard | None = None,
         requires_grad: bool = False,
     ) -> "Int8Weight":
         if int_data.dtype != torch.int8 or scale.dtype != torch.float32:
@@ -109,6 +114,7 @@ class Int8Weight(torch.Tensor):
         self.stochastic_rounding = stochastic_rounding
         self.int8_matmul = int8_matmul
         self.compiled = compiled
+        self.tensor_parallel = tensor_parallel
         return self
 
     @staticmethod
@@ -166,7 +172,7 @@ class Int8Weight(torch.Tensor):
         return Int8Weight(
             int_data, scale, dtype=dtype or self.dtype, row_len=self.row_len,
             full_rows=self.full_rows, stochastic_rounding=self.stochastic_rounding,
-            int8_matmul=self.int8_matmul, compiled=self.compiled,
+            int8_matmul=self.int8_matmul, compiled=self.compiled, tensor_parallel=self.tensor_parallel,
         )
 
     # ------------------------------------------------------------------ reading
@@ -181,6 +187,7 @@ class Int8Weight(torch.Tensor):
 
     def read_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int8 [rows, row_len], fp32 [rows])`` of any layout, to read (a copy if strided)."""
+        _tensor_parallel.settle_if_waiting((self,))
         return self.int_data.reshape(self.rows, self.row_len), self.scale.reshape(self.rows)
 
     def write_rows_(
@@ -203,11 +210,18 @@ class Int8Weight(torch.Tensor):
         optimizer's update (``step_update=True``) on an accelerator is checked once per
         optimizer step instead, with every other update of the step (``_update_checks``).
         """
+        generator = WEIGHT_ROUNDING.generator(values.device, self.tensor_parallel) if stochastic else None
+        if self.tensor_parallel is not None and self.tensor_parallel.shares_row_scales:
+            _tensor_parallel.write_shared_rows(
+                self, values.reshape(self.rows, self.row_len), stochastic=stochastic,
+                generator=generator, step_update=step_update,
+            )
+            return self
         deferred = step_update and _update_checks.defers(values.device)
         int_data, scale = absmax_quantize(
             values.reshape(self.rows, self.row_len),
             rounding="stochastic" if stochastic else "nearest",
-            generator=WEIGHT_ROUNDING.generator(values.device) if stochastic else None,
+            generator=generator,
             nonfinite="unchecked" if deferred else "raise",
             what="a weight",
             compiled=self.compiled,
@@ -293,21 +307,23 @@ class Int8Weight(torch.Tensor):
     # ------------------------------------------------------------------ subclass protocol
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         return ["int_data", "scale"], (
-            self.dtype, self.row_len, self.full_rows, self.stochastic_rounding, self.int8_matmul, self.compiled
+            self.dtype, self.row_len, self.full_rows, self.stochastic_rounding, self.int8_matmul,
+            self.compiled, self.tensor_parallel,
         )
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size: Any, outer_stride: Any) -> "Int8Weight":
-        dtype, row_len, full_rows, stochastic, int8_matmul, compiled = ctx
+        dtype, row_len, full_rows, stochastic, int8_matmul, compiled, tensor_parallel = ctx
         return Int8Weight(
             inner["int_data"], inner["scale"], dtype=dtype, row_len=row_len,
             full_rows=full_rows, stochastic_rounding=stochastic, int8_matmul=int8_matmul,
-            compiled=compiled,
+            compiled=compiled, tensor_parallel=tensor_parallel,
         )
 
     def __reduce_ex__(self, protocol: int):
         # torch.load(weights_only=True) accepts this: the rebuild function and the class
-        # are registered as safe globals at the end of this module.
+        # are registered as safe globals at the end of this module. A tensor-parallel
+        # split is this process's placement, not the weight's: it is not pickled.
         return (
             _rebuild_int8_weight,
             (self.int_data.clone(), self.scale.clone(), self.dtype, self.row_len,

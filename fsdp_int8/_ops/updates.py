@@ -117,6 +117,8 @@ def _addcdiv_rows_nearest(q, scale, t1, t2, value):
 def _fusable_addcdiv(target: Int8Weight, args: tuple, kwargs: dict) -> bool:
     if not _kernels.use_compiled(target.compiled, target) or len(args) != 2 or set(kwargs) - {"value"}:
         return False
+    if target.tensor_parallel is not None and target.tensor_parallel.shares_row_scales:
+        return False  # its row scales are the tp peers' maximum: rounded in assign_
     value = kwargs.get("value", 1)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
@@ -137,7 +139,7 @@ def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, v
     operands = (rows, target.scale, t1.reshape(shape), t2.reshape(shape),
                 torch.tensor(float(value), dtype=torch.float32, device=target.device))
     if target.stochastic_rounding:
-        noise_bytes = rounding_noise_bytes(shape, WEIGHT_ROUNDING.generator(target.device), target.device)
+        noise_bytes = rounding_noise_bytes(shape, WEIGHT_ROUNDING.generator(target.device, target.tensor_parallel), target.device)
         q, scale, finite = _kernels.run_compiled(_addcdiv_rows, *operands, noise_bytes)
     else:
         q, scale, finite = _kernels.run_compiled(_addcdiv_rows_nearest, *operands)

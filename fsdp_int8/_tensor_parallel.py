@@ -1,0 +1,145 @@
+"""What an ``Int8Weight`` knows of a tensor-parallel split, and how writes keep row scales shared.
+
+A weight split by rows (``ColwiseParallel``: whole rows per rank) needs nothing special:
+each rank's rows carry their own scales. A weight split by columns (``RowwiseParallel``:
+each rank holds ``in_features / tp`` elements of every row) keeps **one scale per row for
+the whole row**: the row's absmax over all tensor-parallel peers. So the stored format is
+1-D's, and a checkpoint reshards across any ``tp``. Every write of such a weight takes the
+row absmax over the peers (an ``all_reduce(MAX)`` of ``[rows]`` fp32) before it rounds:
+
+* an optimizer's update (``step_update``) is **deferred**: its fp32 values wait here, and
+  :func:`settle` rounds every deferred weight after one ``all_reduce`` per process group,
+  after each ``torch.optim`` optimizer's ``step()`` (a global step post-hook) or before
+  anything reads a waiting weight (:func:`settle_if_waiting`);
+* any other write (a load, an initialiser, ``copy_``) reduces at once.
+
+The scale is fixed before the noise is drawn and bounds every value of the row, so
+stochastic rounding stays unbiased and nothing is clipped. A non-finite value on any peer
+makes the reduced absmax infinite on every peer, so all of them raise together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from fsdp_int8.quant import absmax_quantize, raise_non_finite, signed_row_absmax
+
+__all__ = ["TensorParallelShard", "shared_row_absmax", "write_shared_rows", "settle", "settle_if_waiting"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelShard:
+    """This rank's part of a weight split by tensor parallelism.
+
+    Attributes:
+        mesh: The 1-D tensor-parallel mesh.
+        coordinate: This rank's index on ``mesh``.
+        shares_row_scales: ``True`` for a split along the input features (every peer holds
+            part of every row, and all share the row's scale).
+    """
+
+    mesh: DeviceMesh
+    coordinate: int
+    shares_row_scales: bool
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def stream(self) -> str:
+        """The key of this shard's stochastic-rounding stream (see ``_generators``)."""
+        return f"tp{self.coordinate}of{self.size}"
+
+
+# Deferred updates: (weight, fp32 values [rows, K], stochastic, generator), in write order.
+WeightLike = Any
+_waiting: list[tuple[WeightLike, torch.Tensor, bool, "torch.Generator | None"]] = []
+_waiting_storage: set[int] = set()
+_hook: list = []
+_MAX_WAITING = 4096  # updates before a forced settle (manual update loops outside optimizers)
+
+
+def _storage_key(weight: WeightLike) -> int:
+    return weight.int_data.untyped_storage().data_ptr()
+
+
+def shared_row_absmax(values: list[torch.Tensor], mesh: DeviceMesh) -> list[torch.Tensor]:
+    """Each ``[rows, K]`` tensor's row absmax, maximised over ``mesh``'s ranks in ONE
+    ``all_reduce``. NaN becomes +Inf first: every peer then sees a non-finite scale."""
+    local = [signed_row_absmax(v.float()) for v in values]
+    if not local:
+        return []
+    packed = torch.cat(local).nan_to_num_(nan=float("inf"))
+    if mesh.size() > 1 and not packed.is_meta:
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return list(packed.split([t.numel() for t in local]))
+
+
+def _round_into(weight: WeightLike, values: torch.Tensor, amax: torch.Tensor, stochastic: bool, generator) -> None:
+    if not values.is_meta and not bool(torch.isfinite(amax).all()):
+        raise_non_finite(values, "a tensor-parallel weight (on this rank or a peer)", "int8")
+    int_data, scale = absmax_quantize(
+        values, rounding="stochastic" if stochastic else "nearest", generator=generator,
+        nonfinite="unchecked", amax=amax, what="a weight",
+    )
+    weight.write_rows_(int_data, scale)
+
+
+def write_shared_rows(
+    weight: WeightLike, values: torch.Tensor, *, stochastic: bool, generator, step_update: bool
+) -> None:
+    """Round ``values`` (``[rows, K]`` fp32) into ``weight`` with row scales shared by its
+    tensor-parallel peers: now, or at the step's :func:`settle` for an optimizer update."""
+    if not step_update:
+        settle()  # keep the peers' collectives in one order
+        (amax,) = shared_row_absmax([values], weight.tensor_parallel.mesh)
+        _round_into(weight, values, amax, stochastic, generator)
+        return
+    if not _hook:
+        _hook.append(register_optimizer_step_post_hook(lambda optimizer, args, kwargs: settle()))
+    if _storage_key(weight) in _waiting_storage:
+        settle()  # a second update of one weight before the step ended: the first lands first
+    _waiting.append((weight, values.detach().float(), stochastic, generator))
+    _waiting_storage.add(_storage_key(weight))
+    if len(_waiting) >= _MAX_WAITING:
+        settle()
+
+
+def settle() -> None:
+    """Round every deferred update: one ``all_reduce(MAX)`` per tensor-parallel group."""
+    if not _waiting:
+        return
+    waiting = list(_waiting)
+    _waiting.clear()
+    _waiting_storage.clear()
+    by_mesh: dict[DeviceMesh, list[int]] = {}
+    for index, (weight, *_rest) in enumerate(waiting):
+        by_mesh.setdefault(weight.tensor_parallel.mesh, []).append(index)
+    failed: ValueError | None = None
+    for mesh, indices in by_mesh.items():
+        amaxes = shared_row_absmax([waiting[i][1] for i in indices], mesh)
+        for index, amax in zip(indices, amaxes):
+            weight, values, stochastic, generator = waiting[index]
+            try:
+                _round_into(weight, values, amax, stochastic, generator)
+            except ValueError as error:  # round the others: every peer fails alike
+                failed = failed or error
+    if failed is not None:
+        raise failed
+
+
+def settle_if_waiting(tensors: "tuple | list") -> None:
+    """:func:`settle` if any of ``tensors`` (an op's arguments) waits for its update."""
+    if not _waiting:
+        return
+    for tensor in tensors:
+        if getattr(tensor, "tensor_parallel", None) is not None and _storage_key(tensor) in _waiting_storage:
+            settle()
+            return
