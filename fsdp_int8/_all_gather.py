@@ -45,11 +45,12 @@ Int8WeightLike = torch.Tensor
 
 # Where a tensor-parallel layout reaches an int8 weight, the error says this.
 TENSOR_PARALLEL_UNSUPPORTED = (
-    "torch's tensor parallelism (parallelize_module with ColwiseParallel / RowwiseParallel, "
-    "distribute_tensor) does not support int8 weights yet (docs/parallelism.md). Supported: "
-    "fully_shard (or fsdp_int8.shard_model) of the unsharded quantized model, on a 1-D or "
-    "an HSDP mesh; or leave the layers you parallelize in full precision "
-    "(Int8TrainingConfig.skip_names)."
+    "torch's stock tensor-parallel styles (ColwiseParallel / RowwiseParallel, "
+    "distribute_tensor) do not know that an int8 weight keeps one scale per row "
+    "(docs/parallelism.md). Use fsdp_int8.shard_model(model, mesh=mesh_2d, tp_plan=plan) "
+    "(stock styles in the plan are converted), or fsdp_int8.parallel's Int8ColwiseParallel / "
+    "Int8RowwiseParallel with parallelize_module, then fully_shard on the dp mesh; or "
+    "leave the layers you parallelize in full precision (Int8TrainingConfig.skip_names)."
 )
 
 SCALE_BYTES = 4  # one fp32 scale per row

@@ -11,12 +11,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from fsdp_int8._all_gather import TENSOR_PARALLEL_UNSUPPORTED
 from fsdp_int8._dist import device_type_for
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, is_sharded, logger, parameter_owners, quantize_
+from fsdp_int8.parallel import int8_tp_plan
 
 __all__ = ["shard_model", "find_blocks", "BlockSpec"]
 
@@ -163,29 +165,68 @@ def _check_unsharded(model: nn.Module) -> None:
 
 
 def _resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
+    """The mesh to shard over: the one given (it must hold this rank), or all ranks."""
     if not dist.is_initialized():
         raise RuntimeError(
             "shard_model needs an initialised process group: call "
             "torch.distributed.init_process_group() first (torchrun sets the environment)"
         )
-    world = dist.get_world_size()
     if mesh is None:
-        return init_device_mesh(device_type, (world,))
-    if mesh.ndim not in (1, 2):
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if mesh.get_coordinate() is None:
         raise ValueError(
-            f"shard_model takes a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got "
-            f"{mesh.ndim} dims"
+            f"this rank ({dist.get_rank()}) is not in the mesh passed to shard_model "
+            f"({mesh}): pass the mesh of the ranks that hold this model (under pipeline "
+            "parallelism, this stage's mesh, e.g. world_mesh['dp'] of a ('pp', 'dp') mesh)"
         )
-    if mesh.size() != world:
-        raise ValueError(
-            f"the mesh covers {mesh.size()} ranks but the world has {world}: pass a mesh over "
-            "all ranks, e.g. init_device_mesh(device_type, (world_size,)) (with Lightning's "
-            f"ModelParallelStrategy: data_parallel_size={world}, tensor_parallel_size=1 and "
-            "mesh=self.device_mesh['data_parallel'])"
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError("an HSDP mesh needs mesh_dim_names, e.g. ('replicate', 'shard')")
     return mesh
+
+
+def _split_mesh(mesh: DeviceMesh, tp_plan: dict | None) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """``(data-parallel mesh, tensor-parallel mesh or None)`` of the mesh shard_model got."""
+    names = mesh.mesh_dim_names
+    if names is not None and "pp" in names:
+        raise ValueError(
+            f"shard_model got a mesh with a 'pp' dim {names}: shard each pipeline stage on "
+            "its own mesh without it, e.g. world_mesh[('dp', 'tp')] (docs/parallelism.md)"
+        )
+    has_tp = names is not None and "tp" in names
+    if tp_plan is None and has_tp:
+        raise ValueError(
+            f"shard_model got a mesh with a 'tp' dim {names} but no tp_plan: pass "
+            "tp_plan={'module name in a block': ColwiseParallel() / RowwiseParallel(), ...}"
+        )
+    if tp_plan is not None and not has_tp:
+        raise ValueError(
+            f"tp_plan needs a mesh with a dim named 'tp', e.g. init_device_mesh(device_type, "
+            f"(dp, tp), mesh_dim_names=('dp', 'tp')); got dims {names}"
+        )
+    dp_names = tuple(n for n in names or () if n != "tp")
+    if has_tp and names[-1] != "tp":
+        raise ValueError(f"the 'tp' dim must be the mesh's last (innermost) dim, got {names}")
+    dp_mesh = mesh[dp_names] if has_tp else mesh
+    if dp_mesh.ndim not in (1, 2):
+        raise ValueError(
+            "shard_model shards over a 1-D data-parallel mesh (FSDP) or a 2-D one (HSDP: "
+            f"replicate, shard), plus an optional 'tp' dim; got dims {names or mesh.ndim}"
+        )
+    if dp_mesh.ndim == 2 and dp_mesh.mesh_dim_names is None:
+        raise ValueError("an HSDP mesh needs mesh_dim_names, e.g. ('replicate', 'shard')")
+    return dp_mesh, (mesh["tp"] if has_tp else None)
+
+
+def _parallelize_blocks(blocks: list[nn.Module], tp_mesh: DeviceMesh, tp_plan: dict) -> None:
+    """Tensor parallelism inside each block, with the int8-aware styles."""
+    plan = int8_tp_plan(tp_plan)
+    for block in blocks:
+        names = {name for name, _ in block.named_modules()}
+        missing = [key for key in plan if "*" not in key and key not in names]
+        if missing:
+            raise ValueError(
+                f"tp_plan names {missing}, which {type(block).__name__} does not have: plan "
+                "keys are module names relative to each block (e.g. 'self_attn.q_proj')"
+            )
+        parallelize_module(block, tp_mesh, plan)
 
 
 def shard_model(
@@ -196,8 +237,14 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     blocks: BlockSpec | None = None,
+    tp_plan: dict[str, ParallelStyle] | None = None,
 ) -> nn.Module:
     """Quantize ``model`` and shard it with FSDP2: each embedding, each block, then the root.
+
+    With ``tp_plan``, each block is first split by tensor parallelism on the mesh's
+    ``"tp"`` dim (torch's ``ColwiseParallel`` / ``RowwiseParallel`` in the plan become
+    their int8-aware equivalents in :mod:`fsdp_int8.parallel`), then FSDP2 shards on the
+    other dims: ``("dp", "tp")`` or ``("dp_replicate", "dp_shard", "tp")`` (HSDP).
 
     The root group holds what is left (final norm, output head, and an embedding tied to
     the head: FSDP2 needs both ends of a tie in one group). It is not resharded after
@@ -209,14 +256,18 @@ def shard_model(
 
     Args:
         model: The unsharded model (plain PyTorch).
-        mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP). Default: all
-            ranks on the default device type.
+        mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP), plus a last dim
+            named ``"tp"`` with ``tp_plan``. It must hold this rank, not necessarily all
+            ranks (a pipeline stage's mesh). Default: all ranks on the default device type.
         config: Quantization config (see :class:`Int8TrainingConfig`).
         mp_policy: FSDP2 mixed precision; its ``param_dtype`` is the compute dtype of the
             unsharded weights. The wire format is int8 regardless.
         reshard_after_forward: ``True`` frees unsharded weights after forward; ``False``
             keeps them until backward. Integers are refused (see docs/limits.md).
         blocks: Block types or a predicate; default: discovered (see :func:`find_blocks`).
+        tp_plan: Module names relative to each block (``"self_attn.q_proj"``, ``*``
+            wildcards) to torch ``ParallelStyle``s, as in torchtitan's and Hugging Face's
+            Llama plans. Needs a mesh with a ``"tp"`` dim.
 
     Returns:
         ``model``, now an ``FSDPModule``.
@@ -228,7 +279,7 @@ def shard_model(
         param.device.type if param is not None and param.device.type != "meta"
         else device_type_for()
     )
-    mesh = _resolve_mesh(mesh, device_type)
+    dp_mesh, tp_mesh = _split_mesh(_resolve_mesh(mesh, device_type), tp_plan)
     found = find_blocks(model, blocks)  # before quantizing: a refused model stays as it was
     if not found:
         raise ValueError(
@@ -239,9 +290,11 @@ def shard_model(
     groups = _groups_below_root(model, found)  # before quantizing, too
     config = config or Int8TrainingConfig()
     quantize_(model, config)
-    seed_weight_rounding(config.seed, mesh)
+    if tp_mesh is not None:
+        _parallelize_blocks(found, tp_mesh, tp_plan)
+    seed_weight_rounding(config.seed, dp_mesh)
 
-    options = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    options = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     for index, group in enumerate(groups):
         last = index == len(groups) - 1
         fully_shard(group, reshard_after_forward=reshard_after_forward and not last, **options)
