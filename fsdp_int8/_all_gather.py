@@ -45,8 +45,8 @@ Int8WeightLike = torch.Tensor
 
 # Where a tensor-parallel layout reaches an int8 weight, the error says this.
 TENSOR_PARALLEL_UNSUPPORTED = (
-    "torch's stock tensor-parallel styles (ColwiseParallel / RowwiseParallel, "
-    "distribute_tensor) do not know that an int8 weight keeps one scale per row "
+    "tensor parallelism with torch's stock styles (ColwiseParallel / RowwiseParallel, "
+    "distribute_tensor) does not work on int8 weights: they do not know that an int8 weight keeps one scale per row "
     "(docs/parallelism.md). Use fsdp_int8.shard_model(model, mesh=mesh_2d, tp_plan=plan) "
     "(stock styles in the plan are converted), or fsdp_int8.parallel's Int8ColwiseParallel / "
     "Int8RowwiseParallel with parallelize_module, then fully_shard on the dp mesh; or "
