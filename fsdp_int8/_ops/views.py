@@ -254,6 +254,8 @@ def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
             "call .dequantize() on the Int8Weight for a plain one."
         )
     first = tensors[0]
+    if whole_rows and first.dim() == 2 and dim in (1, -1):
+        return _cat_columns(tensors)
     dim = _row_dim(dim, first.dim(), "cat")
     if not whole_rows:
         raise NotImplementedError("cat needs Int8Weights of one row length and one rank")
@@ -262,6 +264,25 @@ def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     )
     joined.full_rows = max(first.full_rows, joined.rows)
     return joined
+
+
+def _cat_columns(tensors: Sequence[Int8Weight]) -> Int8Weight:
+    """Pieces of the same rows side by side: what gathering a weight split by its columns
+    (``Int8RowwiseParallel``, whose peers share each row's scale) makes. Only pieces with
+    the same scales join: other scales would need a requantization, which a gather must
+    not do silently."""
+    first = tensors[0]
+    if any(t.rows != first.rows or not torch.equal(t.scale, first.scale) for t in tensors[1:]):
+        raise NotImplementedError(
+            "cat along dim 1 joins Int8Weight pieces of the same rows only when they share "
+            "their row scales (a tensor-parallel split by fsdp_int8.parallel does); these "
+            "differ. Call .dequantize() on each piece for a plain result. " + _ROW_BREAKING
+        )
+    return Int8Weight(
+        torch.cat([t.int_rows() for t in tensors], 1), first.scale.clone(), dtype=first.dtype,
+        row_len=sum(t.row_len for t in tensors), stochastic_rounding=first.stochastic_rounding,
+        int8_matmul=first.int8_matmul, compiled=first.compiled,
+    )
 
 
 def _pad_rows(weight: Int8Weight, pad: Sequence[int], value: float) -> Int8Weight:
