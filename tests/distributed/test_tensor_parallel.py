@@ -267,6 +267,28 @@ def _check_hsdp_with_tp(rank: int) -> None:
             assert torch.equal(data[0], data[1]), f"{name}: HSDP replicas drifted apart"
 
 
+def _check_mesh_and_plan_errors(mesh) -> None:
+    """Wrong meshes and plans fail before anything is quantized or sharded, saying why."""
+    world_mesh = init_device_mesh(device_type_for(4), (2, 2), mesh_dim_names=("pp", "dp"))
+    cases = {
+        "a tp mesh without a plan": (dict(mesh=mesh), "but no tp_plan"),
+        "a plan without a tp dim": (dict(mesh=mesh["dp"], tp_plan=PLAN), "a dim named 'tp'"),
+        "a pp dim in the mesh": (dict(mesh=world_mesh, tp_plan=None), "'pp' dim"),
+        "a plan naming no module": (dict(mesh=mesh, tp_plan={"gate": ColwiseParallel()}), "does not have"),
+        "rows that tp does not divide": (
+            dict(mesh=mesh, tp_plan=PLAN, blocks=None, hidden=33), "not divisible by the tp size"),
+    }
+    for name, (kwargs, message) in cases.items():
+        with case(name):
+            model = MLPNet(dim=DIM, hidden=kwargs.pop("hidden", HIDDEN))
+            try:
+                fsdp_int8.shard_model(model, config=_config(), **kwargs)
+            except ValueError as error:
+                assert message in str(error), error
+            else:
+                raise AssertionError("no error")
+
+
 def _body(rank: int, world: int) -> None:
     mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("dp", "tp"))
     _check_weight_only_parity(mesh, mesh.get_local_rank("dp"), 2)
@@ -277,6 +299,7 @@ def _body(rank: int, world: int) -> None:
     _check_rounding_streams(mesh)
     _check_writes_keep_scales_shared(mesh)
     _check_hsdp_with_tp(rank)
+    _check_mesh_and_plan_errors(mesh)
 
 
 def test_fsdp_by_tensor_parallel_four_ranks():
