@@ -83,19 +83,24 @@ def shard_coordinate(mesh: DeviceMesh | None) -> int:
 def rounding_coordinate(mesh: DeviceMesh | None) -> int:
     """This rank's (pp, dp shard) index for the weights' stochastic-rounding streams.
 
-    ``mesh`` is the data-parallel mesh (FSDP's shard mesh, or the HSDP mesh): its last dim
-    gives the dp shard (:func:`shard_coordinate`). Pipeline stages hold different layers,
-    so a root mesh dim named ``"pp"`` (torchtitan's name) is mixed in; with one stage the
-    index is the dp shard's, as before pipelining existed. Replicas (HSDP's replicate
-    dim, DDP) share it.
+    ``mesh`` is the data-parallel mesh (FSDP's shard mesh, or the HSDP mesh), or a
+    parameter's mesh under tensor parallelism (a last dim named ``"tp"``, which is left
+    out: tp shards have streams of their own). The last remaining dim gives the dp shard.
+    Pipeline stages hold different layers, so a root mesh dim named ``"pp"`` (torchtitan's
+    name) is mixed in; with one stage the index is the dp shard's. Replicas (HSDP's
+    replicate dim, DDP) share it.
     """
-    shard = shard_coordinate(mesh)
     if mesh is None:
-        return shard
+        return 0
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    shard_dim = mesh.ndim - 1
+    if names and names[-1] == "tp" and mesh.ndim > 1:
+        shard_dim -= 1
+    shard = mesh.get_local_rank(shard_dim)
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    names = getattr(root, "mesh_dim_names", None) or ()
-    if "pp" in names and "pp" not in (getattr(mesh, "mesh_dim_names", None) or ()):
-        return root.get_local_rank("pp") * mesh.size(mesh.ndim - 1) + shard
+    root_names = getattr(root, "mesh_dim_names", None) or ()
+    if "pp" in root_names and "pp" not in names:
+        return root.get_local_rank("pp") * mesh.size(shard_dim) + shard
     return shard
 
 
