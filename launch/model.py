@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
 @dataclass
@@ -66,6 +67,29 @@ def next_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
     return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
 
 
+def tp_plan() -> dict[str, ParallelStyle]:
+    """The Llama tensor-parallel plan of a :class:`TransformerBlock` (names relative to it):
+    q, k, v and the MLP's gate and up projections split by output features (each rank
+    computes ``n_heads / tp`` whole heads and ``hidden_dim / tp`` hidden units), the
+    attention output and the MLP's down projection by input features (their partial sums
+    are all-reduced). Embedding, final norm and output head stay whole on each tp rank."""
+    return {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+
+
+def check_tp(args: ModelArgs, tp: int) -> None:
+    """Raise ``ValueError`` unless ``tp`` ranks can split the heads and hidden units of ``args``."""
+    if args.n_heads % tp:
+        raise ValueError(f"--tp {tp} does not divide the model's {args.n_heads} attention heads "
+                         "(each tensor-parallel rank computes whole heads): pick a --tp that does, or set --n-heads")
+    if args.hidden_dim % tp:
+        raise ValueError(f"--tp {tp} does not divide the MLP's hidden width {args.hidden_dim}")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -99,20 +123,21 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads = args.n_heads
+        self.head_dim = args.dim // args.n_heads
         self.wq = nn.Linear(args.dim, args.dim, bias=False)
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = (w(x).view(batch, seq, self.n_heads, -1) for w in (self.wq, self.wk, self.wv))
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism wq/wk/wv give this rank dim / tp features, its heads
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):

@@ -33,13 +33,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 import fsdp_int8
 from fsdp_int8 import hardware
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
-from launch.model import ModelArgs, Transformer
+from launch import parallel
+from launch.model import ModelArgs, Transformer, check_tp, tp_plan
 
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -227,7 +229,7 @@ def resolve_auto(precision: str, compute_dtype: str, device: torch.device) -> tu
 
 # ---------------------------------------------------------------- the builder
 def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, seed: int = 0,
-                replicas: int = 1, full_init: bool = False) -> Transformer:
+                replicas: int = 1, full_init: bool = False, mesh: DeviceMesh | None = None) -> Transformer:
     """The launcher's Transformer of shape ``args``, sharded over all ranks for ``recipe``.
 
     Weights come from ``torch.manual_seed(seed)`` (fsdp_int8's stochastic rounding from
@@ -244,11 +246,21 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         seed: Seed of the initial weights and of stochastic rounding.
         replicas: HSDP: replicate the sharded model over this many groups of ranks.
         full_init: Initialise the whole model before sharding (see above).
+        mesh: The mesh to shard over (default: all ranks, ``replicas`` groups of them), from
+            :func:`launch.parallel.device_mesh`. With a last ``"tp"`` dim the blocks are split
+            by tensor parallelism first (:func:`launch.model.tp_plan`; fsdp_int8's int8-aware
+            styles for int8 precisions, torch's own for the baselines).
     """
     device = torch.device(device)
     precision = recipe.precision
     if precision.family == "torchao" and not full_init:
         raise ValueError("torchao's int8 weights are built from initialised weights: pass full_init=True")
+    mesh = mesh or parallel.device_mesh(device.type, replicas=replicas)
+    tensor_parallel = parallel.has_tp(mesh)
+    if tensor_parallel:
+        if precision.family == "torchao":
+            raise ValueError("torchao's int8 weights do not run under tensor parallelism: use a tp-free mesh")
+        check_tp(args, mesh["tp"].size())
     if full_init:
         torch.manual_seed(seed)
         with torch.device(device):
@@ -259,10 +271,10 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
             model = Transformer(args)
     if recipe.compute_dtype == "bf16-model":
         model.to(torch.bfloat16)
-    mesh = _mesh(device.type, replicas)
     if precision.int8:
         config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=precision.int8_matmul, compile=recipe.compile)
-        fsdp_int8.shard_model(model, mesh=mesh, config=config, mp_policy=_COMPUTE_POLICY[recipe.compute_dtype])
+        fsdp_int8.shard_model(model, mesh=mesh, config=config, mp_policy=_COMPUTE_POLICY[recipe.compute_dtype],
+                              tp_plan=tp_plan() if tensor_parallel else None)
         if precision.int8_gradients:
             enable_quantized_reduce_scatter(model, seed=seed)
     else:
@@ -281,22 +293,16 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
     return model
 
 
-def _mesh(device_type: str, replicas: int) -> DeviceMesh:
-    """All ranks in one FSDP dimension, or ``(replicate, shard)`` for HSDP."""
-    world = dist.get_world_size()
-    if world % replicas:
-        raise ValueError(f"{replicas} replicas do not divide the world size {world}")
-    if replicas == 1:
-        return init_device_mesh(device_type, (world,))
-    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
-
-
 def _fully_shard(model: Transformer, mesh: DeviceMesh, policy: MixedPrecisionPolicy | None) -> None:
     """Plain FSDP2 in the groups ``shard_model`` makes (the embedding, each block, then the
     root: norm and head), so a baseline gathers and reduces what an fsdp_int8 run does.
-    The last block and the root stay gathered after forward: backward needs them first."""
+    The last block and the root stay gathered after forward: backward needs them first.
+    A mesh with a ``"tp"`` dim splits each block with torch's styles first, as shard_model does."""
+    if parallel.has_tp(mesh):
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], tp_plan())
     groups = [model.tok_embeddings, *model.layers]
-    options = dict(mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    options = dict(mesh=parallel.dp_mesh(mesh), mp_policy=policy or MixedPrecisionPolicy())
     for index, group in enumerate(groups):
         fully_shard(group, reshard_after_forward=index < len(groups) - 1, **options)
     fully_shard(model, reshard_after_forward=False, **options)

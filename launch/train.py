@@ -4,6 +4,11 @@ Run it under torchrun, one process per GPU (or per share of the CPU without GPUs
 
     torchrun --nproc_per_node 2 -m launch.train --preset tiny --precision int8
 
+--tp 2 splits each block's attention heads and MLP over pairs of neighbouring ranks
+(tensor parallelism; the pairs train on one batch, FSDP2 shards over the rest):
+
+    torchrun --nproc_per_node 4 -m launch.train --preset tiny --tp 2
+
 CUDA + NCCL are used when every local rank has a GPU, CPU + gloo otherwise. The text is
 the Python standard library's own source unless --data names a directory or file. A run
 writes to --out: metrics.jsonl (every step), loss.png, run.json (which torchrun job owns
@@ -28,17 +33,17 @@ import torch.distributed as dist
 import fsdp_int8
 from fsdp_int8.collectives import count_collectives
 from fsdp_int8.testing import device_type_for
-from launch import run_dir
+from launch import parallel, run_dir
 from launch.data import Corpus, load_corpus, sample_batch
 from launch.metrics import RunLog, bits_per_byte, plot_losses, read_metrics
-from launch.model import PRESETS, Transformer, model_args, next_token_loss
+from launch.model import PRESETS, Transformer, check_tp, model_args, next_token_loss
 from launch.precisions import (AUTO, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, build_model, compile_wanted,
                                resolve_auto)
 
 # Everything random derives from --seed: the initial weights (torch.manual_seed), the
 # stochastic rounding of int8 updates (Int8TrainingConfig.seed) and the batches:
 BATCH_SEED_STRIDE = 1_000_003  # a prime above any rank or step count: (seed, rank, step) give distinct seeds
-VALIDATION_SEED = 10_000  # rank r's validation batches come from VALIDATION_SEED + r: the same at every evaluation
+VALIDATION_SEED = 10_000  # data-parallel index r's validation batches come from VALIDATION_SEED + r: the same at every evaluation
 
 
 # ---------------------------------------------------------------- arguments
@@ -76,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
     train.add_argument("--replicas", type=int, default=1,
                        help="HSDP: replicate the sharded model over this many groups of ranks")
+    train.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel degree: split each block's attention and MLP over this many "
+                       "neighbouring ranks, which train on one batch (FSDP over the world / tp others)")
+    train.add_argument("--pp", type=int, default=1,
+                       help="pipeline-parallel degree (only 1 here: pipelining is a library API, docs/parallelism.md)")
     train.add_argument("--seed", type=int, default=0, help="seeds init, data order and rounding")
     data = parser.add_argument_group("data")
     data.add_argument("--data", help="directory or file of text (default: Python's stdlib source)")
@@ -92,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="start over in an --out that holds another run's checkpoints, deleting them")
     args = parser.parse_args(argv)
 
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "replicas", "keep"):
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "replicas", "tp", "pp", "keep"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.checkpoint_every < 0:
@@ -102,11 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.model = model_args(args.preset, seq_len=args.seq_len, dim=args.dim, n_layers=args.n_layers,
                                 n_heads=args.n_heads)
+        check_tp(args.model, args.tp)
     except ValueError as error:
         parser.error(str(error))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world % args.replicas:
-        parser.error(f"--replicas {args.replicas} does not divide the world size {world}")
+    error = parallel.layout_error(int(os.environ.get("WORLD_SIZE", 1)), tp=args.tp, pp=args.pp, replicas=args.replicas)
+    if error:
+        parser.error(error)
     return args
 
 
@@ -117,7 +128,9 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
     recipe = choose_recipe(args, device)
     out = Path(args.out)
     run_dir.prepare(out, mode)  # --out is this job's (and emptied for --overwrite) before any rank reads it
-    model = build_model(recipe, args.model, device, seed=args.seed, replicas=args.replicas)
+    mesh = parallel.device_mesh(device.type, tp=args.tp, replicas=args.replicas)
+    data_index, data_ranks = parallel.data_rank(mesh)  # tensor-parallel peers train on one batch
+    model = build_model(recipe, args.model, device, seed=args.seed, mesh=mesh)
     optimizer = make_optimizer(args, model)
     start = run_dir.resume(out, model, optimizer) if mode == "resume" else 0
     if start >= args.steps:  # e.g. a restart after the last checkpoint: nothing left to do
@@ -127,28 +140,28 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
         return
     log = RunLog(out / "metrics.jsonl", total=args.steps, start=start, resumed=mode == "resume", enabled=rank == 0)
     log.start(describe(args, model, corpus, world, device, start),
-              step=start, world_size=world, precision=args.precision, preset=args.preset)
+              step=start, world_size=world, tp=args.tp, precision=args.precision, preset=args.preset)
 
-    tokens_per_step = args.batch_size * args.seq_len * world
+    tokens_per_step = args.batch_size * args.seq_len * data_ranks
     val = None
     for step in range(start, args.steps):
         began = time.perf_counter()
         lr = learning_rate(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, batch_generator(args, rank, step))
+        inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, batch_generator(args, data_index, step))
         with count_collectives() as counter:  # the bytes each step moves, for the log
             loss = next_token_loss(model, inputs.to(device), targets.to(device))
             loss.backward()
         if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            parallel.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         log.step(step, loss, lr, time.perf_counter() - began, tokens_per_step, counter)
 
         done = step + 1
         if done % args.eval_every == 0 or done == args.steps:
-            val = evaluate(model, corpus, args, device)
+            val = evaluate(model, corpus, args, device, data_index)
             log.validation(done, val)
         if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
             fsdp_int8.save_checkpoint(out / run_dir.CHECKPOINTS, model, optimizer, step=done, keep=args.keep,
@@ -195,7 +208,8 @@ def describe(args: argparse.Namespace, model: Transformer, corpus: Corpus, world
              start: int) -> str:
     """The run's opening line."""
     params = sum(p.numel() for p in model.parameters())
-    return (f"{args.precision} {args.preset}: {params / 1e6:.2f}M parameters on {world} x {device.type}; "
+    layout = f" (tp {args.tp} x dp {world // args.tp})" if args.tp > 1 else ""
+    return (f"{args.precision} {args.preset}: {params / 1e6:.2f}M parameters on {world} x {device.type}{layout}; "
             f"{corpus.train.numel() / 1e6:.1f} MB of text from {corpus.source}"
             + (f"; resumed at step {start}" if start else ""))
 
@@ -208,15 +222,18 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def batch_generator(args: argparse.Namespace, rank: int, step: int) -> torch.Generator:
-    """The batch depends only on (seed, rank, step): a resumed run sees the same data."""
-    return torch.Generator().manual_seed((args.seed * BATCH_SEED_STRIDE + rank) * BATCH_SEED_STRIDE + step)
+def batch_generator(args: argparse.Namespace, data_index: int, step: int) -> torch.Generator:
+    """The batch depends only on (seed, data-parallel index, step): a resumed run sees the
+    same data, and tensor-parallel peers (one data index) the same batch."""
+    return torch.Generator().manual_seed((args.seed * BATCH_SEED_STRIDE + data_index) * BATCH_SEED_STRIDE + step)
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, corpus: Corpus, args: argparse.Namespace, device: torch.device) -> float:
-    """Mean validation loss over --eval-batches per rank, the same batches every time."""
-    generator = torch.Generator().manual_seed(VALIDATION_SEED + dist.get_rank())
+def evaluate(model: Transformer, corpus: Corpus, args: argparse.Namespace, device: torch.device,
+             data_index: int) -> float:
+    """Mean validation loss over --eval-batches per data-parallel index, the same batches every
+    time (tensor-parallel peers compute the same losses: the mean over all ranks is theirs)."""
+    generator = torch.Generator().manual_seed(VALIDATION_SEED + data_index)
     total = torch.zeros((), device=device)
     for _ in range(args.eval_batches):
         inputs, targets = sample_batch(corpus.val, args.batch_size, args.seq_len, generator)

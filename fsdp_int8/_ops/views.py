@@ -5,8 +5,18 @@ What FSDP2 and DCP send to carve shards out of a weight and reassemble it: ``vie
 shards. Views may regroup the rows into leading dims (``[heads, 3, head_dim, K]``, as
 torchtitan's fused-QKV state-dict hooks and init do), and such a view can be sliced,
 selected, split and concatenated along any leading dim. Ops that would separate rows from
-their scales (``t``, ``transpose``, anything along the last dim, ...) are refused with the
-reason.
+their scales (``t``, ``transpose``, ``split`` / ``chunk`` along the last dim, ...) are refused
+with the reason.
+
+One exception: ``slice`` / ``narrow`` of a 2-D weight along its columns (dim 1), which DCP
+sends to reshard a weight split by columns (``RowwiseParallel``'s ``Shard(1)``) from or into
+another layout. The result is a :class:`ColumnWindow` view: those columns of every row,
+with the whole row's scale (shared, not copied) and ``row_len`` the window's width. Its
+values read correctly, and ``copy_`` from another ``Int8Weight`` writes exact bytes and
+scales through it; a write that would requantize (``copy_`` from floats, fills, optimizer
+updates) is refused, since a scale computed from some columns would rescale the others.
+``split`` / ``chunk`` along dim 1 stay refused: torch's stock ``RowwiseParallel`` splits
+that way, and must keep failing loudly.
 """
 
 from __future__ import annotations
@@ -200,11 +210,59 @@ def _split_with_sizes(func, weight: Int8Weight, split_sizes, dim: int = 0) -> li
     return _split_along(weight, split_sizes, dim)
 
 
+class ColumnWindow:
+    """The ``tensor_parallel`` of a column view (see the module docstring): columns
+    ``[start, stop)`` of rows of ``row_len`` elements whose scales stay the whole rows'.
+
+    Any requantizing write asks a weight's ``tensor_parallel`` for its rounding stream or
+    whether its peers share row scales first: here both questions raise, with the reason.
+    """
+
+    def __init__(self, start: int, stop: int, row_len: int) -> None:
+        self.start, self.stop, self.row_len = start, stop, row_len
+
+    def _refuse(self):
+        raise NotImplementedError(
+            f"this Int8Weight is a window of columns [{self.start}, {self.stop}) of rows of "
+            f"{self.row_len} elements (a slice along dim 1, as DCP takes to reshard a weight "
+            "split by columns): it shares the whole rows' scales, so it can be read, and "
+            "written only by copy_ from another Int8Weight (exact bytes and scales). A write "
+            "that requantizes it would rescale the columns outside the window: write the "
+            "whole weight, or .dequantize() the window for a plain tensor"
+        )
+
+    shares_row_scales = property(_refuse)
+    stream = property(_refuse)
+    mesh = property(_refuse)
+    coordinate = property(_refuse)
+    size = property(_refuse)
+
+    def __repr__(self) -> str:
+        return f"ColumnWindow({self.start}, {self.stop} of {self.row_len})"
+
+
+def _column_window(weight: Int8Weight, start: int, end: int) -> Int8Weight:
+    """Columns ``[start, end)`` of a 2-D weight, with its (whole rows') scales, as a view."""
+    if start == 0 and end == weight.row_len:
+        return weight.derive(weight.int_data, weight.scale)
+    outer = weight.tensor_parallel  # a window of a window: columns of the same whole rows
+    offset, row_len = (outer.start, outer.row_len) if isinstance(outer, ColumnWindow) else (0, weight.row_len)
+    return Int8Weight(
+        weight.int_data[:, start:end], weight.scale, dtype=weight.dtype, row_len=end - start,
+        full_rows=weight.full_rows, stochastic_rounding=weight.stochastic_rounding,
+        int8_matmul=weight.int8_matmul, compiled=weight.compiled,
+        tensor_parallel=ColumnWindow(offset + start, offset + end, row_len),
+    )
+
+
 @_implements(aten.slice.Tensor)
 def _slice(func, weight: Int8Weight, dim: int = 0, start=None, end=None, step: int = 1):
-    dim = _row_dim(dim, weight.dim(), "slicing")
     if step != 1:
         raise NotImplementedError(f"Int8Weight supports slicing with step 1 only, got step={step}")
+    if weight.dim() == 2 and dim in (1, -1):
+        start, end, _ = slice(start, end).indices(weight.shape[1])
+        return _column_window(weight, start, max(start, end))
+    dim = _row_dim(dim, weight.dim(), "slicing")
     start, end, _ = slice(start, end).indices(weight.shape[dim])
     end = max(start, end)
     if weight.dim() > 2:

@@ -176,12 +176,14 @@ def _check_groups(optimizer: torch.optim.Optimizer, groups: list[dict], path: Pa
 
 
 def _same_layout(manifest: dict | None, model: nn.Module) -> bool:
-    """Whether every rank holds the rows it held when the checkpoint was saved: the same
-    world size and mesh shape (world size only for checkpoints that predate the shape)."""
+    """Whether every rank holds the parts of each weight it held when the checkpoint was
+    saved: the same world size, data-parallel mesh shape and tensor-parallel size (world
+    size only for checkpoints that predate the shape; no tp before it was recorded)."""
     if manifest is None or manifest["world_size"] != _dist.world_size():
         return False
     ours = _generator_states.layout(model)
-    return manifest.get("mesh_shape", ours) == ours
+    tp = _generator_states.tensor_parallel_size(model)
+    return manifest.get("mesh_shape", ours) == ours and manifest.get("tensor_parallel", 1) == tp
 
 
 def _read_generators(path: Path, same_layout: bool) -> dict | None:
@@ -285,8 +287,8 @@ def _commit(
     _dcp.set_model_state(model, model_copy)
     if generators is not None:
         _generator_states.restore(generators, model)
-    else:  # another world size or mesh: rows move between ranks, no stream can continue
-        seed_weight_rounding(step or 0, _dist.mesh_of(model))
+    else:  # another world size or layout: rows move between ranks, no stream can continue
+        seed_weight_rounding(step or 0, _generator_states.sharding(model)[0])
 
 
 def load_checkpoint(
@@ -302,10 +304,12 @@ def load_checkpoint(
     """Load a checkpoint saved by :func:`save_checkpoint`, at this or another world size.
 
     Call on every rank, with the model sharded (or not) as it will train. Int8 weights
-    and optimizer states load bit-exactly. At the world size and mesh shape that saved
-    it, the stochastic-rounding and torch generators are restored too, so training
-    continues exactly as if never interrupted; otherwise they are reseeded from the step
-    and each rank's shard coordinate (HSDP replicas alike; see docs/checkpoints.md).
+    and optimizer states load bit-exactly, also across tensor-parallel layouts (a
+    ``(dp, tp)`` mesh of ``shard_model(tp_plan=...)`` to and from plain FSDP or another
+    ``tp``). At the world size, mesh shape and tp size that saved it, the
+    stochastic-rounding and torch generators are restored too, so training continues
+    exactly as if never interrupted; otherwise they are reseeded from the step and each
+    rank's dp shard coordinate (HSDP replicas alike; see docs/checkpoints.md).
 
     Everything is checked and read into copies first: a load that fails (on any rank)
     raises the same :class:`CheckpointError` on every rank and leaves the model, the

@@ -89,7 +89,8 @@ def save_checkpoint(
             "step": step,
             "sequence": _files.next_sequence(final.parent),  # write order, for keep
             "world_size": _dist.world_size(),
-            "mesh_shape": _generator_states.layout(model),
+            "mesh_shape": _generator_states.layout(model),  # the data-parallel mesh's
+            "tensor_parallel": _generator_states.tensor_parallel_size(model),
             "int8_keys": _dcp.int8_keys(state["model"]),
             "extra": extra or {},
             "versions": {"torch": torch.__version__, "fsdp_int8": __version__},

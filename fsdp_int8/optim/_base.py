@@ -45,6 +45,23 @@ def keeps_whole_rows(param: torch.Tensor) -> bool:
     return all(p.is_replicate() or p.is_shard(dim=0) for p in param.placements)
 
 
+def column_parts(param: torch.Tensor) -> int | None:
+    """Into how many pieces the ranks split each dim-0 row of ``param``: 1 for whole rows
+    (Shard(0) / Replicate placements), the product of the mesh sizes that shard its last
+    dim (tensor parallelism's rowwise ``Shard(1)`` of a weight), ``None`` for any other
+    split (a middle dim, or a row's elements on a dim that is not the last)."""
+    if not isinstance(param, DTensor):
+        return 1
+    parts = 1
+    for size, placement in zip(param.device_mesh.shape, param.placements):
+        if placement.is_replicate() or placement.is_shard(dim=0) or placement.is_partial():
+            continue
+        if param.dim() < 2 or not placement.is_shard(dim=param.dim() - 1):
+            return None
+        parts *= size
+    return parts
+
+
 def like_param(param: torch.Tensor, local: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
     """``local`` as a state of ``param``: a DTensor placed like it (so DCP reshards it)."""
     if not isinstance(param, DTensor):

@@ -9,7 +9,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from fsdp_int8.optim._base import FusedInt8Optimizer, Slot, keeps_whole_rows, like_param
+from fsdp_int8.optim._base import FusedInt8Optimizer, Slot, column_parts, like_param
 from fsdp_int8.optim._checks import check_number
 from fsdp_int8.optim._state_codec import dequantize_state_blocks, quantize_state_blocks
 from fsdp_int8.quant import ceil_div
@@ -23,6 +23,30 @@ def _row_len(param: torch.Tensor) -> int | None:
     if param.dim() < 2 or param.shape[0] == 0:
         return None
     return param.numel() // param.shape[0]
+
+
+def _check_blocks_align(param: torch.Tensor, row_len: int, block: int) -> int:
+    """Into how many pieces the ranks split each row (see ``column_parts``), if 8-bit
+    blocks fit them: whole rows, or pieces of whole blocks (then each rank's blocks are
+    the whole row's, the states are split like the parameter, and checkpoints reshard
+    them bit-exactly across layouts)."""
+    parts = column_parts(param)
+    if parts is None:
+        raise ValueError(
+            "8-bit optimizer states need whole rows, or rows split along their last dim, on "
+            f"each rank; got a parameter placed as {tuple(param.placements)}. Use "
+            "state_bits=32 for it (a separate parameter group)"
+        )
+    if parts > 1 and (row_len % parts or (row_len // parts) % block):
+        raise ValueError(
+            f"8-bit optimizer states of a parameter whose rows of {row_len} elements are split "
+            f"{parts} ways ({tuple(param.placements)}, tensor parallelism's RowwiseParallel) "
+            f"need each rank's {row_len / parts:g} elements of a row to be whole blocks of "
+            f"block_size={block}, so that the blocks are the whole rows' and checkpoints "
+            "reshard them across layouts. Pick a block_size that divides "
+            f"{row_len / parts:g}, or use state_bits=32 for it (a separate parameter group)"
+        )
+    return parts
 
 
 def _use_fused(fused: bool | None, device: torch.device) -> bool:
@@ -62,7 +86,11 @@ class Int8AdamW(FusedInt8Optimizer):
     1-D parameters (biases, norms) and short rows keep fp32 states. Each row is cut into
     blocks of ``block_size`` elements (the last one may be shorter): a block never spans
     two rows, so a checkpoint reshards bit-exactly at any world size (rows move between
-    ranks whole). Per block:
+    ranks whole). A weight split by columns (tensor parallelism's ``RowwiseParallel``,
+    ``Shard(1)``) gets 8-bit states if each rank's part of a row is whole blocks
+    (``in_features / tp`` divisible by ``block_size``; else the first step raises
+    ``ValueError`` saying so): its blocks are then the whole rows' blocks, its states are
+    split like it, and checkpoints reshard them bit-exactly across layouts too. Per block:
 
     - ``m`` (``exp_avg_int8``: int8 ``[rows, K]``, ``exp_avg_scale``: fp32
       ``[rows, ceil(K / block_size)]``): symmetric absmax, ``m ~ q * absmax / 127``.
@@ -174,24 +202,20 @@ class Int8AdamW(FusedInt8Optimizer):
             state["exp_avg"] = self._fp32_state(param, local)
             state["exp_avg_sq"] = self._fp32_state(param, local)
             return state
-        if not keeps_whole_rows(param):
-            raise ValueError(
-                "8-bit optimizer states need whole rows on each rank (Shard(0) or Replicate "
-                f"placements), got a parameter placed as {tuple(param.placements)}; use "
-                "state_bits=32 for it (a separate parameter group)"
-            )
         rows, row_len = param.shape[0], _row_len(param)
-        local_rows = local.numel() // row_len
+        parts = _check_blocks_align(param, row_len, block)
+        local_len = row_len // parts  # a rowwise tp split: each rank's part of every row
+        local_rows = local.numel() // local_len
         nblocks = ceil_div(row_len, block)
 
         def zeros(cols: int, dtype: torch.dtype, global_cols: int) -> torch.Tensor:
             tensor = torch.zeros(local_rows, cols, dtype=dtype, device=local.device)
             return like_param(param, tensor, (rows, global_cols))
 
-        state["exp_avg_int8"] = zeros(row_len, torch.int8, row_len)
-        state["exp_avg_scale"] = zeros(nblocks, torch.float32, nblocks)
-        state["exp_avg_sq_sqrt_uint8"] = zeros(row_len, torch.uint8, row_len)
-        state["exp_avg_sq_sqrt_scale"] = zeros(nblocks, torch.float32, nblocks)
+        state["exp_avg_int8"] = zeros(local_len, torch.int8, row_len)
+        state["exp_avg_scale"] = zeros(nblocks // parts, torch.float32, nblocks)
+        state["exp_avg_sq_sqrt_uint8"] = zeros(local_len, torch.uint8, row_len)
+        state["exp_avg_sq_sqrt_scale"] = zeros(nblocks // parts, torch.float32, nblocks)
         return state
 
     @staticmethod

@@ -222,10 +222,22 @@ def _check_rounding_streams(mesh) -> None:
 
 def _check_writes_keep_scales_shared(mesh) -> None:
     """Loads, initialisers and the int8 optimizers keep tp peers' row scales equal."""
-    for what in ("init_int8_weights_", "normal_", "Int8AdamW", "Int8SGD"):
+    for what in ("init_int8_weights_", "normal_", "meta, then reset_parameters", "Int8AdamW", "Int8SGD"):
         with case(f"{what} keeps tp peers' row scales equal"):
-            model = fsdp_int8.shard_model(_model(), mesh=mesh, config=_config(), tp_plan=PLAN)
-            if what == "init_int8_weights_":
+            if what.startswith("meta"):
+                with torch.device("meta"):
+                    model = MLPNet(dim=DIM, hidden=HIDDEN)
+            else:
+                model = _model()
+            model = fsdp_int8.shard_model(model, mesh=mesh, config=_config(), tp_plan=PLAN)
+            if what.startswith("meta"):
+                model.to_empty(device=device_type_for(4))
+                torch.manual_seed(dist.get_rank())  # peers draw different values: scales must still agree
+                for module in model.modules():
+                    if isinstance(module, nn.Linear):
+                        module.reset_parameters()
+                model(_batch()).sum().backward()  # and it trains
+            elif what == "init_int8_weights_":
                 fsdp_int8.init_int8_weights_(model, lambda name, values: nn.init.trunc_normal_(values, std=0.1))
             elif what == "normal_":
                 with torch.no_grad():
