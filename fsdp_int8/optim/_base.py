@@ -38,11 +38,19 @@ _CHUNK_ELEMENTS_CPU = 0
 _FP32_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
+def _split_dim(placement: Any) -> int | None:
+    """The dim a placement splits (``Shard``, and FSDP2's ``_StridedShard`` of a tensor
+    parallel split, which is no ``Shard``); ``None`` for one that splits nothing, -1 for a
+    placement of unknown kind."""
+    if placement.is_replicate() or placement.is_partial():
+        return None
+    dim = getattr(placement, "dim", None)
+    return dim if isinstance(dim, int) else -1
+
+
 def keeps_whole_rows(param: torch.Tensor) -> bool:
     """Whether each rank's local tensor holds whole dim-0 rows (Shard(0) / Replicate)."""
-    if not isinstance(param, DTensor):
-        return True
-    return all(p.is_replicate() or p.is_shard(dim=0) for p in param.placements)
+    return column_parts(param) == 1
 
 
 def column_parts(param: torch.Tensor) -> int | None:
@@ -54,9 +62,10 @@ def column_parts(param: torch.Tensor) -> int | None:
         return 1
     parts = 1
     for size, placement in zip(param.device_mesh.shape, param.placements):
-        if placement.is_replicate() or placement.is_shard(dim=0) or placement.is_partial():
+        dim = _split_dim(placement)
+        if dim is None or dim == 0:
             continue
-        if param.dim() < 2 or not placement.is_shard(dim=param.dim() - 1):
+        if param.dim() < 2 or dim % param.dim() != param.dim() - 1:
             return None
         parts *= size
     return parts

@@ -19,6 +19,7 @@ import fsdp_int8.collectives
 from fsdp_int8 import Int8MatmulConfig, Int8TrainingConfig
 from fsdp_int8._dist import broadcast_from_rank0
 from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8.gradients import enable_quantized_reduce_scatter
 from fsdp_int8.testing import device_type_for, run_distributed
 
 from _cases import BF16_POLICY, case, int8_params, local_of
@@ -301,6 +302,24 @@ def _check_mesh_and_plan_errors(mesh) -> None:
                 raise AssertionError("no error")
 
 
+def _check_quantized_reduce_scatter(mesh) -> None:
+    """The int8 gradient reduce-scatter composes with TP: a regression target is learned
+    (the loss falls below a fifth of its start in 12 AdamW steps; measured ~1/20)."""
+    with case("int8 gradient reduce-scatter under TP"):
+        model = fsdp_int8.shard_model(_model(), mesh=mesh, config=_config(), tp_plan=PLAN)
+        enable_quantized_reduce_scatter(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = _batch(3)[mesh.get_local_rank("dp") * 4:][:4]
+        losses = []
+        for _ in range(12):
+            loss = (model(x) - 1).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < 0.2 * losses[0], losses
+
+
 def _body(rank: int, world: int) -> None:
     mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("dp", "tp"))
     _check_weight_only_parity(mesh, mesh.get_local_rank("dp"), 2)
@@ -312,6 +331,7 @@ def _body(rank: int, world: int) -> None:
     _check_writes_keep_scales_shared(mesh)
     _check_hsdp_with_tp(rank)
     _check_mesh_and_plan_errors(mesh)
+    _check_quantized_reduce_scatter(mesh)
 
 
 def test_fsdp_by_tensor_parallel_four_ranks():
