@@ -65,7 +65,7 @@ def column_parts(param: torch.Tensor) -> int | None:
         dim = _split_dim(placement)
         if dim is None or dim == 0:
             continue
-        if param.dim() < 2 or dim % param.dim() != param.dim() - 1:
+        if param.dim() < 2 or dim != param.dim() - 1:  # a negative dim: unknown placement
             return None
         parts *= size
     return parts
