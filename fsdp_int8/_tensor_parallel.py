@@ -30,7 +30,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_int8.quant import absmax_quantize, raise_non_finite, signed_row_absmax
 
-__all__ = ["TensorParallelShard", "shared_row_absmax", "write_shared_rows", "settle", "settle_if_waiting"]
+__all__ = [
+    "TensorParallelShard", "ColumnWindow", "shares_row_scales", "rounding_stream", "check_requantizable",
+    "shared_row_absmax", "write_shared_rows", "settle", "settle_if_waiting",
+]
+
+
+WeightLike = Any  # an Int8Weight (this module sits below weight.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +64,47 @@ class TensorParallelShard:
         return f"tp{self.coordinate}of{self.size}"
 
 
+@dataclasses.dataclass(frozen=True)
+class ColumnWindow:
+    """A view of columns ``[start, stop)`` of rows of ``row_len`` elements (a slice along
+    dim 1, as DCP takes to reshard a weight split by columns), holding the whole rows'
+    scales. It reads right, and ``copy_`` from another ``Int8Weight`` writes exact bytes
+    and scales; a write that requantizes is refused (:func:`check_requantizable`)."""
+
+    start: int
+    stop: int
+    row_len: int
+
+
+def shares_row_scales(weight: WeightLike) -> bool:
+    """Whether ``weight``'s tensor-parallel peers share its row scales (a column split)."""
+    split = weight.tensor_parallel
+    return isinstance(split, TensorParallelShard) and split.shares_row_scales
+
+
+def rounding_stream(weight: WeightLike) -> "TensorParallelShard | None":
+    """What ``WEIGHT_ROUNDING.generator`` keys ``weight``'s noise stream by."""
+    split = weight.tensor_parallel
+    return split if isinstance(split, TensorParallelShard) else None
+
+
+def check_requantizable(weight: WeightLike, what: str) -> None:
+    """Raise if ``what`` (a write that recomputes or rescales row scales) would reach
+    columns outside ``weight``: it is a :class:`ColumnWindow`."""
+    window = weight.tensor_parallel
+    if isinstance(window, ColumnWindow):
+        raise NotImplementedError(
+            f"{what} on this Int8Weight is refused: it is a window of columns "
+            f"[{window.start}, {window.stop}) of rows of {window.row_len} elements (a slice "
+            "along dim 1, as DCP takes to reshard a weight split by columns). It shares the "
+            "whole rows' scales, so it can be read, and written only by copy_ from another "
+            "Int8Weight (exact bytes and scales); a write that requantizes or rescales it "
+            "would change the columns outside the window. Write the whole weight, or "
+            ".dequantize() the window for a plain tensor."
+        )
+
+
 # Deferred updates: (weight, fp32 values [rows, K], stochastic, generator), in write order.
-WeightLike = Any
 _waiting: list[tuple[WeightLike, torch.Tensor, bool, "torch.Generator | None"]] = []
 _waiting_storage: set[int] = set()
 _hook: list = []

@@ -28,7 +28,7 @@ import torch
 
 from fsdp_int8 import _all_gather, _op_table, _tensor_parallel, _update_checks
 from fsdp_int8._generators import WEIGHT_ROUNDING
-from fsdp_int8._tensor_parallel import TensorParallelShard
+from fsdp_int8._tensor_parallel import ColumnWindow, TensorParallelShard
 from fsdp_int8.config import Int8MatmulConfig
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
@@ -53,7 +53,8 @@ class Int8Weight(torch.Tensor):
             activation quantization) as ``torch.compile``d passes
             (``Int8TrainingConfig.compile``).
         tensor_parallel: This rank's part of a weight split by tensor parallelism
-            (``fsdp_int8.parallel``'s styles set it), or ``None``.
+            (``fsdp_int8.parallel``'s styles set it), a window of columns (a slice along
+            dim 1), or ``None``.
 
     Use :meth:`from_float` to build one from a plain tensor.
     """
@@ -65,7 +66,7 @@ class Int8Weight(torch.Tensor):
     stochastic_rounding: bool
     int8_matmul: Int8MatmulConfig | None
     compiled: bool
-    tensor_parallel: TensorParallelShard | None
+    tensor_parallel: TensorParallelShard | ColumnWindow | None
 
     @staticmethod
     def __new__(
@@ -79,7 +80,7 @@ class Int8Weight(torch.Tensor):
         stochastic_rounding: bool = True,
         int8_matmul: Int8MatmulConfig | None = None,
         compiled: bool = False,
-        tensor_parallel: TensorParallelShard | None = None,
+        tensor_parallel: TensorParallelShard | ColumnWindow | None = None,
         requires_grad: bool = False,
     ) -> "Int8Weight":
         if int_data.dtype != torch.int8 or scale.dtype != torch.float32:
@@ -210,8 +211,10 @@ class Int8Weight(torch.Tensor):
         optimizer's update (``step_update=True``) on an accelerator is checked once per
         optimizer step instead, with every other update of the step (``_update_checks``).
         """
-        generator = WEIGHT_ROUNDING.generator(values.device, self.tensor_parallel) if stochastic else None
-        if self.tensor_parallel is not None and self.tensor_parallel.shares_row_scales:
+        _tensor_parallel.check_requantizable(self, "requantizing")
+        stream = _tensor_parallel.rounding_stream(self) if stochastic else None
+        generator = WEIGHT_ROUNDING.generator(values.device, stream) if stochastic else None
+        if _tensor_parallel.shares_row_scales(self):
             _tensor_parallel.write_shared_rows(
                 self, values.reshape(self.rows, self.row_len), stochastic=stochastic,
                 generator=generator, step_update=step_update,

@@ -43,7 +43,7 @@ from launch.precisions import (AUTO, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, bu
 # Everything random derives from --seed: the initial weights (torch.manual_seed), the
 # stochastic rounding of int8 updates (Int8TrainingConfig.seed) and the batches:
 BATCH_SEED_STRIDE = 1_000_003  # a prime above any rank or step count: (seed, rank, step) give distinct seeds
-VALIDATION_SEED = 10_000  # data-parallel index r's validation batches come from VALIDATION_SEED + r: the same at every evaluation
+VALIDATION_SEED = 10_000  # data-parallel index r's validation batches: from VALIDATION_SEED + r at every evaluation
 
 
 # ---------------------------------------------------------------- arguments
@@ -149,7 +149,8 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
         lr = learning_rate(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, batch_generator(args, data_index, step))
+        generator = batch_generator(args, data_index, step)
+        inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, generator)
         with count_collectives() as counter:  # the bytes each step moves, for the log
             loss = next_token_loss(model, inputs.to(device), targets.to(device))
             loss.backward()

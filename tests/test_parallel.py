@@ -83,3 +83,21 @@ def test_tensor_parallel_shards_draw_their_own_streams_and_restore_them():
     assert torch.equal(torch.rand(4, generator=fresh.generator("cpu", _shard(1))), after)
     bank.manual_seed(7, 1)  # reseeding rewinds the tp streams too
     assert torch.equal(torch.rand(4, generator=bank.generator("cpu", _shard(1))), draws["tp1"])
+
+
+@pytest.mark.parametrize("write", ["mul_", "div_", "zero_", "add_", "copy_ from floats"])
+def test_a_column_window_refuses_writes_that_would_change_other_columns(write):
+    """A slice along dim 1 shares the whole rows' scales: rescaling or requantizing it
+    would change the columns outside it, so every such write raises and changes nothing."""
+    from fsdp_int8 import Int8Weight
+
+    weight = Int8Weight.from_float(torch.randn(4, 8, generator=torch.Generator().manual_seed(3)))
+    before = weight.int_data.clone(), weight.scale.clone()
+    window = weight[:, 2:6]
+    ops = {
+        "mul_": lambda w: w.mul_(0.5), "div_": lambda w: w.div_(2.0), "zero_": lambda w: w.zero_(),
+        "add_": lambda w: w.add_(torch.ones(4, 4)), "copy_ from floats": lambda w: w.copy_(torch.ones(4, 4)),
+    }
+    with pytest.raises(NotImplementedError, match="window of columns"):
+        ops[write](window)
+    assert torch.equal(weight.int_data, before[0]) and torch.equal(weight.scale, before[1])

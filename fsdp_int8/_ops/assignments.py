@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_int8 import _op_table
+from fsdp_int8 import _op_table, _tensor_parallel
 from fsdp_int8.weight import Int8Weight
 
 aten = torch.ops.aten
@@ -33,6 +33,7 @@ def _copy(func, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
 
 @_implements(aten.zero_.default)
 def _zero(func, weight: Int8Weight) -> Int8Weight:
+    _tensor_parallel.check_requantizable(weight, "zero_")
     weight.int_data.zero_()
     weight.scale.zero_()
     return weight

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fsdp_int8 import _kernels, _op_table, _update_checks
+from fsdp_int8 import _kernels, _op_table, _tensor_parallel, _update_checks
 from fsdp_int8._noise import noise_from_bytes, rounding_noise_bytes
 from fsdp_int8._generators import WEIGHT_ROUNDING
 from fsdp_int8.convert import dequantize_all
@@ -77,6 +77,8 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
                 f"{func} by zero on an Int8Weight would make its values non-finite (Inf or "
                 "NaN), which int8 cannot hold; the weight is left unchanged"
             )
+        if factor is not None:
+            _tensor_parallel.check_requantizable(target, f"{func} (a rescale of its row scales)")
         if factor is not None and _rescale(func, target, factor):
             return target
     if func is aten.addcdiv_.default and _fusable_addcdiv(target, args, kwargs):
@@ -117,8 +119,10 @@ def _addcdiv_rows_nearest(q, scale, t1, t2, value):
 def _fusable_addcdiv(target: Int8Weight, args: tuple, kwargs: dict) -> bool:
     if not _kernels.use_compiled(target.compiled, target) or len(args) != 2 or set(kwargs) - {"value"}:
         return False
-    if target.tensor_parallel is not None and target.tensor_parallel.shares_row_scales:
-        return False  # its row scales are the tp peers' maximum: rounded in assign_
+    if _tensor_parallel.shares_row_scales(target) or (
+        target.tensor_parallel is not None and _tensor_parallel.rounding_stream(target) is None
+    ):
+        return False  # shared row scales (rounded in assign_) or a column window (refused there)
     value = kwargs.get("value", 1)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
@@ -139,7 +143,8 @@ def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, v
     operands = (rows, target.scale, t1.reshape(shape), t2.reshape(shape),
                 torch.tensor(float(value), dtype=torch.float32, device=target.device))
     if target.stochastic_rounding:
-        noise_bytes = rounding_noise_bytes(shape, WEIGHT_ROUNDING.generator(target.device, target.tensor_parallel), target.device)
+        generator = WEIGHT_ROUNDING.generator(target.device, _tensor_parallel.rounding_stream(target))
+        noise_bytes = rounding_noise_bytes(shape, generator, target.device)
         q, scale, finite = _kernels.run_compiled(_addcdiv_rows, *operands, noise_bytes)
     else:
         q, scale, finite = _kernels.run_compiled(_addcdiv_rows_nearest, *operands)

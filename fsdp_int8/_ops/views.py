@@ -10,7 +10,8 @@ with the reason.
 
 One exception: ``slice`` / ``narrow`` of a 2-D weight along its columns (dim 1), which DCP
 sends to reshard a weight split by columns (``RowwiseParallel``'s ``Shard(1)``) from or into
-another layout. The result is a :class:`ColumnWindow` view: those columns of every row,
+another layout. The result is a view whose ``tensor_parallel`` is a
+``fsdp_int8._tensor_parallel.ColumnWindow``: those columns of every row,
 with the whole row's scale (shared, not copied) and ``row_len`` the window's width. Its
 values read correctly, and ``copy_`` from another ``Int8Weight`` writes exact bytes and
 scales through it; a write that would requantize (``copy_`` from floats, fills, optimizer
@@ -26,6 +27,7 @@ from typing import Sequence
 import torch
 
 from fsdp_int8._ops.factories import zeros_in_rows
+from fsdp_int8._tensor_parallel import ColumnWindow
 from fsdp_int8.quant import ceil_div
 from fsdp_int8 import _op_table
 from fsdp_int8._all_gather import TENSOR_PARALLEL_UNSUPPORTED
@@ -210,37 +212,6 @@ def _split_with_sizes(func, weight: Int8Weight, split_sizes, dim: int = 0) -> li
     return _split_along(weight, split_sizes, dim)
 
 
-class ColumnWindow:
-    """The ``tensor_parallel`` of a column view (see the module docstring): columns
-    ``[start, stop)`` of rows of ``row_len`` elements whose scales stay the whole rows'.
-
-    Any requantizing write asks a weight's ``tensor_parallel`` for its rounding stream or
-    whether its peers share row scales first: here both questions raise, with the reason.
-    """
-
-    def __init__(self, start: int, stop: int, row_len: int) -> None:
-        self.start, self.stop, self.row_len = start, stop, row_len
-
-    def _refuse(self):
-        raise NotImplementedError(
-            f"this Int8Weight is a window of columns [{self.start}, {self.stop}) of rows of "
-            f"{self.row_len} elements (a slice along dim 1, as DCP takes to reshard a weight "
-            "split by columns): it shares the whole rows' scales, so it can be read, and "
-            "written only by copy_ from another Int8Weight (exact bytes and scales). A write "
-            "that requantizes it would rescale the columns outside the window: write the "
-            "whole weight, or .dequantize() the window for a plain tensor"
-        )
-
-    shares_row_scales = property(_refuse)
-    stream = property(_refuse)
-    mesh = property(_refuse)
-    coordinate = property(_refuse)
-    size = property(_refuse)
-
-    def __repr__(self) -> str:
-        return f"ColumnWindow({self.start}, {self.stop} of {self.row_len})"
-
-
 def _column_window(weight: Int8Weight, start: int, end: int) -> Int8Weight:
     """Columns ``[start, end)`` of a 2-D weight, with its (whole rows') scales, as a view."""
     if start == 0 and end == weight.row_len:
@@ -312,8 +283,8 @@ def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
             "call .dequantize() on the Int8Weight for a plain one."
         )
     first = tensors[0]
-    if whole_rows and first.dim() == 2 and dim in (1, -1):
-        return _cat_columns(tensors)
+    if whole_rows and first.dim() == 2 and dim in (1, -1) and all(t.rows == first.rows for t in tensors):
+        return _cat_columns(tensors)  # pieces of other rows: refused as along dim 0 only
     dim = _row_dim(dim, first.dim(), "cat")
     if not whole_rows:
         raise NotImplementedError("cat needs Int8Weights of one row length and one rank")

@@ -70,6 +70,7 @@ def save_checkpoint(
     optimizer = innermost_optimizer(optimizer) if optimizer is not None else None
     state = _dcp.training_state(model, optimizer)
     _refuse_non_finite(state)
+    _merge_param_groups(state)
     final = _files.step_dir(Path(directory), step)
     tmp = _files.temporary_dir(final, _dist.broadcast_from_rank0(uuid.uuid4().hex))
     rank = _dist.rank()
@@ -82,7 +83,8 @@ def save_checkpoint(
     torch.save(_generator_states.capture(model), rng_path)
     _files.fsync_file(rng_path)
     _dist.barrier()  # every rank's files are written
-    gathered = _dist.gather_to_rank0(_files.describe_files(tmp, rank))
+    # each rank's files and int8 keys (pipeline stages hold other keys)
+    gathered = _dist.gather_to_rank0((_files.describe_files(tmp, rank), _dcp.int8_keys(state["model"])))
     if rank == 0:
         manifest = {
             "format": _files.FORMAT,
@@ -91,10 +93,10 @@ def save_checkpoint(
             "world_size": _dist.world_size(),
             "mesh_shape": _generator_states.layout(model),  # the data-parallel mesh's
             "tensor_parallel": _generator_states.tensor_parallel_size(model),
-            "int8_keys": _dcp.int8_keys(state["model"]),
+            "int8_keys": sorted({key for _, keys in gathered for key in keys}),
             "extra": extra or {},
             "versions": {"torch": torch.__version__, "fsdp_int8": __version__},
-            "files": {k: v for per_rank in gathered for k, v in per_rank.items()},
+            "files": {k: v for files, _ in gathered for k, v in files.items()},
         }
         _files.write_manifest(tmp, manifest)
         _files.publish(tmp, final)
@@ -102,6 +104,29 @@ def save_checkpoint(
             _files.prune(final.parent, keep, newest=final)
     _dist.barrier()
     return final
+
+
+def _merge_param_groups(state: dict[str, Any]) -> None:
+    """Give every optimizer group the parameter names of that group on every rank.
+
+    dcp stores one copy of the (non-tensor) param groups. Pipeline stages hold other
+    parameters in the same group, so without the union a checkpoint of all stages would
+    name only one stage's parameters and could not load strictly at pp = 1. Without
+    pipelining every rank has the same names and nothing changes.
+    """
+    groups = state.get("optimizer", {}).get("param_groups", [])
+    if not groups:
+        return
+    everyone = _dist.all_gather([list(group["params"]) for group in groups])
+    for index, group in enumerate(groups):
+        names = list(group["params"])
+        seen = set(names)
+        for theirs in everyone:
+            for name in theirs[index] if index < len(theirs) else ():
+                if name not in seen:
+                    seen.add(name)
+                    names.append(name)
+        group["params"] = names
 
 
 def _refuse_non_finite(state: dict[str, Any]) -> None:

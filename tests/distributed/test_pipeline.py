@@ -204,18 +204,13 @@ def _check_checkpoints(rank: int, world: int) -> None:
     directory = _dist.broadcast_from_rank0(tempfile.mkdtemp() if rank == 0 else None)
     fsdp_int8.save_checkpoint(directory, stage, opt, step=2)
     with warnings.catch_warnings():
-        # save_checkpoint's manifest lists rank 0's (stage 0's) int8 keys only, so the
-        # load warns that stage 1's int8 entries were "rounded to nearest": they were
-        # read as int8 bytes (checked below). See docs/parallelism.md.
-        warnings.filterwarnings("ignore", message=".*rounded to nearest into int8")
+        warnings.simplefilter("error")  # e.g. a stage's int8 entries loaded as "rounded to nearest"
         with case("pp=1 (FSDP2 on 4 ranks) loads every stage bit-exactly"):
             model = fsdp_int8.shard_model(_full_model(), config=config)
             model_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             before = snapshot(model, model_opt)
-            # strict=False: each stage saved its own parameter group under the same key
-            # ("optimizer.param_groups.0.params"), and dcp kept one stage's list
-            info = fsdp_int8.load_checkpoint(directory, model, model_opt, strict=False)
-            assert info.missing_keys == [] and info.unexpected_keys == [], info
+            info = fsdp_int8.load_checkpoint(directory, model, model_opt)  # strict
+            assert info.missing_keys == [] and info.unexpected_keys == [] and info.converted == [], info
             loaded = snapshot(model, model_opt)
             assert len(saved["weights"]) == 4 * LAYERS + 2 and saved["weights"].keys() == loaded["weights"].keys()
             assert_identical(loaded, saved, "pp=1 load")
