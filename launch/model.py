@@ -64,7 +64,13 @@ def model_args(
 def next_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the model's logits for ``inputs`` against ``targets``, taken in
     fp32 whatever the compute dtype (a bf16 log-softmax would round the loss itself)."""
-    return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+    return logits_loss(model(inputs), targets)
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` ``[B, T, vocab]`` against ``targets`` ``[B, T]``, in fp32
+    (also the loss function of a pipeline schedule, which gets the last stage's output)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def tp_plan() -> dict[str, ParallelStyle]:
@@ -88,6 +94,13 @@ def check_tp(args: ModelArgs, tp: int) -> None:
                          "(each tensor-parallel rank computes whole heads): pick a --tp that does, or set --n-heads")
     if args.hidden_dim % tp:
         raise ValueError(f"--tp {tp} does not divide the MLP's hidden width {args.hidden_dim}")
+
+
+def check_pp(args: ModelArgs, pp: int) -> None:
+    """Raise ``ValueError`` unless ``pp`` pipeline stages can hold equal shares of the blocks."""
+    if args.n_layers % pp:
+        raise ValueError(f"--pp {pp} does not divide the model's {args.n_layers} blocks (each pipeline "
+                         "stage holds an equal share): pick a --pp that does, or set --n-layers")
 
 
 class RMSNorm(nn.Module):
@@ -165,27 +178,56 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token embedding, ``n_layers`` blocks in ``self.layers``, final norm, output head."""
+    """Token embedding, ``n_layers`` blocks in ``self.layers``, final norm, output head.
+
+    A pipeline stage (:meth:`keep_stage`) holds a share of the blocks and, on the first and
+    last stage, the embedding and the norm and head; its forward skips what it lacks."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(
+            TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         head_dim = args.dim // args.n_heads
         self.register_buffer(
             "freqs", rope_frequencies(head_dim, args.max_seq_len, args.rope_theta), persistent=False
         )
 
+    def blocks(self) -> list[TransformerBlock]:
+        """The blocks this model (or pipeline stage) holds, in order."""
+        return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
+
+    def keep_stage(self, stage: int, n_stages: int) -> None:
+        """Make this whole model pipeline stage ``stage`` of ``n_stages`` (in place): keep an
+        equal share of the blocks, in an ``nn.ModuleDict`` keyed by their index in the whole
+        model, so that parameter names (and checkpoint keys) stay the whole model's
+        (``layers.3.attention.wq.weight``); the embedding only on the first stage, the final
+        norm and the head only on the last. The forward then maps tokens or the previous
+        stage's hidden states to hidden states or, on the last stage, logits."""
+        check_pp(self.args, n_stages)
+        if not isinstance(self.layers, nn.ModuleList) or not 0 <= stage < n_stages:
+            raise ValueError(f"keep_stage({stage}, {n_stages}) needs a whole model and 0 <= stage < n_stages")
+        share = self.args.n_layers // n_stages
+        kept = range(stage * share, (stage + 1) * share)
+        self.layers = nn.ModuleDict({str(i): self.layers[i] for i in kept})
+        if stage > 0:
+            self.tok_embeddings = None
+        if stage < n_stages - 1:
+            self.norm = None
+            self.output = None
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens > max_seq_len {self.args.max_seq_len}")
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # a later stage: hidden states
+        for layer in self.blocks():
             x = layer(x, self.freqs)
-        return self.output(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.output(x) if self.output is not None else x
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -201,6 +243,6 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
         # GPT-2's scaled init of the residual projections keeps early activations small.
-        for block in self.layers:
+        for block in self.blocks():
             for proj in (block.attention.wo, block.feed_forward.w2):
                 nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.args.n_layers))

@@ -1,9 +1,12 @@
-"""The launcher's device mesh (data parallel, HSDP replicas, tensor parallel) and what
-depends on it: which batch a rank trains on, and gradient clipping across meshes.
+"""The launcher's device mesh (pipeline stages, data parallel, HSDP replicas, tensor
+parallel) and what depends on it: which batch a rank trains on, and gradient clipping
+across meshes.
 
-Ranks are laid out as ``init_device_mesh`` does, row-major with the ``"tp"`` dim last:
-tensor-parallel peers are neighbouring ranks (one node's fast links on GPUs) and share
-one data-parallel coordinate, so they must see the same batch.
+Ranks are laid out as ``init_device_mesh`` does, row-major with a ``"pp"`` dim first and
+the ``"tp"`` dim last: tensor-parallel peers are neighbouring ranks (one node's fast links
+on GPUs) and share one data-parallel coordinate, so they must see the same batch; so must
+the pipeline stages of one data-parallel coordinate (the first feeds its inputs, the last
+scores its targets).
 """
 
 from __future__ import annotations
@@ -13,52 +16,76 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-PIPELINE_NOT_IN_LAUNCHER = (
-    "--pp {pp}: pipeline parallelism is available through the library API (shard each "
-    "torch.distributed.pipelining stage with fsdp_int8.shard_model on its dp sub-mesh of a "
-    "('pp', 'dp') mesh; see docs/parallelism.md) but not in the demo launcher yet: use --pp 1"
-)
-
-
 def layout_error(world: int, *, tp: int = 1, pp: int = 1, replicas: int = 1) -> str | None:
-    """Why ``world`` ranks cannot run ``tp`` x ``replicas`` (x ``pp``), or ``None`` if they can."""
-    if pp != 1:
-        return PIPELINE_NOT_IN_LAUNCHER.format(pp=pp)
-    if world % tp:
-        return f"--tp {tp} does not divide the world size {world}"
-    if (world // tp) % replicas:
+    """Why ``world`` ranks cannot run ``pp`` x ``tp`` x ``replicas``, or ``None`` if they can."""
+    if world % (pp * tp):
+        if pp == 1:
+            return f"--tp {tp} does not divide the world size {world}"
+        return (f"--pp {pp}" + (f" x --tp {tp} = {pp * tp}" if tp > 1 else "")
+                + f" does not divide the world size {world}")
+    if (world // (pp * tp)) % replicas:
         return f"--replicas {replicas} does not divide the world size {world}" + (
-            f" / --tp {tp} = {world // tp} data-parallel ranks" if tp > 1 else "")
+            f" / {pp * tp} (--pp x --tp) = {world // (pp * tp)} data-parallel ranks" if pp > 1
+            else f" / --tp {tp} = {world // tp} data-parallel ranks" if tp > 1 else "")
     return None
 
 
-def device_mesh(device_type: str, *, tp: int = 1, replicas: int = 1) -> DeviceMesh:
+def device_mesh(device_type: str, *, tp: int = 1, replicas: int = 1, pp: int = 1) -> DeviceMesh:
     """All ranks: ``(dp,)`` (unnamed, as before), ``(replicate, shard)`` for HSDP, and with
-    ``tp > 1`` a last ``"tp"`` dim: ``("dp", "tp")`` or ``("dp_replicate", "dp_shard", "tp")``."""
+    ``tp > 1`` a last ``"tp"`` dim: ``("dp", "tp")`` or ``("dp_replicate", "dp_shard", "tp")``.
+    With ``pp > 1`` a first ``"pp"`` dim, and the data-parallel dims always named:
+    ``("pp", "dp")``, ``("pp", "dp", "tp")``, ``("pp", "replicate", "shard")``, ...
+    (:func:`stage_mesh` is what a stage shards over)."""
     world = dist.get_world_size()
-    error = layout_error(world, tp=tp, replicas=replicas)
+    error = layout_error(world, tp=tp, replicas=replicas, pp=pp)
     if error:
         raise ValueError(error)
-    dp = world // tp
+    dp = world // (tp * pp)
     if tp == 1:
         if replicas == 1:
-            return init_device_mesh(device_type, (world,))
-        return init_device_mesh(device_type, (replicas, dp // replicas), mesh_dim_names=("replicate", "shard"))
-    if replicas == 1:
-        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(device_type, (replicas, dp // replicas, tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+            shape, names = (dp,), ("dp",) if pp > 1 else None
+        else:
+            shape, names = (replicas, dp // replicas), ("replicate", "shard")
+    elif replicas == 1:
+        shape, names = (dp, tp), ("dp", "tp")
+    else:
+        shape, names = (replicas, dp // replicas, tp), ("dp_replicate", "dp_shard", "tp")
+    if pp > 1:
+        shape, names = (pp, *shape), ("pp", *names)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def has_tp(mesh: DeviceMesh) -> bool:
     return "tp" in (mesh.mesh_dim_names or ())
 
 
-def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """``mesh`` without its ``"tp"`` dim: where FSDP2 shards and gradients are reduced."""
-    if not has_tp(mesh):
+def has_pp(mesh: DeviceMesh) -> bool:
+    return "pp" in (mesh.mesh_dim_names or ())
+
+
+def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` without its ``"pp"`` dim: the ranks that hold this rank's pipeline stage,
+    what the stage is sharded over (the whole mesh without pipeline parallelism)."""
+    if not has_pp(mesh):
         return mesh
-    return mesh[tuple(name for name in mesh.mesh_dim_names if name != "tp")]
+    return mesh[tuple(name for name in mesh.mesh_dim_names if name != "pp")]
+
+
+def pipeline_stage(mesh: DeviceMesh) -> tuple[int, int]:
+    """``(index, count)`` of this rank's pipeline stage: ``(0, 1)`` without a ``"pp"`` dim."""
+    return (mesh["pp"].get_local_rank(), mesh["pp"].size()) if has_pp(mesh) else (0, 1)
+
+
+def pp_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The group of this rank's pipeline stages (sums over the whole model), or ``None``."""
+    return mesh["pp"].get_group() if has_pp(mesh) else None
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` without its ``"pp"`` and ``"tp"`` dims: where FSDP2 shards and gradients are reduced."""
+    if not has_tp(mesh) and not has_pp(mesh):
+        return mesh
+    return mesh[tuple(name for name in mesh.mesh_dim_names if name not in ("pp", "tp"))]
 
 
 def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
@@ -71,16 +98,18 @@ def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
     return index, dims.size()
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, *, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients on different meshes: under tensor
     parallelism the blocks' linear weights live on the (dp, tp) mesh and the rest (embedding,
     norms, head) on the dp mesh, which torch's version cannot stack into one norm.
 
     Sums the squares of each local shard, all-reduces each sum over the mesh dims its
     gradient is split on (``Shard`` or FSDP2's ``_StridedShard``; a replicated dim holds
-    copies), and scales every local shard in place. Returns the total norm, on every rank."""
+    copies), and scales every local shard in place. Under pipeline parallelism ``parameters``
+    are this rank's stage's, and ``pp_group`` (the ``"pp"`` dim's group) adds up the
+    stages' sums: the norm is the whole model's. Returns the total norm, on every rank."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if not grads:  # (every launcher stage holds blocks: none skips the pp all-reduce)
         return torch.zeros(())
     sums: dict[tuple, torch.Tensor] = {}
     for grad in grads:
@@ -95,7 +124,10 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     for (mesh, dims), total in sums.items():
         for dim in dims:
             dist.all_reduce(total, group=mesh.get_group(dim))
-    norm = torch.stack(list(sums.values())).sum().sqrt()
+    norm = torch.stack(list(sums.values())).sum()
+    if pp_group is not None:
+        dist.all_reduce(norm, group=pp_group)
+    norm = norm.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     torch._foreach_mul_(local_grads, scale.to(local_grads[0].dtype))

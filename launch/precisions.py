@@ -106,6 +106,8 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
 LAUNCHER_PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16")
 AUTO = "auto"
 
+STAGE_SEED_STRIDE = 7_919  # build_model: pipeline stage i's initial weights draw from seed + i * this
+
 COMPUTE_DTYPES = ("bf16", "fp32", "bf16-model")  # of fsdp_int8 precisions; bf16 is the default
 _COMPUTE_POLICY = {"bf16": BF16_POLICY, "fp32": None, "bf16-model": None}  # bf16-model: cast, no policy
 COMPILE_OPTIONS = ("compiled", "eager")
@@ -229,7 +231,8 @@ def resolve_auto(precision: str, compute_dtype: str, device: torch.device) -> tu
 
 # ---------------------------------------------------------------- the builder
 def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, seed: int = 0,
-                replicas: int = 1, full_init: bool = False, mesh: DeviceMesh | None = None) -> Transformer:
+                replicas: int = 1, full_init: bool = False, mesh: DeviceMesh | None = None,
+                stage: tuple[int, int] = (0, 1)) -> Transformer:
     """The launcher's Transformer of shape ``args``, sharded over all ranks for ``recipe``.
 
     Weights come from ``torch.manual_seed(seed)`` (fsdp_int8's stochastic rounding from
@@ -249,7 +252,13 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         mesh: The mesh to shard over (default: all ranks, ``replicas`` groups of them), from
             :func:`launch.parallel.device_mesh`. With a last ``"tp"`` dim the blocks are split
             by tensor parallelism first (:func:`launch.model.tp_plan`; fsdp_int8's int8-aware
-            styles for int8 precisions, torch's own for the baselines).
+            styles for int8 precisions, torch's own for the baselines). Under pipeline
+            parallelism: this stage's mesh (:func:`launch.parallel.stage_mesh`, no ``"pp"`` dim).
+        stage: ``(index, count)``: build pipeline stage ``index`` of ``count`` only
+            (:meth:`launch.model.Transformer.keep_stage`; its parameters keep the whole
+            model's names). On the meta device each stage initialises from its own seed
+            (``seed`` + ``index`` x :data:`STAGE_SEED_STRIDE`), so no two stages' blocks
+            start alike; with ``full_init`` the whole model is initialised, then cut.
     """
     device = torch.device(device)
     precision = recipe.precision
@@ -261,6 +270,7 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         if precision.family == "torchao":
             raise ValueError("torchao's int8 weights do not run under tensor parallelism: use a tp-free mesh")
         check_tp(args, mesh["tp"].size())
+    index, count = stage
     if full_init:
         torch.manual_seed(seed)
         with torch.device(device):
@@ -269,6 +279,8 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
     else:
         with torch.device("meta"):
             model = Transformer(args)
+    if count > 1:
+        model.keep_stage(index, count)
     if recipe.compute_dtype == "bf16-model":
         model.to(torch.bfloat16)
     if precision.int8:
@@ -286,7 +298,7 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         _fully_shard(model, mesh, precision.policy)
     if not full_init:
         model.to_empty(device=device)
-        torch.manual_seed(seed)
+        torch.manual_seed(seed + index * STAGE_SEED_STRIDE)
         with warnings.catch_warnings():  # DTensor's CPU random-op notice; see docs/limits.md
             warnings.filterwarnings("ignore", message="DTensor random operators")
             model.init_weights()
@@ -299,9 +311,9 @@ def _fully_shard(model: Transformer, mesh: DeviceMesh, policy: MixedPrecisionPol
     The last block and the root stay gathered after forward: backward needs them first.
     A mesh with a ``"tp"`` dim splits each block with torch's styles first, as shard_model does."""
     if parallel.has_tp(mesh):
-        for block in model.layers:
+        for block in model.blocks():
             parallelize_module(block, mesh["tp"], tp_plan())
-    groups = [model.tok_embeddings, *model.layers]
+    groups = [*([model.tok_embeddings] if model.tok_embeddings is not None else []), *model.blocks()]
     options = dict(mesh=parallel.dp_mesh(mesh), mp_policy=policy or MixedPrecisionPolicy())
     for index, group in enumerate(groups):
         fully_shard(group, reshard_after_forward=index < len(groups) - 1, **options)

@@ -114,9 +114,16 @@ def prepare(out: Path, mode: str) -> None:
     dist.barrier()
 
 
-def resume(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def resume(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True) -> int:
     """Load ``out``'s latest checkpoint into the model and optimizer; the step it was
-    saved at (0 when there is none yet: a restart before the first checkpoint)."""
+    saved at (0 when there is none yet: a restart before the first checkpoint).
+
+    ``strict=False`` for a pipeline stage: the checkpoint also holds the other stages'
+    entries. Every entry of the stage must still be there (a ``ValueError`` otherwise)."""
     if latest_checkpoint(out / CHECKPOINTS) is None:
         return 0
-    return load_checkpoint(out / CHECKPOINTS, model, optimizer).step
+    info = load_checkpoint(out / CHECKPOINTS, model, optimizer, strict=strict)
+    if info.missing_keys:
+        raise ValueError(f"the checkpoint in {out / CHECKPOINTS} lacks {len(info.missing_keys)} of this "
+                         f"model's entries, e.g. {info.missing_keys[:3]}")
+    return info.step

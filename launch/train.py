@@ -9,6 +9,12 @@ Run it under torchrun, one process per GPU (or per share of the CPU without GPUs
 
     torchrun --nproc_per_node 4 -m launch.train --preset tiny --tp 2
 
+--pp 2 splits the blocks into two pipeline stages on two groups of ranks (stage 0 holds the
+embedding, the last the norm and head; a 1F1B schedule runs --microbatches pieces of each
+batch through them; FSDP2 shards each stage over its group):
+
+    torchrun --nproc_per_node 4 -m launch.train --preset tiny --pp 2
+
 CUDA + NCCL are used when every local rank has a GPU, CPU + gloo otherwise. The text is
 the Python standard library's own source unless --data names a directory or file. A run
 writes to --out: metrics.jsonl (every step), loss.png, run.json (which torchrun job owns
@@ -29,14 +35,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp_int8
 from fsdp_int8.collectives import count_collectives
 from fsdp_int8.testing import device_type_for
-from launch import parallel, run_dir
+from launch import parallel, pipeline, run_dir
 from launch.data import Corpus, load_corpus, sample_batch
 from launch.metrics import RunLog, bits_per_byte, plot_losses, read_metrics
-from launch.model import PRESETS, Transformer, check_tp, model_args, next_token_loss
+from launch.model import PRESETS, Transformer, check_pp, check_tp, model_args
 from launch.precisions import (AUTO, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, build_model, compile_wanted,
                                resolve_auto)
 
@@ -85,7 +92,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="tensor-parallel degree: split each block's attention and MLP over this many "
                        "neighbouring ranks, which train on one batch (FSDP over the world / tp others)")
     train.add_argument("--pp", type=int, default=1,
-                       help="pipeline-parallel degree (only 1 here: pipelining is a library API, docs/parallelism.md)")
+                       help="pipeline-parallel degree: split the blocks into this many stages, each on "
+                       "world / pp ranks (which FSDP shards it over); the stages of one data-parallel "
+                       "index train on one batch")
+    train.add_argument("--microbatches", type=int,
+                       help="with --pp: pieces each batch runs through the stages in (default: --pp; "
+                       "--batch-size must divide by it)")
+    train.add_argument("--pp-schedule", default="1f1b", choices=tuple(pipeline.SCHEDULES),
+                       help="with --pp: the pipeline schedule (default 1f1b: at most --pp microbatches' "
+                       "activations held; gpipe: all forwards, then all backwards)")
     train.add_argument("--seed", type=int, default=0, help="seeds init, data order and rounding")
     data = parser.add_argument_group("data")
     data.add_argument("--data", help="directory or file of text (default: Python's stdlib source)")
@@ -113,8 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model = model_args(args.preset, seq_len=args.seq_len, dim=args.dim, n_layers=args.n_layers,
                                 n_heads=args.n_heads)
         check_tp(args.model, args.tp)
+        check_pp(args.model, args.pp)
     except ValueError as error:
         parser.error(str(error))
+    error = microbatch_error(args)
+    if error:
+        parser.error(error)
     error = parallel.layout_error(int(os.environ.get("WORLD_SIZE", 1)), tp=args.tp, pp=args.pp, replicas=args.replicas)
     if error:
         parser.error(error)
@@ -128,19 +147,22 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
     recipe = choose_recipe(args, device)
     out = Path(args.out)
     run_dir.prepare(out, mode)  # --out is this job's (and emptied for --overwrite) before any rank reads it
-    mesh = parallel.device_mesh(device.type, tp=args.tp, replicas=args.replicas)
-    data_index, data_ranks = parallel.data_rank(mesh)  # tensor-parallel peers train on one batch
-    model = build_model(recipe, args.model, device, seed=args.seed, mesh=mesh)
+    mesh = parallel.device_mesh(device.type, tp=args.tp, replicas=args.replicas, pp=args.pp)
+    data_index, data_ranks = parallel.data_rank(mesh)  # tensor-parallel peers and pipeline stages train on one batch
+    model = build_model(recipe, args.model, device, seed=args.seed, mesh=parallel.stage_mesh(mesh),
+                        stage=parallel.pipeline_stage(mesh))  # with --pp: this rank's stage of the model
+    run = pipeline.runner(model, mesh, device, microbatches=args.microbatches, schedule=args.pp_schedule)
     optimizer = make_optimizer(args, model)
-    start = run_dir.resume(out, model, optimizer) if mode == "resume" else 0
+    # a stage holds its part of the checkpoint's keys: the other stages' are no error
+    start = run_dir.resume(out, model, optimizer, strict=args.pp == 1) if mode == "resume" else 0
     if start >= args.steps:  # e.g. a restart after the last checkpoint: nothing left to do
         if rank == 0:
             print(f"the run in {out} is complete: its checkpoint is at step {start} and --steps is "
                   f"{args.steps} (raise --steps to train further)", flush=True)
         return
     log = RunLog(out / "metrics.jsonl", total=args.steps, start=start, resumed=mode == "resume", enabled=rank == 0)
-    log.start(describe(args, model, corpus, world, device, start),
-              step=start, world_size=world, tp=args.tp, precision=args.precision, preset=args.preset)
+    log.start(describe(args, model, corpus, world, device, start, mesh),
+              step=start, world_size=world, tp=args.tp, pp=args.pp, precision=args.precision, preset=args.preset)
 
     tokens_per_step = args.batch_size * args.seq_len * data_ranks
     val = None
@@ -152,17 +174,16 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
         generator = batch_generator(args, data_index, step)
         inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, generator)
         with count_collectives() as counter:  # the bytes each step moves, for the log
-            loss = next_token_loss(model, inputs.to(device), targets.to(device))
-            loss.backward()
+            loss = run.train_step(inputs.to(device), targets.to(device))
         if args.grad_clip > 0:
-            parallel.clip_grad_norm_(model.parameters(), args.grad_clip)
+            parallel.clip_grad_norm_(model.parameters(), args.grad_clip, pp_group=parallel.pp_group(mesh))
         optimizer.step()
         optimizer.zero_grad()
         log.step(step, loss, lr, time.perf_counter() - began, tokens_per_step, counter)
 
         done = step + 1
         if done % args.eval_every == 0 or done == args.steps:
-            val = evaluate(model, corpus, args, device, data_index)
+            val = evaluate(run, corpus, args, device, data_index)
             log.validation(done, val)
         if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
             fsdp_int8.save_checkpoint(out / run_dir.CHECKPOINTS, model, optimizer, step=done, keep=args.keep,
@@ -205,11 +226,28 @@ def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.
                                state_bits=state_bits)
 
 
+def microbatch_error(args: argparse.Namespace) -> str | None:
+    """Why --microbatches does not fit the other arguments (``args`` takes its default, --pp)."""
+    if args.pp == 1:
+        return "--microbatches is for pipeline parallelism (--pp > 1)" if args.microbatches is not None else None
+    args.microbatches = args.pp if args.microbatches is None else args.microbatches
+    if args.microbatches < 1 or args.batch_size % args.microbatches:
+        return f"--batch-size {args.batch_size} does not divide into --microbatches {args.microbatches}"
+    if args.pp_schedule == "1f1b" and args.microbatches < args.pp:
+        return f"--pp-schedule 1f1b needs at least --pp {args.pp} microbatches, got {args.microbatches}"
+    return None
+
+
 def describe(args: argparse.Namespace, model: Transformer, corpus: Corpus, world: int, device: torch.device,
-             start: int) -> str:
-    """The run's opening line."""
-    params = sum(p.numel() for p in model.parameters())
-    layout = f" (tp {args.tp} x dp {world // args.tp})" if args.tp > 1 else ""
+             start: int, mesh: DeviceMesh) -> str:
+    """The run's opening line (a collective under --pp: the stages' parameters are counted together)."""
+    params = torch.tensor(float(sum(p.numel() for p in model.parameters())), device=device)
+    if args.pp > 1:
+        dist.all_reduce(params, group=parallel.pp_group(mesh))
+    params = params.item()
+    dims = [f"pp {args.pp}"] * (args.pp > 1) + [f"tp {args.tp}"] * (args.tp > 1) + [f"dp {world // (args.tp * args.pp)}"]
+    schedule = [f"{args.pp_schedule} over {args.microbatches} microbatches"] * (args.pp > 1)
+    layout = f" ({', '.join([' x '.join(dims), *schedule])})" if len(dims) > 1 else ""
     return (f"{args.precision} {args.preset}: {params / 1e6:.2f}M parameters on {world} x {device.type}{layout}; "
             f"{corpus.train.numel() / 1e6:.1f} MB of text from {corpus.source}"
             + (f"; resumed at step {start}" if start else ""))
@@ -230,15 +268,16 @@ def batch_generator(args: argparse.Namespace, data_index: int, step: int) -> tor
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, corpus: Corpus, args: argparse.Namespace, device: torch.device,
-             data_index: int) -> float:
+def evaluate(run: pipeline.WholeModel | pipeline.Pipeline, corpus: Corpus, args: argparse.Namespace,
+             device: torch.device, data_index: int) -> float:
     """Mean validation loss over --eval-batches per data-parallel index, the same batches every
-    time (tensor-parallel peers compute the same losses: the mean over all ranks is theirs)."""
+    time (tensor-parallel peers and pipeline stages have the same losses: the mean over all
+    ranks is theirs)."""
     generator = torch.Generator().manual_seed(VALIDATION_SEED + data_index)
     total = torch.zeros((), device=device)
     for _ in range(args.eval_batches):
         inputs, targets = sample_batch(corpus.val, args.batch_size, args.seq_len, generator)
-        total += next_token_loss(model, inputs.to(device), targets.to(device))
+        total += run.eval_loss(inputs.to(device), targets.to(device))
     dist.all_reduce(total)
     return total.item() / (args.eval_batches * dist.get_world_size())
 
