@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_int8 import _dist
 from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8._tensor_parallel import rounding_stream
 from fsdp_int8.gradients.install import installed_quantized_reduce_scatter
 from fsdp_int8.weight import Int8Weight
 
@@ -33,8 +34,9 @@ def capture(model: nn.Module) -> dict[str, Any]:
         WEIGHT_ROUNDING.generator(device)
     for param in model.parameters():  # the streams of tensor-parallel shards, likewise
         local = _dist.local_shard(param)
-        if isinstance(local, Int8Weight) and local.tensor_parallel is not None:
-            WEIGHT_ROUNDING.generator(local.device, local.tensor_parallel)
+        stream = rounding_stream(local) if isinstance(local, Int8Weight) else None
+        if stream is not None:
+            WEIGHT_ROUNDING.generator(local.device, stream)
     state: dict[str, Any] = {"rounding": WEIGHT_ROUNDING.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
