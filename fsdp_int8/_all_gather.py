@@ -163,8 +163,7 @@ def post_all_gather(
     """
     (gathered,) = outputs
     full_rows, rows = metadata
-    if out is not None:  # a tensor-parallel weight's unsharded parameter is a DTensor: its local part
-        out = _dist.local_shard(out)
+    out = _dist.local_shard(out)  # a tensor-parallel weight's unsharded parameter is a DTensor
     if out is None:  # the first unshard: one sync per weight reads every rank's flag
         flagged = flagged_shards(gathered, rows, weight.row_len)
         if flagged:

@@ -80,27 +80,35 @@ def shard_coordinate(mesh: DeviceMesh | None) -> int:
     return 0 if mesh is None else mesh.get_local_rank(mesh.ndim - 1)
 
 
+TENSOR_PARALLEL_DIM = "tp"  # the mesh dim tensor parallelism splits on (torchtitan's name)
+
+
+def without_tensor_parallel(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` without its ``"tp"`` dim: the data-parallel part of a (dp, tp) mesh."""
+    names = mesh.mesh_dim_names or ()
+    if TENSOR_PARALLEL_DIM not in names or mesh.ndim == 1:
+        return mesh
+    return mesh[tuple(name for name in names if name != TENSOR_PARALLEL_DIM)]
+
+
 def rounding_coordinate(mesh: DeviceMesh | None) -> int:
     """This rank's (pp, dp shard) index for the weights' stochastic-rounding streams.
 
     ``mesh`` is the data-parallel mesh (FSDP's shard mesh, or the HSDP mesh), or a
-    parameter's mesh under tensor parallelism (a last dim named ``"tp"``, which is left
-    out: tp shards have streams of their own). The last remaining dim gives the dp shard.
+    parameter's mesh under tensor parallelism (its ``"tp"`` dim is left out: tp shards have
+    streams of their own). Its last dim gives the dp shard (:func:`shard_coordinate`).
     Pipeline stages hold different layers, so a root mesh dim named ``"pp"`` (torchtitan's
     name) is mixed in; with one stage the index is the dp shard's. Replicas (HSDP's
     replicate dim, DDP) share it.
     """
     if mesh is None:
         return 0
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    shard_dim = mesh.ndim - 1
-    if names and names[-1] == "tp" and mesh.ndim > 1:
-        shard_dim -= 1
-    shard = mesh.get_local_rank(shard_dim)
+    if getattr(mesh, "mesh_dim_names", None):
+        mesh = without_tensor_parallel(mesh)
+    shard = shard_coordinate(mesh)
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    root_names = getattr(root, "mesh_dim_names", None) or ()
-    if "pp" in root_names and "pp" not in names:
-        return root.get_local_rank("pp") * mesh.size(shard_dim) + shard
+    if "pp" in (getattr(root, "mesh_dim_names", None) or ()) and "pp" not in (mesh.mesh_dim_names or ()):
+        return root.get_local_rank("pp") * mesh.size(mesh.ndim - 1) + shard
     return shard
 
 

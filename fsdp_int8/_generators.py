@@ -8,7 +8,7 @@ the model is sharded (``quantize_``, then ``fully_shard`` by hand or by a framew
 learns the coordinate from the first all-gather of a weight shard (see
 :meth:`GeneratorBank.adopt_shard_coordinate`). The coordinate is the rank's (pp, dp shard)
 index (:func:`fsdp_int8._dist.rounding_coordinate`); a weight split by tensor parallelism
-draws from a stream of its own per tp coordinate (its ``tensor_parallel.stream``), while
+draws from a stream of its own per tp coordinate (keyed ``tp<coordinate>of<size>``), while
 weights that tp peers replicate draw the same noise on every peer. Each
 :class:`~fsdp_int8.gradients.QuantizedReduceScatter` owns a bank of its own, seeded by
 global rank. Both save and restore their states for exact resumption.
@@ -53,8 +53,7 @@ class GeneratorBank:
         self._base_seed = 0
         self._coordinate = 0
         self._awaiting_coordinate = False
-        self._generators: dict[str, torch.Generator] = {}
-        self._streams: dict[str, tuple[int, int]] = {"": (0, 1)}  # key -> (tp coordinate, tp size)
+        self._generators: dict[str, torch.Generator] = {}  # "cpu", "cuda:0", "cpu/tp1of2", ...
 
     def manual_seed(self, seed: int, coordinate: int | None = 0) -> None:
         """Reset every device's generator to the stream of ``(seed, coordinate)``.
@@ -69,9 +68,10 @@ class GeneratorBank:
             gen.manual_seed(self._seed_of(key.partition("/")[2]))
 
     def _seed_of(self, stream: str) -> int:
+        """The seed of stream ``""`` (the rank's) or ``"tp<coordinate>of<size>"``."""
         if not stream:
             return seed_for(self._base_seed ^ self._salt, self._coordinate)
-        tp_coordinate, tp_size = self._streams[stream]
+        tp_coordinate, tp_size = (int(n) for n in stream[len("tp"):].split("of"))
         return seed_for(
             self._base_seed ^ self._salt ^ _TENSOR_PARALLEL_SALT, self._coordinate * tp_size + tp_coordinate
         )
@@ -101,12 +101,10 @@ class GeneratorBank:
         if torch.device(device).type == "meta":
             return None
         device_key = _device_key(device)
-        stream = "" if tensor_parallel is None else tensor_parallel.stream
+        stream = "" if tensor_parallel is None else f"tp{tensor_parallel.coordinate}of{tensor_parallel.size}"
         key = f"{device_key}/{stream}" if stream else device_key
         gen = self._generators.get(key)
         if gen is None:
-            if stream:
-                self._streams[stream] = (tensor_parallel.coordinate, tensor_parallel.size)
             gen = torch.Generator(device=device_key)
             gen.manual_seed(self._seed_of(stream))
             self._generators[key] = gen
@@ -121,13 +119,9 @@ class GeneratorBank:
         this rank's shard: no coordinate is adopted after this)."""
         self._awaiting_coordinate = False
         for key, value in state.items():
-            device_key, _, stream = key.partition("/")
-            if stream and stream not in self._streams:
-                coordinate, size = (int(n) for n in stream[len("tp"):].split("of"))
-                self._streams[stream] = (coordinate, size)
             gen = self._generators.get(key)
             if gen is None:
-                gen = self._generators[key] = torch.Generator(device=device_key)
+                gen = self._generators[key] = torch.Generator(device=key.partition("/")[0])
             gen.set_state(value.clone())
 
 

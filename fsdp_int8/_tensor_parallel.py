@@ -58,11 +58,6 @@ class TensorParallelShard:
     def size(self) -> int:
         return self.mesh.size()
 
-    @property
-    def stream(self) -> str:
-        """The key of this shard's stochastic-rounding stream (see ``_generators``)."""
-        return f"tp{self.coordinate}of{self.size}"
-
 
 @dataclasses.dataclass(frozen=True)
 class ColumnWindow:

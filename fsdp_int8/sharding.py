@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from fsdp_int8._all_gather import TENSOR_PARALLEL_UNSUPPORTED
-from fsdp_int8._dist import device_type_for
+from fsdp_int8._dist import TENSOR_PARALLEL_DIM, device_type_for, without_tensor_parallel
 from fsdp_int8._generators import seed_weight_rounding
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, is_sharded, logger, parameter_owners, quantize_
@@ -190,7 +190,7 @@ def _split_mesh(mesh: DeviceMesh, tp_plan: dict | None) -> tuple[DeviceMesh, Dev
             f"shard_model got a mesh with a 'pp' dim {names}: shard each pipeline stage on "
             "its own mesh without it, e.g. world_mesh[('dp', 'tp')] (docs/parallelism.md)"
         )
-    has_tp = names is not None and "tp" in names
+    has_tp = names is not None and TENSOR_PARALLEL_DIM in names
     if tp_plan is None and has_tp:
         raise ValueError(
             f"shard_model got a mesh with a 'tp' dim {names} but no tp_plan: pass "
@@ -201,10 +201,12 @@ def _split_mesh(mesh: DeviceMesh, tp_plan: dict | None) -> tuple[DeviceMesh, Dev
             f"tp_plan needs a mesh with a dim named 'tp', e.g. init_device_mesh(device_type, "
             f"(dp, tp), mesh_dim_names=('dp', 'tp')); got dims {names}"
         )
-    dp_names = tuple(n for n in names or () if n != "tp")
-    if has_tp and names[-1] != "tp":
-        raise ValueError(f"the 'tp' dim must be the mesh's last (innermost) dim, got {names}")
-    dp_mesh = mesh[dp_names] if has_tp else mesh
+    if has_tp and (names[-1] != TENSOR_PARALLEL_DIM or mesh.ndim == 1):
+        raise ValueError(
+            f"the 'tp' dim must be the last (innermost) of a mesh with data-parallel dims "
+            f"before it (of size 1 for tensor parallelism alone), got {names}"
+        )
+    dp_mesh = without_tensor_parallel(mesh)
     if dp_mesh.ndim not in (1, 2):
         raise ValueError(
             "shard_model shards over a 1-D data-parallel mesh (FSDP) or a 2-D one (HSDP: "
@@ -212,7 +214,7 @@ def _split_mesh(mesh: DeviceMesh, tp_plan: dict | None) -> tuple[DeviceMesh, Dev
         )
     if dp_mesh.ndim == 2 and dp_mesh.mesh_dim_names is None:
         raise ValueError("an HSDP mesh needs mesh_dim_names, e.g. ('replicate', 'shard')")
-    return dp_mesh, (mesh["tp"] if has_tp else None)
+    return dp_mesh, (mesh[TENSOR_PARALLEL_DIM] if has_tp else None)
 
 
 def _parallelize_blocks(blocks: list[nn.Module], tp_mesh: DeviceMesh, tp_plan: dict) -> None:

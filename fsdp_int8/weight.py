@@ -168,13 +168,16 @@ class Int8Weight(torch.Tensor):
         scale: torch.Tensor,
         *,
         dtype: torch.dtype | None = None,
+        **changes: Any,
     ) -> "Int8Weight":
-        """A new ``Int8Weight`` over other inner tensors, with this one's metadata."""
-        return Int8Weight(
-            int_data, scale, dtype=dtype or self.dtype, row_len=self.row_len,
-            full_rows=self.full_rows, stochastic_rounding=self.stochastic_rounding,
-            int8_matmul=self.int8_matmul, compiled=self.compiled, tensor_parallel=self.tensor_parallel,
+        """A new ``Int8Weight`` over other inner tensors, with this one's metadata but for
+        ``dtype`` and ``changes`` (other constructor keywords: ``row_len``, ...)."""
+        settings = dict(
+            dtype=dtype or self.dtype, row_len=self.row_len, full_rows=self.full_rows,
+            stochastic_rounding=self.stochastic_rounding, int8_matmul=self.int8_matmul,
+            compiled=self.compiled, tensor_parallel=self.tensor_parallel,
         )
+        return Int8Weight(int_data, scale, **{**settings, **changes})
 
     # ------------------------------------------------------------------ reading
     @property
@@ -212,7 +215,7 @@ class Int8Weight(torch.Tensor):
         optimizer step instead, with every other update of the step (``_update_checks``).
         """
         _tensor_parallel.check_requantizable(self, "requantizing")
-        stream = _tensor_parallel.rounding_stream(self) if stochastic else None
+        stream = _tensor_parallel.rounding_stream(self)
         generator = WEIGHT_ROUNDING.generator(values.device, stream) if stochastic else None
         if _tensor_parallel.shares_row_scales(self):
             _tensor_parallel.write_shared_rows(
@@ -222,11 +225,8 @@ class Int8Weight(torch.Tensor):
             return self
         deferred = step_update and _update_checks.defers(values.device)
         int_data, scale = absmax_quantize(
-            values.reshape(self.rows, self.row_len),
-            rounding="stochastic" if stochastic else "nearest",
-            generator=generator,
-            nonfinite="unchecked" if deferred else "raise",
-            what="a weight",
+            values.reshape(self.rows, self.row_len), rounding="stochastic" if stochastic else "nearest",
+            generator=generator, nonfinite="unchecked" if deferred else "raise", what="a weight",
             compiled=self.compiled,
         )
         if deferred:
@@ -236,9 +236,8 @@ class Int8Weight(torch.Tensor):
     def numpy(self, *, force: bool = False):
         """Refused: an ``Int8Weight`` holds int8 values and per-row scales, not floats."""
         raise TypeError(
-            "Int8Weight holds int8 values with per-row fp32 scales: call "
-            "w.dequantize().numpy() for the float values, or w.int_data.numpy() and "
-            "w.scale.numpy() for the stored ones"
+            "Int8Weight holds int8 values with per-row fp32 scales: call w.dequantize().numpy() "
+            "for the float values, or w.int_data.numpy() and w.scale.numpy() for the stored ones"
         )
 
     def tolist(self):

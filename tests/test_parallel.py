@@ -64,7 +64,7 @@ def test_shared_amax_is_for_whole_rows_only():
 
 
 def _shard(coordinate: int, size: int = 2) -> SimpleNamespace:
-    return SimpleNamespace(coordinate=coordinate, size=size, stream=f"tp{coordinate}of{size}")
+    return SimpleNamespace(coordinate=coordinate, size=size)
 
 
 def test_tensor_parallel_shards_draw_their_own_streams_and_restore_them():

@@ -79,8 +79,8 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             )
         if factor is not None:
             _tensor_parallel.check_requantizable(target, f"{func} (a rescale of its row scales)")
-        if factor is not None and _rescale(func, target, factor):
-            return target
+            if _rescale(func, target, factor):
+                return target
     if func is aten.addcdiv_.default and _fusable_addcdiv(target, args, kwargs):
         return _fused_addcdiv_(target, *args, **kwargs)
     values = target.dequantize(torch.float32)
@@ -119,9 +119,8 @@ def _addcdiv_rows_nearest(q, scale, t1, t2, value):
 def _fusable_addcdiv(target: Int8Weight, args: tuple, kwargs: dict) -> bool:
     if not _kernels.use_compiled(target.compiled, target) or len(args) != 2 or set(kwargs) - {"value"}:
         return False
-    if _tensor_parallel.shares_row_scales(target) or (
-        target.tensor_parallel is not None and _tensor_parallel.rounding_stream(target) is None
-    ):
+    window = isinstance(target.tensor_parallel, _tensor_parallel.ColumnWindow)
+    if window or _tensor_parallel.shares_row_scales(target):
         return False  # shared row scales (rounded in assign_) or a column window (refused there)
     value = kwargs.get("value", 1)
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -218,10 +218,8 @@ def _column_window(weight: Int8Weight, start: int, end: int) -> Int8Weight:
         return weight.derive(weight.int_data, weight.scale)
     outer = weight.tensor_parallel  # a window of a window: columns of the same whole rows
     offset, row_len = (outer.start, outer.row_len) if isinstance(outer, ColumnWindow) else (0, weight.row_len)
-    return Int8Weight(
-        weight.int_data[:, start:end], weight.scale, dtype=weight.dtype, row_len=end - start,
-        full_rows=weight.full_rows, stochastic_rounding=weight.stochastic_rounding,
-        int8_matmul=weight.int8_matmul, compiled=weight.compiled,
+    return weight.derive(
+        weight.int_data[:, start:end], weight.scale, row_len=end - start,
         tensor_parallel=ColumnWindow(offset + start, offset + end, row_len),
     )
 
@@ -307,10 +305,9 @@ def _cat_columns(tensors: Sequence[Int8Weight]) -> Int8Weight:
             "their row scales (a tensor-parallel split by fsdp_int8.parallel does); these "
             "differ. Call .dequantize() on each piece for a plain result. " + _ROW_BREAKING
         )
-    return Int8Weight(
-        torch.cat([t.int_rows() for t in tensors], 1), first.scale.clone(), dtype=first.dtype,
-        row_len=sum(t.row_len for t in tensors), stochastic_rounding=first.stochastic_rounding,
-        int8_matmul=first.int8_matmul, compiled=first.compiled,
+    return first.derive(
+        torch.cat([t.int_rows() for t in tensors], 1), first.scale.clone(),
+        row_len=sum(t.row_len for t in tensors), full_rows=None, tensor_parallel=None,
     )
 
 

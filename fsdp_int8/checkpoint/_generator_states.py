@@ -20,8 +20,6 @@ from fsdp_int8._tensor_parallel import rounding_stream
 from fsdp_int8.gradients.install import installed_quantized_reduce_scatter
 from fsdp_int8.weight import Int8Weight
 
-_TP = "tp"  # the mesh dim shard_model's tp_plan splits on
-
 
 def capture(model: nn.Module) -> dict[str, Any]:
     """This rank's generator states (``model``'s gradient reduce-scatter's, if it has one).
@@ -67,8 +65,8 @@ def sharding(model: nn.Module) -> tuple[DeviceMesh | None, int]:
             continue
         mesh = param.device_mesh
         names = mesh.mesh_dim_names or ()
-        if _TP in names:
-            return mesh[tuple(n for n in names if n != _TP)], mesh.size(names.index(_TP))
+        if _dist.TENSOR_PARALLEL_DIM in names:
+            return _dist.without_tensor_parallel(mesh), mesh.size(names.index(_dist.TENSOR_PARALLEL_DIM))
         first = first or mesh
     return first, 1
 

@@ -78,44 +78,27 @@ def _int8_parameter(local: Int8Weight, like: torch.Tensor, mesh: DeviceMesh, pla
     return nn.Parameter(dtensor, requires_grad=requires_grad)
 
 
-def _split_rows(module: nn.Linear, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+def _split(module: nn.Linear, mesh: DeviceMesh, src_data_rank: int | None, *, by_columns: bool) -> None:
+    """Replace ``module``'s int8 weight (and bias) by this tp rank's part: whole rows with
+    their scales, or (``by_columns``) every row's columns with the whole row's scale."""
     weight = module.weight
-    _check_divisible(module, 0, mesh, "Int8ColwiseParallel")
+    dim = 1 if by_columns else 0
+    _check_divisible(module, dim, mesh, "Int8RowwiseParallel" if by_columns else "Int8ColwiseParallel")
     data, scale = _source_weight(weight, mesh, src_data_rank)
     coordinate = mesh.get_local_rank()
-    start, stop = _span(weight.shape[0], mesh.size(), coordinate)
-    local = Int8Weight(
-        data[start:stop].clone(), scale[start:stop].clone(), dtype=weight.dtype, row_len=weight.row_len,
-        stochastic_rounding=weight.stochastic_rounding, int8_matmul=weight.int8_matmul,
-        compiled=weight.compiled,
-        tensor_parallel=TensorParallelShard(mesh, coordinate, shares_row_scales=False),
-    )  # full_rows = its own rows: FSDP2 shards it as a weight of its own
-    module.register_parameter("weight", _int8_parameter(local, weight, mesh, Shard(0), weight.requires_grad))
+    start, stop = _span(weight.shape[dim], mesh.size(), coordinate)
+    split = TensorParallelShard(mesh, coordinate, shares_row_scales=by_columns)
+    if by_columns:  # every row's scale is the whole row's: the same on every peer
+        local = weight.derive(data[:, start:stop].contiguous(), scale.clone(), row_len=stop - start,
+                              tensor_parallel=split)
+    else:  # full_rows = its own rows: FSDP2 shards it as a weight of its own
+        local = weight.derive(data[start:stop].clone(), scale[start:stop].clone(), full_rows=None,
+                              tensor_parallel=split)
+    module.register_parameter("weight", _int8_parameter(local, weight, mesh, Shard(dim), weight.requires_grad))
     if module.bias is not None:
-        module.register_parameter("bias", nn.Parameter(
-            distribute_tensor(module.bias, mesh, [Shard(0)], src_data_rank=src_data_rank),
-            requires_grad=module.bias.requires_grad,
-        ))
-
-
-def _split_columns(module: nn.Linear, mesh: DeviceMesh, src_data_rank: int | None) -> None:
-    weight = module.weight
-    _check_divisible(module, 1, mesh, "Int8RowwiseParallel")
-    data, scale = _source_weight(weight, mesh, src_data_rank)
-    coordinate = mesh.get_local_rank()
-    start, stop = _span(weight.row_len, mesh.size(), coordinate)
-    local = Int8Weight(
-        data[:, start:stop].contiguous(), scale.clone(), dtype=weight.dtype, row_len=stop - start,
-        stochastic_rounding=weight.stochastic_rounding, int8_matmul=weight.int8_matmul,
-        compiled=weight.compiled,
-        tensor_parallel=TensorParallelShard(mesh, coordinate, shares_row_scales=True),
-    )  # every row's scale is the whole row's: the same on every peer
-    module.register_parameter("weight", _int8_parameter(local, weight, mesh, Shard(1), weight.requires_grad))
-    if module.bias is not None:
-        module.register_parameter("bias", nn.Parameter(
-            distribute_tensor(module.bias, mesh, [Replicate()], src_data_rank=src_data_rank),
-            requires_grad=module.bias.requires_grad,
-        ))
+        bias = distribute_tensor(module.bias, mesh, [Replicate() if by_columns else Shard(0)],
+                                 src_data_rank=src_data_rank)
+        module.register_parameter("bias", nn.Parameter(bias, requires_grad=module.bias.requires_grad))
 
 
 def _local(parameter: torch.Tensor | None) -> torch.Tensor | None:
@@ -149,7 +132,7 @@ class Int8ColwiseParallel(ColwiseParallel):
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if not _int8_linear(module):
             return super()._partition_linear_fn(name, module, device_mesh)
-        _split_rows(module, device_mesh, self.src_data_rank)
+        _split(module, device_mesh, self.src_data_rank, by_columns=False)
         module.forward = functools.partial(_colwise_forward, module)
 
 
@@ -166,7 +149,7 @@ class Int8RowwiseParallel(RowwiseParallel):
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if not _int8_linear(module):
             return super()._partition_linear_fn(name, module, device_mesh)
-        _split_columns(module, device_mesh, self.src_data_rank)
+        _split(module, device_mesh, self.src_data_rank, by_columns=True)
         module.forward = functools.partial(_rowwise_forward, module)
 
 
