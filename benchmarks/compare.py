@@ -49,8 +49,9 @@ import fsdp_int8
 from benchmarks import ratios
 from fsdp_int8 import hardware
 from fsdp_int8.collectives import count_collectives
+from fsdp_int8.hardware import device_type_for
 from fsdp_int8.memory import persistent_bytes
-from fsdp_int8.testing import device_type_for, run_distributed
+from fsdp_int8.testing import run_distributed
 from launch.data import load_corpus, sample_batch
 from launch.model import PRESETS, ModelArgs, Transformer, next_token_loss
 from launch.precisions import parse_row

@@ -7,7 +7,7 @@
 Runs :func:`fsdp_int8.testing.check_fsdp2_conformance` at world sizes 1, 2 and 4 for each
 weight (about a minute each on 2 CPU cores), then prints one markdown table (scenario x
 weight) and every failure's reason. ``Int8Weight``'s spec is the one our tests run
-(``fsdp_int8.testing._int8_weight_spec``); torchao's is defined here, since only this
+(``fsdp_int8.testing.int8_weight_spec``); torchao's is defined here, since only this
 script runs it. The tests' reference subclass is not tabulated: a benchmark never imports
 the tests, and ``tests/distributed/test_conformance.py`` asserts that it passes every
 scenario. A failure is a finding about that weight, not an error of this script.
@@ -21,8 +21,9 @@ import sys
 
 import torch
 
-from fsdp_int8.testing import SubclassSpec, check_fsdp2_conformance, device_type_for
-from fsdp_int8.testing._int8_weight_spec import INT8_ROUNDING_STEP, INT8_WEIGHT, int8_wire_bytes
+from fsdp_int8.hardware import device_type_for
+from fsdp_int8.testing import SubclassSpec, check_fsdp2_conformance
+from fsdp_int8.testing.int8_weight_spec import INT8_ROUNDING_STEP, INT8_WEIGHT, int8_wire_bytes
 
 
 # ---------------------------------------------------------------- torchao (optional)

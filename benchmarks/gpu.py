@@ -45,7 +45,8 @@ import torch.nn.functional as F
 import fsdp_int8
 from benchmarks import ratios
 from fsdp_int8 import Int8MatmulConfig, Int8Weight, hardware
-from fsdp_int8.testing import device_type_for, run_distributed
+from fsdp_int8.hardware import device_type_for
+from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, next_token_loss
 from launch.precisions import Recipe, build_model
 

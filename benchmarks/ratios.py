@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_int8 import hardware
-from fsdp_int8.testing import device_type_for, run_distributed
+from fsdp_int8.hardware import device_type_for
+from fsdp_int8.testing import run_distributed
 from launch.model import ModelArgs, Transformer, model_args, next_token_loss
 from launch.precisions import build_model, parse_row, row_argument
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 from benchmarks.ratios import shape
 from fsdp_int8 import Int8AdamW, hardware
+from fsdp_int8.hardware import device_type_for
 from fsdp_int8.memory import persistent_bytes
-from fsdp_int8.testing import device_type_for, run_distributed
+from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, Transformer, next_token_loss
 from launch.precisions import Recipe, build_model, compile_wanted, parse_row, row_argument
 

@@ -16,7 +16,8 @@ name starts with ``_`` are internal.
 
 # The op table and F.linear register themselves when imported: importing the package
 # loads the whole table (so Int8Weight.supported_ops() is complete).
-from fsdp_int8 import _linear, _ops  # noqa: F401  (registration side effects)
+import fsdp_int8._weight.linear  # noqa: F401  (registration side effects)
+import fsdp_int8._weight.ops  # noqa: F401
 from fsdp_int8 import integrations  # noqa: F401  (quantize_'s hook for transformers models; imports no framework)
 from fsdp_int8._version import __version__
 from fsdp_int8.checkpoint import export_full_state_dict, load_checkpoint, save_checkpoint

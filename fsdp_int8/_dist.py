@@ -133,3 +133,12 @@ def device_type_for(world_size: int = 1) -> str:
     if torch.accelerator.is_available() and torch.accelerator.device_count() >= world_size:
         return torch.accelerator.current_accelerator().type
     return "cpu"
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) or another DTensor API has touched ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    )

@@ -95,11 +95,39 @@ class Int8TrainingConfig:
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
 
     def should_quantize(self, module: nn.Module, name: str) -> bool:
-        """Whether ``module`` (found at ``name`` in the model) gets an int8 weight."""
-        if not isinstance(module, nn.Linear):
+        """Whether ``module`` (found at ``name`` in the model) gets an int8 weight: the one
+        rule, for ``nn.Linear`` and GPT-2's ``Conv1D`` alike. ``module_filter`` decides
+        when it is set; otherwise :meth:`selects_by_default`."""
+        if linear_features(module) is None:
             return False
         if self.module_filter is not None:
             return bool(self.module_filter(module, name))
-        if name.rsplit(".", 1)[-1] in self.skip_names:
+        return self.selects_by_default(module, name)
+
+    def selects_by_default(self, module: nn.Module, name: str) -> bool:
+        """The rule without ``module_filter``: a linear layer whose last name component is
+        not in ``skip_names`` and whose input and output features are both at least
+        ``min_features``."""
+        features = linear_features(module)
+        if features is None or name.rsplit(".", 1)[-1] in self.skip_names:
             return False
-        return min(module.in_features, module.out_features) >= self.min_features
+        return min(features) >= self.min_features
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """A ``transformers.pytorch_utils.Conv1D`` (GPT-2's linears: weight ``[nx, nf]``).
+
+    Recognised by name and attributes, so that ``fsdp_int8`` never imports transformers.
+    """
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def linear_features(module: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a layer :meth:`Int8TrainingConfig.should_quantize`
+    can select (``nn.Linear``, or GPT-2's ``Conv1D``: ``nx`` in, ``nf`` out); ``None`` for
+    any other module."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        return module.nx, module.nf
+    return None

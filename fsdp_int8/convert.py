@@ -10,15 +10,14 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
 
-from fsdp_int8._conv1d import int8_conv1d_, is_conv1d, why_not_convertible
-from fsdp_int8._dist import local_shard
-from fsdp_int8._generators import seed_weight_rounding
-from fsdp_int8.config import Int8TrainingConfig
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8._dist import is_sharded, local_shard
+from fsdp_int8._quant.generators import seed_weight_rounding
+from fsdp_int8._weight.conv1d import int8_conv1d_, why_not_convertible
+from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8.config import Int8TrainingConfig, is_conv1d
 
-__all__ = ["quantize_", "init_int8_weights_", "is_sharded", "dequantize_all"]
+__all__ = ["quantize_", "init_int8_weights_"]
 
 # Called as hook(model, config) after quantize_ swapped weights of a model. The framework
 # adapters sit above this module, so they register here instead of being imported:
@@ -26,10 +25,6 @@ __all__ = ["quantize_", "init_int8_weights_", "is_sharded", "dequantize_all"]
 # save_pretrained writes int8 rows and scales), at `import fsdp_int8`.
 AFTER_QUANTIZE: list[Callable[[nn.Module, Int8TrainingConfig], None]] = []
 
-
-def dequantize_all(tree: Any, dtype: torch.dtype | None = None) -> Any:
-    """Replace every ``Int8Weight`` in a pytree by its dequantized plain tensor."""
-    return tree_map_only(Int8Weight, lambda w: w.dequantize(dtype), tree)
 
 logger = logging.getLogger("fsdp_int8")
 
@@ -82,16 +77,6 @@ def _named_list(names: list[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _selects_conv1d(config: Int8TrainingConfig, module: nn.Module, name: str) -> bool:
-    """``config.should_quantize``'s rule for a GPT-2 ``Conv1D`` (``nx`` in, ``nf`` out
-    features): the filter when there is one, else the skipped names and sizes."""
-    if config.module_filter is not None:
-        return bool(config.module_filter(module, name))
-    if name.rsplit(".", 1)[-1] in config.skip_names:
-        return False
-    return min(module.nx, module.nf) >= config.min_features
-
-
 def _adapter_layers(model: nn.Module) -> set[int]:
     """Ids of the modules of PEFT adapters (LoRA's ``lora_A`` / ``lora_B``, ...), as each
     peft tuner layer names them in ``adapter_layer_names`` (no peft import). They are the
@@ -128,9 +113,7 @@ def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
         if id(module) in adapters:
             continue
         if config.should_quantize(module, name):
-            selected.append((name, module, False))
-        elif is_conv1d(module) and _selects_conv1d(config, module, name):
-            selected.append((name, module, True))
+            selected.append((name, module, is_conv1d(module)))
     target_names = {name for name, _, _ in selected}
     owners = parameter_owners(model)
     found = _Targets([], [], [])
@@ -188,6 +171,10 @@ class _RequantizeAssigned:
         self.int8_matmul = int8_matmul
         self.compiled = compiled
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # pickle layout 1 of this hook has no ``compiled`` field: its kernels ran eagerly
+        self.__dict__.update({"compiled": False, **state})
+
     def __call__(self, module: nn.Module, incompatible_keys) -> None:
         weight = module._parameters.get("weight")
         if weight is None:
@@ -198,8 +185,7 @@ class _RequantizeAssigned:
         with torch.no_grad():
             int8 = Int8Weight.from_float(
                 local.detach(), stochastic_rounding=self.stochastic_rounding,
-                # modules pickled before weights carried `compiled` have no such attribute
-                int8_matmul=self.int8_matmul, compiled=getattr(self, "compiled", False),
+                int8_matmul=self.int8_matmul, compiled=self.compiled,
             )
             if isinstance(weight, DTensor):
                 int8.full_rows = weight.shape[0]  # FSDP2 pads every shard to the same rows
@@ -227,15 +213,6 @@ def _transposed_int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig)
     with torch.no_grad():
         values = weight.detach().t().contiguous()
     return int8_parameter(values, config).requires_grad_(weight.requires_grad)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``fully_shard`` (FSDP2) or another DTensor API has touched ``model``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
-        isinstance(p, DTensor) for p in model.parameters()
-    )
 
 
 def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.Module:

@@ -19,6 +19,10 @@ The rule, decided once per process and device and cached (docs/performance.md):
    (native kernels 0.1-1x of fp32, reference loops 15-90x), so the cut does not depend
    on noise.
 
+Which device a process trains on is :func:`device_type_for` (the accelerator when there is
+one for each rank, else the CPU): the one rule the launcher, ``shard_model`` and the test
+kit share.
+
 Nothing here changes what runs: :func:`warn_if_slow` warns (once per process and kind of
 device) when a layer's configuration asks for a kernel this device runs slowly, and the
 launcher's ``--precision auto`` reads :func:`capability`.
@@ -36,7 +40,9 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Capability", "FAST_RATIO", "best_seconds", "capability", "hardware_line"]
+from fsdp_int8._dist import device_type_for
+
+__all__ = ["Capability", "FAST_RATIO", "best_seconds", "capability", "device_type_for", "hardware_line"]
 
 FAST_RATIO = 2.0  # a kernel at most this many times the fp32 matmul's time counts as fast
 _PROBE_SIZE = 128  # m = n = k: a few milliseconds on a reference loop, microseconds natively

@@ -18,9 +18,9 @@ activations (int8 GEMMs)  rows, cols  nearest     int8               ``"unchecke
 gradient reduce-scatter   in rows     stochastic  int8               ``"propagate"``
 ========================  ==========  ==========  =================  ==============
 
-Stochastic rounding adds 16 bits of uniform noise per value (:mod:`fsdp_int8._noise`).
+Stochastic rounding adds 16 bits of uniform noise per value (:mod:`fsdp_int8._quant.noise`).
 ``compiled=True`` runs the signed whole-row path and whole-row dequantization as one
-``torch.compile``-fused pass each (:mod:`fsdp_int8._kernels`), with the same arithmetic in
+``torch.compile``-fused pass each (:mod:`fsdp_int8._quant.kernels`), with the same arithmetic in
 the same order (the same results, bit for bit); blocks, columns, uint8,
 ``nonfinite="propagate"`` and meta tensors stay eager.
 """
@@ -31,23 +31,21 @@ from typing import Literal
 
 import torch
 
-from fsdp_int8._kernels import (
+from fsdp_int8._quant.kernels import (
     INT8_MAX,
     UINT8_MAX,
+    ceil_div,
     dequantize_into,
     dequantize_whole,
-    int8_rows_nearest,
-    int8_rows_stochastic,
+    int8_rows,
     round_scaled,
     run_compiled,
+    run_rounding,
     use_compiled,
 )
-from fsdp_int8._noise import noise_values, rounding_noise_bytes
+from fsdp_int8._quant.noise import noise_values
 
-__all__ = [
-    "INT8_MAX", "UINT8_MAX", "ceil_div", "absmax_quantize", "absmax_dequantize", "dequantize_rows_into",
-    "signed_row_absmax",
-]
+__all__ = ["absmax_quantize", "absmax_dequantize", "dequantize_rows_into", "signed_row_absmax"]
 
 Rounding = Literal["nearest", "stochastic"]
 # "raise": a ValueError naming the count (weights, optimizer states: a NaN scale would
@@ -55,11 +53,6 @@ Rounding = Literal["nearest", "stochastic"]
 #   scale and in-range values (a collective must not raise on one rank only).
 #   "unchecked": no check and no device sync (activations: NaN in, NaN out anyway).
 NonFinite = Literal["raise", "propagate", "unchecked"]
-
-
-def ceil_div(numerator: int, denominator: int) -> int:
-    """``ceil(numerator / denominator)`` for non-negative integers."""
-    return -(-numerator // denominator)
 
 
 def _block_parts(length: int, block_size: int) -> list[tuple[slice, slice, int, int]]:
@@ -130,8 +123,8 @@ def _round_into(
 def _mul_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Eagerly, ``dequantize_whole``'s values written into ``out``: the product in
     fp32, rounded once to ``out``'s dtype. Converted first, then multiplied in place: a
-    mixed int8 x fp32 ``torch.mul`` takes CPUs' slow type-promoting loop (1024 x 1024, one
-    thread, AVX2: 2.2 ms, against 0.2 ms for the copy and the fp32 multiply)."""
+    mixed int8 x fp32 ``torch.mul`` takes CPUs' slow type-promoting loop, about 10x slower
+    than the copy and the fp32 multiply (docs/performance.md, "Kernel choices")."""
     if out.dtype == torch.float32:
         return out.copy_(q).mul_(scale)
     return out.copy_(q.to(torch.float32).mul_(scale))
@@ -163,7 +156,7 @@ def dequantize_rows_into(
 def _signed_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``max |x|`` along ``dim``, NaN propagating, without an ``|x|`` temporary. Two
     reductions, not ``torch.aminmax``: on AVX2-only CPUs aminmax is a scalar loop, 10-20x
-    slower than amax plus amin (1024 x 1024 fp32, one thread: 3.2 ms against 0.16 ms)."""
+    slower than amax plus amin (docs/performance.md, "Kernel choices")."""
     return torch.maximum(x.amax(dim=dim), x.amin(dim=dim).neg())
 
 
@@ -239,11 +232,9 @@ def absmax_quantize(
         out = rounded if out is None else out.copy_(rounded)
         return out, scale.squeeze(1)
     if block_size is None and dim == -1 and signed and nonfinite != "propagate" and use_compiled(compiled, values):
-        if rounding == "stochastic":
-            noise_bytes = rounding_noise_bytes((rows, length), generator, values.device)
-            q, scale = run_compiled(int8_rows_stochastic, values, noise_bytes)
-        else:
-            q, scale = run_compiled(int8_rows_nearest, values)
+        q, scale = run_rounding(
+            int8_rows, values, rows=rows, row_len=length, generator=generator, stochastic=rounding == "stochastic"
+        )
         if nonfinite == "raise" and not bool(torch.isfinite(scale).all()):
             raise_non_finite(values, what, "int8" if signed else "uint8")
         return (q if out is None else out.copy_(q)), scale

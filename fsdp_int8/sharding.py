@@ -13,11 +13,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from fsdp_int8._all_gather import TENSOR_PARALLEL_UNSUPPORTED
-from fsdp_int8._dist import TENSOR_PARALLEL_DIM, device_type_for, without_tensor_parallel
-from fsdp_int8._generators import seed_weight_rounding
+from fsdp_int8._dist import TENSOR_PARALLEL_DIM, device_type_for, is_sharded, without_tensor_parallel
+from fsdp_int8._quant.generators import seed_weight_rounding
+from fsdp_int8._weight.all_gather import TENSOR_PARALLEL_UNSUPPORTED
 from fsdp_int8.config import Int8TrainingConfig
-from fsdp_int8.convert import int8_census, is_sharded, logger, parameter_owners, quantize_
+from fsdp_int8.convert import int8_census, logger, parameter_owners, quantize_
 from fsdp_int8.parallel import int8_tp_plan
 
 __all__ = ["shard_model", "find_blocks", "BlockSpec"]

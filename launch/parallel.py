@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+
 def layout_error(world: int, *, tp: int = 1, pp: int = 1, replicas: int = 1) -> str | None:
     """Why ``world`` ranks cannot run ``pp`` x ``tp`` x ``replicas``, or ``None`` if they can."""
     if world % (pp * tp):
@@ -31,7 +32,7 @@ def layout_error(world: int, *, tp: int = 1, pp: int = 1, replicas: int = 1) -> 
 
 
 def device_mesh(device_type: str, *, tp: int = 1, replicas: int = 1, pp: int = 1) -> DeviceMesh:
-    """All ranks: ``(dp,)`` (unnamed, as before), ``(replicate, shard)`` for HSDP, and with
+    """All ranks: ``(dp,)`` (unnamed), ``(replicate, shard)`` for HSDP, and with
     ``tp > 1`` a last ``"tp"`` dim: ``("dp", "tp")`` or ``("dp_replicate", "dp_shard", "tp")``.
     With ``pp > 1`` a first ``"pp"`` dim, and the data-parallel dims always named:
     ``("pp", "dp")``, ``("pp", "dp", "tp")``, ``("pp", "replicate", "shard")``, ...

@@ -101,7 +101,7 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
               "(pip install torchao)", "torchao"),
 )}
 
-# What the launcher's --precision offers besides "auto": the choices it has always had.
+# What the launcher's --precision offers besides "auto".
 # all-bf16, int8-grads, int8-mm-grads and torchao are rows the benchmarks compare with.
 LAUNCHER_PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16")
 AUTO = "auto"

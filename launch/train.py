@@ -39,13 +39,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp_int8
 from fsdp_int8.collectives import count_collectives
-from fsdp_int8.testing import device_type_for
+from fsdp_int8.hardware import device_type_for
 from launch import parallel, pipeline, run_dir
 from launch.data import Corpus, load_corpus, sample_batch
 from launch.metrics import RunLog, bits_per_byte, plot_losses, read_metrics
 from launch.model import PRESETS, Transformer, check_pp, check_tp, model_args
-from launch.precisions import (AUTO, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, build_model, compile_wanted,
-                               resolve_auto)
+from launch.precisions import AUTO, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, build_model, compile_wanted, resolve_auto
 
 # Everything random derives from --seed: the initial weights (torch.manual_seed), the
 # stochastic rounding of int8 updates (Int8TrainingConfig.seed) and the batches:

@@ -10,8 +10,8 @@ from typing import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_int8 import _kernels
-from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8._quant import kernels as _kernels
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
 

@@ -13,7 +13,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from fsdp_int8._generators import WEIGHT_ROUNDING  # noqa: E402
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING  # noqa: E402
 
 # Under pytest-xdist every worker is its own process: one intra-op thread each keeps
 # `-n <cores>` from oversubscribing the CPU (the tests use small tensors anyway).

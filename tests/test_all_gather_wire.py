@@ -14,8 +14,14 @@ import torch
 
 import fsdp_int8
 from fsdp_int8 import Int8Weight
-from fsdp_int8._all_gather import (
-    SCALE_BYTES, flagged_shards, layout_flag, pack_rows, padded_rows, shard_rows, unpack_rows,
+from fsdp_int8._weight.all_gather import (
+    SCALE_BYTES,
+    flagged_shards,
+    layout_flag,
+    pack_rows,
+    padded_rows,
+    shard_rows,
+    unpack_rows,
 )
 
 

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 import fsdp_int8
 import fsdp_int8.checkpoint
 from fsdp_int8 import Int8Weight, load_checkpoint, save_checkpoint
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 from fsdp_int8.checkpoint import CheckpointError
-from fsdp_int8._generators import WEIGHT_ROUNDING
 
 
 def _mlp(seed: int = 0, hidden: int = 64) -> nn.Module:

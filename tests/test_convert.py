@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _quant import quantize_rowwise
 
 from fsdp_int8 import Int8TrainingConfig, Int8Weight, quantize_
-from fsdp_int8._generators import WEIGHT_ROUNDING
-from _quant import quantize_rowwise
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 
 
 class Mixed(nn.Module):
@@ -177,7 +177,7 @@ class Conv1D(nn.Module):
 def test_conv1d_layers_are_quantized_per_output_feature_by_the_same_rule(caplog):
     """GPT-2's Conv1D (recognised without importing transformers) follows nn.Linear's
     selection, with nx in and nf out features; tests/test_gpt2.py covers the real one."""
-    from fsdp_int8._conv1d import Int8Conv1D
+    from fsdp_int8._weight.conv1d import Int8Conv1D
 
     model = nn.ModuleDict({
         "c_attn": Conv1D(96, 32), "c_proj": Conv1D(32, 32), "mlp": nn.Linear(32, 32),

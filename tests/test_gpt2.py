@@ -14,13 +14,13 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from _models import fibonacci_mod_task, train_steps
 
 import fsdp_int8
 from fsdp_int8 import Int8TrainingConfig, Int8Weight, quantize_
-from fsdp_int8._conv1d import Int8Conv1D
+from fsdp_int8._weight.conv1d import Int8Conv1D
+from fsdp_int8._weight.ops.math import dequantize_all
 from fsdp_int8.checkpoint import load_full_state_dict
-
-from _models import fibonacci_mod_task, train_steps
 
 VOCAB = 128
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # per block
@@ -219,7 +219,7 @@ LAYOUT = r"c_attn\.weight: a plain tensor .* GPT-2's layout \[in, out\] = \[64, 
 
 def test_a_plain_weight_in_the_int8_layout_is_refused_with_the_layout_named():
     model = quantize_(tiny_gpt2())
-    state = fsdp_int8.convert.dequantize_all(model.state_dict())  # [out, in]: not GPT-2's
+    state = dequantize_all(model.state_dict())  # [out, in]: not GPT-2's
     with pytest.raises(RuntimeError, match=LAYOUT):
         model.load_state_dict(state)
     with pytest.raises(ValueError, match=LAYOUT):

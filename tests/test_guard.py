@@ -11,8 +11,8 @@ import torch.nn as nn
 import fsdp_int8
 import fsdp_int8.guard
 from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, quantize_
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 from fsdp_int8.guard import NonFiniteGradientError
-from fsdp_int8._generators import WEIGHT_ROUNDING
 
 
 def _model() -> nn.Module:

@@ -11,18 +11,17 @@ import warnings
 
 import pytest
 import torch
+from _frameworks import VOCAB, titan_config, titan_init, titan_loss
+from _models import train_steps
+from torchtitan.components.checkpointer.base import ModelWrapper  # noqa: E402
+from torchtitan.models.common.linear import Linear  # noqa: E402
 
 import fsdp_int8
 import fsdp_int8.checkpoint
-from fsdp_int8 import Int8TrainingConfig, Int8Weight
-
-from _frameworks import VOCAB, titan_config, titan_init, titan_loss
-from _models import train_steps
 
 # torchtitan is in the test extra: these tests run in CI, never skip
 import fsdp_int8.integrations.torchtitan as titan  # noqa: E402
-from torchtitan.components.checkpointer.base import ModelWrapper  # noqa: E402
-from torchtitan.models.common.linear import Linear  # noqa: E402
+from fsdp_int8 import Int8TrainingConfig, Int8Weight
 
 
 def _int8_names(model: torch.nn.Module) -> list[str]:
@@ -174,10 +173,11 @@ def test_fsdp_int8_checkpoint_functions_name_the_working_path_for_fused_qkv_hook
 
 def test_rounding_streams_round_trip_through_dcp_and_are_found_only_for_this_rank(tmp_path):
     """The checkpoint manager's rounding entry: dcp saves and loads it (the stream goes on
-    where it was saved), and a checkpoint without this rank's key (another world size, or
+    where it was saved), and a checkpoint without this rank's key (another layout, or
     torchtitan's own manager) is told apart, so the load leaves the entry out."""
     import torch.distributed.checkpoint as dcp
-    from fsdp_int8._generators import WEIGHT_ROUNDING
+
+    from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 
     model = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 64)), Int8TrainingConfig(min_features=1))
     streams = titan._RoundingStreams([model])
@@ -185,11 +185,15 @@ def test_rounding_streams_round_trip_through_dcp_and_are_found_only_for_this_ran
     expected = torch.rand(4, generator=WEIGHT_ROUNDING.generator("cpu"))
     dcp.load({titan.ROUNDING_STATES: streams}, checkpoint_id=str(tmp_path / "with"))
     assert torch.equal(torch.rand(4, generator=WEIGHT_ROUNDING.generator("cpu")), expected)
-    assert titan._holds_rounding_states(str(tmp_path / "with"), from_hf=False)
+    key = streams.key()
+    assert key == "world1_unsharded_tp1_rank0"  # the layout names the key
+    assert titan._holds_rounding_states(str(tmp_path / "with"), False, key)
+    # another layout at the same world size and rank finds no entry of its own
+    assert not titan._holds_rounding_states(str(tmp_path / "with"), False, "world1_dp1_tp1_rank0")
 
     dcp.save({"other": torch.zeros(2)}, checkpoint_id=str(tmp_path / "without"))
-    assert not titan._holds_rounding_states(str(tmp_path / "without"), from_hf=False)
-    assert not titan._holds_rounding_states(str(tmp_path / "with"), from_hf=True)
+    assert not titan._holds_rounding_states(str(tmp_path / "without"), False, key)
+    assert not titan._holds_rounding_states(str(tmp_path / "with"), True, key)
 
 
 # ------------------------------------------------------------------ export_full_state_dict (torchtitan keys, HF keys)

@@ -15,6 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fsdp_int8"
 
 
+def _walk_imports(tree: ast.AST):
+    """Every ``Import`` / ``ImportFrom`` node of ``tree`` at any depth, except those under
+    ``if TYPE_CHECKING:`` (annotations only: they import nothing when the code runs)."""
+    children = list(ast.iter_child_nodes(tree))
+    while children:
+        node = children.pop(0)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            children[:0] = node.orelse
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        children[:0] = list(ast.iter_child_nodes(node))
+
+
 def _unit(path: Path) -> str:
     """The map's name of the module or subpackage ``path`` belongs to."""
     parts = path.relative_to(PACKAGE).parts
@@ -28,7 +42,7 @@ def _imported_units() -> dict[str, set[str]]:
             continue
         unit = _unit(path)
         targets = found.setdefault(unit, set())
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _walk_imports(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fsdp_int8":
                 parts = node.module.split(".")
                 names = [parts[1]] if len(parts) > 1 else [a.name for a in node.names]
@@ -98,7 +112,7 @@ def _module_imports() -> dict[str, set[str]]:
     for name, path in modules.items():
         targets = graph.setdefault(name, set())
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _walk_imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name in modules)
             elif isinstance(node, ast.ImportFrom):
@@ -169,3 +183,98 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_type_checking_imports_are_not_counted():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\nimport c\n")
+    assert [n.names[0].name for n in _walk_imports(tree) if isinstance(n, ast.Import)] == ["b", "c"]
+
+
+# ------------------------------------------------------------------ the issue-32 numbers
+MAX_TOP_LEVEL_MODULES = 12  # ``ls fsdp_int8`` reads as the path; the rest lives in subpackages
+OUTSIDE = ("launch", "benchmarks", "examples")  # code that uses the library as a user does
+
+
+def _absolute_imports(path: Path) -> list[tuple[str, str | None]]:
+    """``(module, imported name or None)`` of each import of ``fsdp_int8`` in ``path``,
+    relative imports resolved against the file's package."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
+    found = []
+    for node in _walk_imports(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            found += [(base, a.name) for a in node.names]
+    return [(m, n) for m, n in found if m == "fsdp_int8" or m.startswith("fsdp_int8.")]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_crossings(path: Path, own: str | None) -> list[str]:
+    """Imports in ``path`` of a private module or name of a package other than ``own``.
+
+    Code outside the library (``own=None``) may use no private part of it. Inside, the
+    private modules and packages at the top of ``fsdp_int8`` (``_dist``, ``_weight``, ...)
+    serve the whole library; a public subpackage's private parts are its own.
+    """
+    problems = []
+    for module, name in _absolute_imports(path):
+        parts = module.split(".")[1:] + ([name] if name else [])
+        if own is None:
+            if any(_is_private(p) for p in parts):
+                problems.append(f"{path.relative_to(ROOT)}: {module}" + (f" import {name}" if name else ""))
+        elif parts and not _is_private(parts[0]) and parts[0] != own and any(_is_private(p) for p in parts[1:]):
+            problems.append(f"{path.relative_to(ROOT)}: {module}" + (f" import {name}" if name else ""))
+    return problems
+
+
+def test_the_package_top_level_holds_at_most_twelve_modules():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, f"{len(modules)} modules at the top of fsdp_int8: {modules}"
+
+
+def test_no_private_module_or_name_crosses_a_package_line():
+    problems = []
+    for directory in OUTSIDE:
+        for path in sorted((ROOT / directory).rglob("*.py")):
+            problems += _private_crossings(path, None)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        own = parts[0] if len(parts) > 1 else path.stem
+        problems += _private_crossings(path, own)
+    assert not problems, "private parts used across package lines:\n" + "\n".join(problems)
+
+
+def test_the_launcher_does_not_use_the_test_kit():
+    users = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "launch").rglob("*.py"))
+        if any(m == "fsdp_int8.testing" or m.startswith("fsdp_int8.testing.") or (m, n) == ("fsdp_int8", "testing")
+               for m, n in _absolute_imports(path))
+    ]
+    assert not users, f"launch/ imports fsdp_int8.testing: {users}"
+
+
+def test_the_crossing_finder_finds_crossings(tmp_path, monkeypatch):
+    """The two checks above are only as good as this."""
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    script = tmp_path / "script.py"
+    script.write_text("from fsdp_int8.testing import run_distributed\nfrom fsdp_int8 import _dist\n"
+                      "import fsdp_int8.checkpoint._files\n")
+    assert _private_crossings(script, None) == [
+        "script.py: fsdp_int8 import _dist", "script.py: fsdp_int8.checkpoint._files",
+    ]
+    (tmp_path / "fsdp_int8" / "integrations").mkdir(parents=True)
+    module = tmp_path / "fsdp_int8" / "integrations" / "x.py"
+    module.write_text("from fsdp_int8.checkpoint import _generator_states\nfrom fsdp_int8._dist import rank\n"
+                      "from fsdp_int8.integrations._hf_layout import a\nfrom ..checkpoint._files import b\n")
+    assert _private_crossings(module, "integrations") == [
+        "fsdp_int8/integrations/x.py: fsdp_int8.checkpoint import _generator_states",
+        "fsdp_int8/integrations/x.py: fsdp_int8.checkpoint._files import b",
+    ]

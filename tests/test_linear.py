@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _quant import CountIntMM, compiled_kernels_ran
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_int8
 from fsdp_int8 import Int8MatmulConfig, Int8TrainingConfig, Int8Weight, quantize_
-from fsdp_int8 import _linear as int8_linear
-from _quant import CountIntMM, compiled_kernels_ran
+from fsdp_int8._weight import linear as int8_linear
 
 
 def _linear(config: Int8MatmulConfig | None, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:

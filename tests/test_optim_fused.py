@@ -15,13 +15,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight, quantize_
-from fsdp_int8.optim._state_codec import dequantize_state_blocks, quantize_state_blocks
-from fsdp_int8._generators import WEIGHT_ROUNDING
+from _models import MLP, regression_task
 from _quant import quantize_rowwise
 
-from _models import MLP, regression_task
+from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight, quantize_
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
+from fsdp_int8.optim._state_codec import dequantize_state_blocks, quantize_state_blocks
 
 
 # ---------------------------------------------------------------- helpers

@@ -9,10 +9,13 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
 )
 
-from fsdp_int8._generators import GeneratorBank
+from fsdp_int8._quant.generators import GeneratorBank
 from fsdp_int8.parallel import Int8ColwiseParallel, Int8RowwiseParallel, int8_tp_plan
 from fsdp_int8.quant import absmax_quantize, signed_row_absmax
 

@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from _frameworks import VOCAB, hf_loss, tiny_llama
+from _models import fibonacci_mod_task, train_steps
 from peft import LoraConfig, get_peft_model
 
 import fsdp_int8
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
-from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 from fsdp_int8.sharding import find_blocks
-
-from _frameworks import VOCAB, hf_loss, tiny_llama
-from _models import fibonacci_mod_task, train_steps
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RANK = 16  # >= Int8TrainingConfig.min_features: LoRA's own layers pass quantize_'s default filter

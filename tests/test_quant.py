@@ -8,13 +8,13 @@ import warnings
 
 import pytest
 import torch
+from _quant import compiled_kernels_ran, dequantize_rowwise, quantize_rowwise
 
 import fsdp_int8
-from fsdp_int8._generators import WEIGHT_ROUNDING, seed_for
-from fsdp_int8._noise import noise_from_bytes, rounding_noise, rounding_noise_bytes
-from fsdp_int8.quant import INT8_MAX, absmax_dequantize, absmax_quantize
-
-from _quant import compiled_kernels_ran, dequantize_rowwise, quantize_rowwise
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING, seed_for
+from fsdp_int8._quant.kernels import INT8_MAX
+from fsdp_int8._quant.noise import noise_from_bytes, rounding_noise, rounding_noise_bytes
+from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
 FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23
 
@@ -355,7 +355,7 @@ def test_dequantize_rows_into_writes_absmax_dequantize_values_in_place():
 
 
 def test_a_failing_compile_warns_once_and_falls_back_to_eager(monkeypatch):
-    from fsdp_int8 import _kernels
+    from fsdp_int8._quant import kernels as _kernels
 
     def broken(function):
         def run(*args):
@@ -402,7 +402,7 @@ def test_adamw_update_fused_when_compiled_gives_the_eager_bits(stochastic, monke
     requantize) with the compiled kernels on: the same int8 values and scales as the
     general eager path after several steps (same generator state, same noise)."""
     from fsdp_int8 import Int8Weight
-    from fsdp_int8._ops import updates
+    from fsdp_int8._weight.ops import updates
 
     fused_calls = []
     original = updates._fused_addcdiv_

@@ -1,5 +1,5 @@
 """The finiteness check of int8 weight updates: at once on the CPU, once per optimizer
-step on accelerators (``fsdp_int8._update_checks``).
+step on accelerators (``fsdp_int8._weight.update_checks``).
 
 The accelerator behaviour is a policy of the device type; these tests turn it on for the
 CPU (``defers`` patched) so the deferred path runs here exactly as it would on a GPU,
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fsdp_int8
-from fsdp_int8 import Int8Weight, _update_checks
+from fsdp_int8 import Int8Weight
+from fsdp_int8._weight import update_checks as _update_checks
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "compiled"])
@@ -22,19 +23,19 @@ def kernels(request):
 
 @pytest.fixture
 def deferred(monkeypatch):
-    """Updates defer their verdicts as on an accelerator; records each settle's batch."""
+    """Updates defer their verdicts as on an accelerator; records each read's batch."""
     monkeypatch.setattr(_update_checks, "defers", lambda device: True)
     batches = []
-    settle = _update_checks.settle
+    read = _update_checks.VERDICTS.flush
 
-    def recording_settle():
-        batches.append(len(_update_checks._pending))
-        settle()
+    def recording_read(pending):
+        batches.append(len(pending))
+        read(pending)
 
-    monkeypatch.setattr(_update_checks, "settle", recording_settle)
-    _update_checks._pending.clear()
+    monkeypatch.setattr(_update_checks.VERDICTS, "flush", recording_read)
+    _update_checks.VERDICTS.items.clear()
     yield batches
-    _update_checks._pending.clear()
+    _update_checks.VERDICTS.items.clear()
 
 
 def _weights(count: int, *, nan_in: int | None = None, compiled: bool = False) -> list[torch.nn.Parameter]:
@@ -61,7 +62,7 @@ def test_a_step_reads_all_its_verdicts_once_at_its_end(deferred, kernels, make):
     optimizer = make(params)
     optimizer.step()
     assert deferred == [3]  # one read of the three verdicts, after the step
-    assert not _update_checks._pending
+    assert not _update_checks.VERDICTS.items
     assert any(not torch.equal(p.detach().int_data, b) for p, b in zip(params, before))
 
 
@@ -74,19 +75,19 @@ def test_a_non_finite_update_raises_at_the_end_of_the_step(deferred, kernels):
     # as a plain tensor would: the bad weight holds its non-finite row, the others updated
     assert not torch.isfinite(params[1].detach().scale).all()
     assert torch.isfinite(params[0].detach().scale).all() and torch.isfinite(params[2].detach().scale).all()
-    assert not _update_checks._pending  # read once: the next step starts clean
+    assert not _update_checks.VERDICTS.items  # read once: the next step starts clean
 
 
 def test_updates_outside_an_optimizer_are_read_when_enough_have_piled_up(deferred, monkeypatch):
-    monkeypatch.setattr(_update_checks, "_MAX_PENDING", 3)
+    monkeypatch.setattr(_update_checks.VERDICTS, "cap", 3)
     weight = Int8Weight.from_float(torch.randn(4, 16))
     weight.add_(torch.ones(4, 16))
     weight.add_(torch.full((4, 16), float("inf")))
-    assert deferred == [] and len(_update_checks._pending) == 2
+    assert deferred == [] and len(_update_checks.VERDICTS.items) == 2
     other = Int8Weight.from_float(torch.randn(4, 16))
     with pytest.raises(ValueError, match="1 of 3 int8 weight updates"):
         other.mul_(torch.full((4, 16), 2.0))
-    assert deferred == [3] and not _update_checks._pending
+    assert deferred == [3] and not _update_checks.VERDICTS.items
 
 
 def test_on_the_cpu_a_non_finite_update_raises_at_once_and_changes_nothing(kernels):
@@ -97,7 +98,7 @@ def test_on_the_cpu_a_non_finite_update_raises_at_once_and_changes_nothing(kerne
     with pytest.raises(ValueError, match="non-finite"):
         weight.add_(torch.full((4, 16), float("nan")))
     assert torch.equal(weight.int_data, before[0]) and torch.equal(weight.scale, before[1])
-    assert not _update_checks._pending
+    assert not _update_checks.VERDICTS.items
 
 
 def test_loading_values_is_checked_at_once_even_where_updates_defer(deferred):
@@ -105,4 +106,4 @@ def test_loading_values_is_checked_at_once_even_where_updates_defer(deferred):
     weight = Int8Weight.from_float(torch.randn(4, 16))
     with pytest.raises(ValueError, match="non-finite"):
         weight.copy_(torch.full((4, 16), float("nan")))
-    assert not _update_checks._pending
+    assert not _update_checks.VERDICTS.items

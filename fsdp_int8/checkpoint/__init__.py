@@ -23,10 +23,13 @@ Modules: :mod:`.save` and :mod:`.load` (the public functions), :mod:`.export` (p
 full-precision state dicts), :mod:`.errors`; privately ``_files`` (the layout, atomic
 writes, the manifest, pruning by write order), ``_dcp`` (what goes through
 torch.distributed.checkpoint), ``_fit`` (does a checkpoint fit the model and optimizer)
-and ``_generator_states`` (the noise generators saved per rank).
+and ``_generator_states`` (the noise generators saved per rank and the layout rule for
+restoring them: :func:`capture_generators` and :func:`restore_generators`, which every
+integration's checkpoints use too).
 """
 
 from fsdp_int8.checkpoint.errors import CheckpointError
+from fsdp_int8.checkpoint._generator_states import capture_generators, restore_generators
 from fsdp_int8.checkpoint.export import export_full_state_dict, load_full_state_dict
 from fsdp_int8.checkpoint.load import CheckpointInfo, latest_checkpoint, load_checkpoint
 from fsdp_int8.checkpoint.save import save_checkpoint
@@ -39,4 +42,6 @@ __all__ = [
     "latest_checkpoint",
     "export_full_state_dict",
     "load_full_state_dict",
+    "capture_generators",
+    "restore_generators",
 ]

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
+
 # dcp's own key flattening ("optimizer.state.<fqn>.<name>"): the keys its index stores.
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import (
@@ -26,10 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils._pytree import tree_map_only
 
 from fsdp_int8 import _dist
+from fsdp_int8._dist import local_shard
+from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.checkpoint.errors import CheckpointError
 from fsdp_int8.guard import norms_finite
-from fsdp_int8._dist import local_shard
-from fsdp_int8.weight import Int8Weight
 
 # A key as dcp stores it ("model.layers.0.weight") and its path in the nested state dict
 # (("model", "layers.0.weight")).

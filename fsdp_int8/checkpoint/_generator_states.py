@@ -1,9 +1,16 @@
-"""The noise generators a checkpoint saves per rank, so that a resume at the same world size
-and layout draws exactly the noise an uninterrupted run would: the weights'
-stochastic-rounding bank (its (pp, dp shard) stream and, under tensor parallelism, the
-stream of this rank's tp shard), torch's CPU (and CUDA) generators, and the quantized
-gradient reduce-scatter's bank. Also: which layout a model is sharded in (the data-parallel
-mesh and the tensor-parallel size), which decides whether saved streams can continue."""
+"""The noise generators a checkpoint saves per rank, and the one rule for restoring them.
+
+Every path that saves generator states (``save_checkpoint``, the Hugging Face ``Trainer``
+mixin, Lightning's callback, torchtitan's checkpoint manager) calls :func:`capture_generators`
+and, on resume, :func:`restore_generators`. A capture holds this rank's streams: the
+weights' stochastic-rounding bank (its (pp, dp shard) stream and, under tensor
+parallelism, the stream of this rank's tp shard), torch's CPU (and CUDA) generators, and
+the quantized gradient reduce-scatter's bank; and the **layout** it was taken in
+(:func:`sharding_layout`). A stream continues only in the same layout: at one world size
+FSDP's 4 shards and HSDP's 2 x 2 give a rank other rows, HSDP's replicas must draw alike,
+and (dp, tp) = (2, 2) and (4, 1) hold other parts of each weight. Elsewhere nothing is
+restored, and the caller keeps (or reseeds) a stream seeded for the layout it runs in.
+"""
 
 from __future__ import annotations
 
@@ -15,47 +22,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8 import _dist
-from fsdp_int8._generators import WEIGHT_ROUNDING
-from fsdp_int8._tensor_parallel import rounding_stream
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
+from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8._weight.tensor_parallel import rounding_generator
 from fsdp_int8.gradients.install import installed_quantized_reduce_scatter
-from fsdp_int8.weight import Int8Weight
+
+__all__ = ["capture_generators", "restore_generators", "sharding_layout", "layout_name", "data_parallel_mesh"]
 
 
-def capture(model: nn.Module) -> dict[str, Any]:
-    """This rank's generator states (``model``'s gradient reduce-scatter's, if it has one).
-
-    The rounding generator of each device ``model`` is on is created first (a new one is
-    seeded as a later one would be: nothing observable changes), so that :func:`restore`
-    rewinds it even if it was first used after the capture.
-    """
-    for device in {param.device for param in model.parameters()}:  # a DTensor's: its shard's
-        WEIGHT_ROUNDING.generator(device)
-    for param in model.parameters():  # the streams of tensor-parallel shards, likewise
-        local = _dist.local_shard(param)
-        stream = rounding_stream(local) if isinstance(local, Int8Weight) else None
-        if stream is not None:
-            WEIGHT_ROUNDING.generator(local.device, stream)
-    state: dict[str, Any] = {"rounding": WEIGHT_ROUNDING.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    gradients = installed_quantized_reduce_scatter(model)
-    if gradients is not None:
-        state["gradient_rounding"] = gradients.rng_state()
-    return state
-
-
-def restore(state: dict[str, Any], model: nn.Module) -> None:
-    """Restore states returned by :func:`capture` (each part only where it can go)."""
-    WEIGHT_ROUNDING.set_state(state["rounding"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    gradients = installed_quantized_reduce_scatter(model)
-    if gradients is not None and "gradient_rounding" in state:
-        gradients.set_rng_state(state["gradient_rounding"])
-
-
-def sharding(model: nn.Module) -> tuple[DeviceMesh | None, int]:
+def data_parallel_mesh(model: nn.Module) -> tuple[DeviceMesh | None, int]:
     """``(the data-parallel mesh model is sharded over, its tensor-parallel size)``:
     ``(None, 1)`` unsharded. A parameter split by tensor parallelism lives on a mesh with a
     ``"tp"`` dim (FSDP2's dp x tp mesh): the dp mesh is the rest of it."""
@@ -71,16 +46,71 @@ def sharding(model: nn.Module) -> tuple[DeviceMesh | None, int]:
     return first, 1
 
 
-def layout(model: nn.Module) -> list[int] | None:
-    """The shape of the data-parallel mesh ``model`` is sharded over (``None``: not
-    sharded). Saved streams continue only on the same world size *and* layout: at 4
-    ranks, FSDP's 4 shards and HSDP's 2 x 2 give the same rank other rows (and HSDP
-    replicas must draw alike); see :func:`tensor_parallel_size` for the tp dim."""
-    mesh, _ = sharding(model)
-    return None if mesh is None else list(mesh.shape)
+def sharding_layout(model: nn.Module) -> dict[str, Any]:
+    """Which part of each weight this rank holds: the world size, the shape of the
+    data-parallel mesh (``None``: not sharded) and the tensor-parallel size."""
+    mesh, tensor_parallel = data_parallel_mesh(model)
+    return {
+        "world_size": _dist.world_size(),
+        "mesh_shape": None if mesh is None else list(mesh.shape),
+        "tensor_parallel": tensor_parallel,
+    }
 
 
-def tensor_parallel_size(model: nn.Module) -> int:
-    """How many ways tensor parallelism splits ``model``'s blocks (1: not at all). At one
-    world size, (dp, tp) = (2, 2) and (4, 1) hold other parts of each weight per rank."""
-    return sharding(model)[1]
+def layout_name(layout: dict[str, Any]) -> str:
+    """``layout`` (:func:`sharding_layout`'s) as a short string, e.g. ``world4_dp2x2_tp1``:
+    what a capture records, and a key that differs wherever streams cannot continue."""
+    shape = layout.get("mesh_shape")
+    dp = "unsharded" if shape is None else "dp" + "x".join(str(n) for n in shape)
+    return f"world{layout['world_size']}_{dp}_tp{layout.get('tensor_parallel', 1)}"
+
+
+def capture_generators(model: nn.Module) -> dict[str, Any]:
+    """This rank's generator states and the layout they belong to.
+
+    The rounding generator of each device ``model`` is on is created first (a new one is
+    seeded as a later one would be: nothing observable changes), so that a restore
+    rewinds it even if it was first used after the capture.
+    """
+    for device in {param.device for param in model.parameters()}:  # a DTensor's: its shard's
+        WEIGHT_ROUNDING.generator(device)
+    for param in model.parameters():  # the streams of tensor-parallel shards, likewise
+        local = _dist.local_shard(param)
+        if isinstance(local, Int8Weight):
+            rounding_generator(local, local.device)
+    state: dict[str, Any] = {
+        "layout": layout_name(sharding_layout(model)),
+        "rounding": WEIGHT_ROUNDING.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    gradients = installed_quantized_reduce_scatter(model)
+    if gradients is not None:
+        state["gradient_rounding"] = gradients.rng_state()
+    return state
+
+
+def restore_generators(state: dict[str, Any], model: nn.Module, *, saved_layout: str | None = None) -> bool:
+    """Restore a :func:`capture_generators` state if ``model`` runs in its layout.
+
+    Args:
+        state: This rank's captured states.
+        model: The model whose streams they are.
+        saved_layout: The layout for a state that does not record one (a checkpoint's
+            manifest records it beside the states); without either, nothing is restored.
+
+    Returns:
+        Whether the states were restored (``False``: another layout, or none known; nothing
+        changed, and the caller keeps or reseeds the streams it has).
+    """
+    if state.get("layout", saved_layout) != layout_name(sharding_layout(model)):
+        return False
+    WEIGHT_ROUNDING.set_state(state["rounding"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    gradients = installed_quantized_reduce_scatter(model)
+    if gradients is not None and "gradient_rounding" in state:
+        gradients.set_rng_state(state["gradient_rounding"])
+    return True

@@ -9,10 +9,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8 import _dist
-from fsdp_int8._conv1d import conv1d_layers, to_gpt2_layout, to_module_layout
+from fsdp_int8._weight.conv1d import conv1d_layers, to_gpt2_layout, to_module_layout
+from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.checkpoint._dcp import model_state_dict, set_model_state
 from fsdp_int8.checkpoint.errors import CheckpointError
-from fsdp_int8.weight import Int8Weight
 
 __all__ = ["export_full_state_dict", "load_full_state_dict"]
 

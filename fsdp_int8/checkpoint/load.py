@@ -28,8 +28,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_int8 import _dist
-from fsdp_int8._generators import seed_weight_rounding
-from fsdp_int8.checkpoint import _dcp, _files, _fit, _generator_states
+from fsdp_int8._quant.generators import seed_weight_rounding
+from fsdp_int8.checkpoint import _dcp, _files, _fit
+from fsdp_int8.checkpoint._generator_states import (
+    capture_generators,
+    data_parallel_mesh,
+    layout_name,
+    restore_generators,
+)
 from fsdp_int8.checkpoint._optimizers import innermost_optimizer
 from fsdp_int8.checkpoint.errors import CheckpointError, listing
 
@@ -126,13 +132,13 @@ def _optimizer_copy(model: nn.Module, optimizer: torch.optim.Optimizer, model_co
     """
     if optimizer.state:
         return _dcp.copy_tensors(get_optimizer_state_dict(model, optimizer))
-    generators = _generator_states.capture(model)
+    generators = capture_generators(model)
     try:
         return _dcp.copy_tensors(get_optimizer_state_dict(model, optimizer))
     finally:
         optimizer.state.clear()
         _dcp.set_model_state(model, model_copy)
-        _generator_states.restore(generators, model)
+        restore_generators(generators, model)
 
 
 def _merged_groups(ours: list[dict], theirs: list[dict], strict: bool, path: Path) -> list[dict]:
@@ -175,33 +181,30 @@ def _check_groups(optimizer: torch.optim.Optimizer, groups: list[dict], path: Pa
         ) from error
 
 
-def _same_layout(manifest: dict | None, model: nn.Module) -> bool:
-    """Whether every rank holds the parts of each weight it held when the checkpoint was
-    saved: the same world size, data-parallel mesh shape and tensor-parallel size (world
-    size only for checkpoints that predate the shape; no tp before it was recorded)."""
-    if manifest is None or manifest["world_size"] != _dist.world_size():
-        return False
-    ours = _generator_states.layout(model)
-    tp = _generator_states.tensor_parallel_size(model)
-    return manifest.get("mesh_shape", ours) == ours and manifest.get("tensor_parallel", 1) == tp
-
-
-def _read_generators(path: Path, same_layout: bool) -> dict | None:
-    """This rank's saved generator states, if its streams can continue here."""
-    rng_path = _files.rng_file(path, _dist.rank())
-    if not same_layout or not rng_path.is_file():
+def _saved_layout(manifest: dict | None) -> str | None:
+    """The layout the manifest records for the generator states (which record none)."""
+    if manifest is None:
         return None
-    return torch.load(rng_path, weights_only=True)
+    return layout_name(
+        {"world_size": manifest["world_size"], "mesh_shape": manifest.get("mesh_shape"),
+         "tensor_parallel": manifest.get("tensor_parallel", 1)}
+    )
 
 
-def _read(path: Path, state: dict, same_layout: bool, verified: bool) -> dict | None:
+def _read_generators(path: Path) -> dict | None:
+    """This rank's saved generator states (``None``: the checkpoint has none for it)."""
+    rng_path = _files.rng_file(path, _dist.rank())
+    return torch.load(rng_path, weights_only=True) if rng_path.is_file() else None
+
+
+def _read(path: Path, state: dict, verified: bool) -> dict | None:
     """Read ``state``'s entries and this rank's generator states; every rank raises the
     same error if any rank fails (a rank's file can be damaged alone)."""
     problem, generators = None, None
     try:
         with _as_checkpoint_error(path, "reading"):
             _dcp.load(state, path)
-            generators = _read_generators(path, same_layout)
+            generators = _read_generators(path)
     except CheckpointError as error:
         problem = str(error)
     problems = sorted({p for p in _dist.all_gather(problem) if p})
@@ -279,16 +282,19 @@ def _converted(model_copy: dict, loaded: set[str], manifest: dict | None, path: 
 
 def _commit(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, model_copy: dict,
-    optimizer_state: dict | None, generators: dict | None, step: int | None, strict: bool,
-) -> None:
-    """Load what was read into place; nothing here is expected to fail."""
+    optimizer_state: dict | None, generators: dict | None, saved_layout: str | None, step: int | None,
+    strict: bool,
+) -> bool:
+    """Load what was read into place (nothing here is expected to fail); whether the saved
+    generator streams continue."""
     if optimizer is not None:  # first: priming a fresh optimizer may touch the weights
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(strict=strict))
     _dcp.set_model_state(model, model_copy)
-    if generators is not None:
-        _generator_states.restore(generators, model)
-    else:  # another world size or layout: rows move between ranks, no stream can continue
-        seed_weight_rounding(step or 0, _generator_states.sharding(model)[0])
+    if generators is not None and restore_generators(generators, model, saved_layout=saved_layout):
+        return True
+    # another layout: rows moved between ranks, no stream can continue
+    seed_weight_rounding(step or 0, data_parallel_mesh(model)[0])
+    return False
 
 
 def load_checkpoint(
@@ -355,7 +361,7 @@ def load_checkpoint(
         copies, prefix, fit, loaded = _copies_and_fit(stored, model, optimizer, manifest is not None)
     _refuse(path, fit, strict, "this model" if optimizer is None else "this model and optimizer")
     read = _to_read(copies, prefix, fit, stored)
-    generators = _read(path, read, _same_layout(manifest, model), verified=manifest is not None and verify)
+    generators = _read(path, read, verified=manifest is not None and verify)
     optimizer_state = None
     if optimizer is not None:
         optimizer_state = _optimizer_state(optimizer, copies["optimizer"], read, loaded, fresh, strict, path)
@@ -363,13 +369,15 @@ def load_checkpoint(
     # Everything is read and checked: from here on, only loading into place.
     converted = _converted(copies["model"], loaded, manifest, path)
     step_loaded = manifest["step"] if manifest is not None else None
-    _commit(model, optimizer, copies["model"], optimizer_state, generators, step_loaded, strict)
+    rng_restored = _commit(
+        model, optimizer, copies["model"], optimizer_state, generators, _saved_layout(manifest), step_loaded, strict
+    )
     return CheckpointInfo(
         path=path,
         step=step_loaded,
         world_size=manifest["world_size"] if manifest is not None else None,
         extra=manifest["extra"] if manifest is not None else {},
-        rng_restored=generators is not None,
+        rng_restored=rng_restored,
         converted=converted,
         missing_keys=fit.missing,
         unexpected_keys=fit.unexpected,

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from fsdp_int8 import _dist
 from fsdp_int8._version import __version__
-from fsdp_int8.checkpoint import _dcp, _files, _generator_states
+from fsdp_int8.checkpoint import _dcp, _files
+from fsdp_int8.checkpoint._generator_states import capture_generators, sharding_layout
 from fsdp_int8.checkpoint._optimizers import innermost_optimizer
 from fsdp_int8.checkpoint.errors import CheckpointError, listing
 
@@ -80,7 +81,7 @@ def save_checkpoint(
 
     _dcp.save(state, tmp)
     rng_path = _files.rng_file(tmp, rank)
-    torch.save(_generator_states.capture(model), rng_path)
+    torch.save(capture_generators(model), rng_path)
     _files.fsync_file(rng_path)
     _dist.barrier()  # every rank's files are written
     # each rank's files and int8 keys (pipeline stages hold other keys)
@@ -90,9 +91,7 @@ def save_checkpoint(
             "format": _files.FORMAT,
             "step": step,
             "sequence": _files.next_sequence(final.parent),  # write order, for keep
-            "world_size": _dist.world_size(),
-            "mesh_shape": _generator_states.layout(model),  # the data-parallel mesh's
-            "tensor_parallel": _generator_states.tensor_parallel_size(model),
+            **sharding_layout(model),  # world_size, mesh_shape (the dp mesh's), tensor_parallel
             "int8_keys": sorted({key for _, keys in gathered for key in keys}),
             "extra": extra or {},
             "versions": {"torch": torch.__version__, "fsdp_int8": __version__},

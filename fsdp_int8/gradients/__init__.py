@@ -24,7 +24,7 @@ leave the others waiting forever.
 The noise comes from a generator bank owned by the :class:`QuantizedReduceScatter` (one
 generator per device), seeded from ``seed`` and the process's *global* rank: every rank,
 HSDP replicas included, draws independent noise, and the weights' stochastic-rounding
-stream (:data:`fsdp_int8._generators.WEIGHT_ROUNDING`, which HSDP replicas must share) is
+stream (:data:`fsdp_int8._quant.generators.WEIGHT_ROUNDING`, which HSDP replicas must share) is
 left untouched.
 
 Modules: ``reduce_scatter`` (the ``ReduceScatter``), ``install`` (putting it on a model and

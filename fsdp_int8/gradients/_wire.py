@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_int8.quant import absmax_dequantize, absmax_quantize, ceil_div
+from fsdp_int8._quant.kernels import ceil_div
+from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "segment_bytes", "pack_segments", "unpack_and_sum"]
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fsdp_int8 import _dist
 from fsdp_int8._fsdp_compat import ReduceScatter
-from fsdp_int8._generators import GeneratorBank
+from fsdp_int8._quant.generators import GeneratorBank
 from fsdp_int8.gradients._reduce_op import op_multiplier
 from fsdp_int8.gradients._wire import DEFAULT_BLOCK_SIZE, pack_segments, unpack_and_sum
 

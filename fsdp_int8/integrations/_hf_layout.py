@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8._dist import local_shard
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8._weight.tensor import Int8Weight
 
 __all__ = [
     "SCALE_SUFFIX",

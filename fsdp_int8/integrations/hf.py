@@ -6,11 +6,14 @@ carries fsdp_int8's quantizer (:mod:`fsdp_int8.integrations.hf_quantizer`), whic
 ``from_pretrained(..., quantization_config=Int8TrainingHfConfig())``: ``save_model`` and every checkpoint write the
 int8 rows with their fp32 scales, and ``resume_from_checkpoint`` restores them exactly.
 
-What transformers cannot know about is the stochastic-rounding generator of the int8
-weights. The mixin adds its state to every checkpoint (``int8_rounding_<rank>.pth``,
-beside transformers' ``rng_state_<rank>.pth``), so that a resume at the same world size
-rounds exactly as the uninterrupted run would have, and repeats its losses bit for bit.
-Without it a resumed run rounds from the seed's stream again: unbiased all the same.
+What transformers cannot know about is the stochastic-rounding generators of the int8
+weights (and of the int8 gradient reduce-scatter). The mixin adds their states to every
+checkpoint (``int8_rounding_<rank>.pth``, beside transformers' ``rng_state_<rank>.pth``;
+:func:`fsdp_int8.checkpoint.capture_generators`), so that a resume in the same layout
+(world size, data-parallel mesh and tensor-parallel size) rounds exactly as the
+uninterrupted run would have, and repeats its losses bit for bit. In another layout, or
+from a file that records none, the rounding keeps the stream seeded at start-up: unbiased
+all the same.
 A ``TrainerCallback`` cannot do this: callbacks are not told which checkpoint a run
 resumes from; ``Trainer._load_rng_state`` is, on every rank.
 
@@ -32,6 +35,7 @@ This module imports transformers; ``import fsdp_int8`` does not import it.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -39,11 +43,13 @@ import torch
 from transformers import PreTrainedModel, Trainer
 
 from fsdp_int8._dist import local_shard
-from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8.checkpoint import capture_generators, restore_generators
 from fsdp_int8.integrations.hf_quantizer import Int8TrainingHfQuantizer, attach_hf_quantizer
-from fsdp_int8.weight import Int8Weight
 
 __all__ = ["Int8SaveMixin", "Int8Trainer"]
+
+logger = logging.getLogger("fsdp_int8")
 
 
 class Int8SaveMixin:
@@ -67,16 +73,15 @@ class Int8SaveMixin:
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
-        state = {"world_size": self.args.world_size, "rounding": WEIGHT_ROUNDING.get_state()}
-        torch.save(state, os.path.join(output_dir, _rounding_file(self.args.process_index)))
+        path = os.path.join(output_dir, _rounding_file(self.args.process_index))
+        torch.save(capture_generators(self.model), path)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
         path = checkpoint and os.path.join(checkpoint, _rounding_file(self.args.process_index))
         if path and os.path.isfile(path):
-            state = torch.load(path, weights_only=True)
-            if state["world_size"] == self.args.world_size:  # else each rank holds other rows
-                WEIGHT_ROUNDING.set_state(state["rounding"])
+            if not restore_generators(torch.load(path, weights_only=True), self.model):
+                logger.info("fsdp_int8: %s is from another layout; the rounding keeps its start-up stream", path)
 
 
 def _rounding_file(rank: int) -> str:

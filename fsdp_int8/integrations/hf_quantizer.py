@@ -37,6 +37,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
 from fsdp_int8.convert import quantize_
 from fsdp_int8.integrations._hf_layout import (
@@ -48,7 +49,6 @@ from fsdp_int8.integrations._hf_layout import (
     state_dict_given_to_save_pretrained,
     tied_and_fp32_modules,
 )
-from fsdp_int8.weight import Int8Weight
 
 __all__ = [
     "QUANT_METHOD",
@@ -86,8 +86,8 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         self,
         stochastic_rounding: bool = True,
         seed: int = 0,
-        skip_names: list[str] | tuple[str, ...] = ("lm_head", "output", "head"),
-        min_features: int = 16,
+        skip_names: list[str] | tuple[str, ...] = Int8TrainingConfig.skip_names,
+        min_features: int = Int8TrainingConfig.min_features,
         modules_to_not_convert: list[str] | None = None,
         int8_matmul: dict[str, bool] | None = None,
         compile: bool = False,
@@ -153,14 +153,7 @@ class _NotConverted:
         self.default = Int8TrainingConfig(skip_names=skip_names, min_features=min_features)
 
     def __call__(self, module: nn.Module, name: str) -> bool:
-        if not should_convert_module(name, self.patterns):
-            return False
-        if isinstance(module, nn.Linear):
-            return self.default.should_quantize(module, name)
-        # quantize_ offers a filter GPT-2's Conv1D too (nx in, nf out features): its rule
-        return name.rsplit(".", 1)[-1] not in self.default.skip_names and min(
-            module.nx, module.nf
-        ) >= self.default.min_features
+        return should_convert_module(name, self.patterns) and self.default.selects_by_default(module, name)
 
 
 class _OnlyThese:

@@ -7,8 +7,9 @@ Lightning saves a callback's ``state_dict`` in the checkpoint's metadata, which 
 alone writes (``meta.pt`` next to the shards with ``ModelParallelStrategy``). Each rank
 rounds its own rows with its own generator, so :class:`Int8RoundingCheckpoint` gathers
 every rank's generator states into that one entry, and on resume each rank takes its own
-back. Without it a resumed run draws its rounding noise from the seed again (unbiased,
-but not the uninterrupted run's bytes).
+back (:func:`fsdp_int8.checkpoint.restore_generators`) when the run is in the layout they
+were saved in. Without it a resumed run draws its rounding noise from the seed again
+(unbiased, but not the uninterrupted run's bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from fsdp_int8 import _dist
-from fsdp_int8.checkpoint import _generator_states
+from fsdp_int8.checkpoint import capture_generators, restore_generators
 
 __all__ = ["Int8RoundingCheckpoint"]
 
@@ -31,9 +32,10 @@ class Int8RoundingCheckpoint(pl.Callback):
 
     Add it to the trainer (``L.Trainer(callbacks=[Int8RoundingCheckpoint()], ...)``) of a
     model made int8 by ``shard_model`` or ``quantize_``: a run resumed with
-    ``fit(ckpt_path=...)`` at the same world size then rounds exactly as the uninterrupted
-    run would have. At another world size the rows moved between ranks, so no stream can
-    continue: the entry is skipped and the rounding keeps the stream seeded at start-up.
+    ``fit(ckpt_path=...)`` in the same layout (world size, data-parallel mesh and
+    tensor-parallel size) then rounds exactly as the uninterrupted run would have. In
+    another layout the rows moved between ranks, so no stream can continue: the entry is
+    skipped and the rounding keeps the stream seeded at start-up.
     """
 
     def __init__(self) -> None:
@@ -49,15 +51,12 @@ class Int8RoundingCheckpoint(pl.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's generator states, in rank order (a collective: every rank calls it)."""
-        states = _generator_states.capture(self._trained_module("state_dict"))
-        return {"world_size": _dist.world_size(), "ranks": _dist.all_gather(states)}
+        return {"ranks": _dist.all_gather(capture_generators(self._trained_module("state_dict")))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """This rank's states from :meth:`state_dict`'s, if saved at this world size."""
-        if state_dict.get("world_size") != _dist.world_size():
-            logger.info(
-                "fsdp_int8: the checkpoint's rounding generators are from %s ranks, this run has %s; "
-                "the rounding keeps its start-up stream", state_dict.get("world_size"), _dist.world_size(),
-            )
-            return
-        _generator_states.restore(state_dict["ranks"][_dist.rank()], self._trained_module("load_state_dict"))
+        """This rank's states from :meth:`state_dict`'s, if saved in this run's layout."""
+        ranks, rank = state_dict.get("ranks", []), _dist.rank()
+        mine = ranks[rank] if rank < len(ranks) else {}
+        if not restore_generators(mine, self._trained_module("load_state_dict")):
+            logger.info("fsdp_int8: the checkpoint's rounding generators are from another layout; "
+                        "the rounding keeps its start-up stream")

@@ -36,21 +36,21 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torchtitan.components.checkpointer import CheckpointManager
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
 
 from fsdp_int8 import _dist
-from fsdp_int8._generators import seed_weight_rounding
-from fsdp_int8.checkpoint import _generator_states, export_full_state_dict
+from fsdp_int8._dist import local_shard
+from fsdp_int8._quant.generators import seed_weight_rounding
+from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8.checkpoint import capture_generators, export_full_state_dict, restore_generators
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
-from fsdp_int8._dist import local_shard
-from fsdp_int8.weight import Int8Weight
 
 __all__ = [
     "Int8LinearConverter",
@@ -220,22 +220,24 @@ ROUNDING_STATES = "fsdp_int8_rounding"  # the checkpoint's key of the rounding g
 
 
 class _RoundingStreams(Stateful):
-    """This rank's generator states (``_generator_states.capture``), under a key naming the
-    rank and the world size: dcp keeps every rank's (the keys differ), and a run at another
-    world size finds none of its own (its rows moved between ranks: no stream continues)."""
+    """This rank's generator states (:func:`fsdp_int8.checkpoint.capture_generators`), under
+    a key naming the layout and the rank: dcp keeps every rank's (the keys differ), and a
+    run in another layout (world size, data-parallel mesh, tensor-parallel size) finds none
+    of its own, since its rows moved between ranks and no stream continues."""
 
     def __init__(self, model_parts: list[nn.Module]) -> None:
         self._model = model_parts[0] if len(model_parts) == 1 else nn.ModuleList(model_parts)
 
-    @staticmethod
-    def key() -> str:
-        return f"world{_dist.world_size()}_rank{_dist.rank()}"
-
     def state_dict(self) -> dict[str, Any]:
-        return {self.key(): _generator_states.capture(self._model)}
+        state = capture_generators(self._model)
+        return {f"{state['layout']}_rank{_dist.rank()}": state}
+
+    def key(self) -> str:
+        (key,) = self.state_dict()
+        return key
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _generator_states.restore(state_dict[self.key()], self._model)
+        restore_generators(state_dict[self.key()], self._model)
 
 
 class Int8CheckpointManager(CheckpointManager):
@@ -245,10 +247,10 @@ class Int8CheckpointManager(CheckpointManager):
     Int8CheckpointManager.Config(...)``, with ``CheckpointManager.Config``'s fields);
     :func:`enable_int8_training` does it for you. Saves and loads through dcp exactly as
     ``CheckpointManager`` does, int8 bytes and scales included, plus each rank's
-    stochastic-rounding generators (key ``fsdp_int8_rounding``): a run resumed at the same
-    world size rounds exactly as the uninterrupted run. A checkpoint without them (another
-    world size, or written by ``CheckpointManager``) loads as before and the rounding
-    keeps the stream seeded at start-up (see docs/integrations.md).
+    stochastic-rounding generators (key ``fsdp_int8_rounding``): a run resumed in the same
+    layout rounds exactly as the uninterrupted run. A checkpoint without them for this
+    run's layout (another world size or mesh, or written by ``CheckpointManager``) loads
+    the rest, and the rounding keeps the stream seeded at start-up (see docs/integrations.md).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -264,17 +266,18 @@ class Int8CheckpointManager(CheckpointManager):
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         """torchtitan's load, without the rounding generators where the checkpoint has none
         for this rank (dcp would refuse the missing key)."""
-        if ROUNDING_STATES in state_dict and not _holds_rounding_states(checkpoint_id, from_hf):
+        streams = state_dict.get(ROUNDING_STATES)
+        if streams is not None and not _holds_rounding_states(checkpoint_id, from_hf, streams.key()):
             logger.info("fsdp_int8: %s holds no rounding generators for %s; the rounding keeps "
-                        "its start-up stream", checkpoint_id, _RoundingStreams.key())
+                        "its start-up stream", checkpoint_id, streams.key())
             state_dict = {k: v for k, v in state_dict.items() if k != ROUNDING_STATES}
         super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
 
 
-def _holds_rounding_states(checkpoint_id: str, from_hf: bool) -> bool:
+def _holds_rounding_states(checkpoint_id: str, from_hf: bool, key: str) -> bool:
     if from_hf:
         return False
-    prefix = f"{ROUNDING_STATES}.{_RoundingStreams.key()}."
+    prefix = f"{ROUNDING_STATES}.{key}."
     saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     return any(key.startswith(prefix) for key in saved)
 

@@ -17,11 +17,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer
 
+from fsdp_int8._dist import local_shard
+from fsdp_int8._weight.ops.views import contiguous_strides
+from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.guard import check_finite_gradients
 from fsdp_int8.optim._checks import check_floating
-from fsdp_int8._dist import local_shard
-from fsdp_int8._ops.views import contiguous_strides
-from fsdp_int8.weight import Int8Weight
 
 # The update of a chunk of parameters runs on fp32 copies (dequantized weights, moments,
 # the denominator): at most this many elements at a time (one parameter at least), so the
@@ -29,7 +29,7 @@ from fsdp_int8.weight import Int8Weight
 # copy of the whole model. On CPU one parameter at a time: torch runs CPU ``_foreach_`` ops
 # as a loop of single ops anyway, and one parameter's copies, freed before the next
 # parameter's are made, reuse the same memory instead of faulting fresh pages in every step
-# (measured: Int8AdamW over 8 weights of 2.45 M values, 18.3-19.0 ms -> 15.7-16.3 ms).
+# (docs/performance.md, "Kernel choices", has the measurement).
 _CHUNK_ELEMENTS = 1 << 24
 _CHUNK_ELEMENTS_CPU = 0
 

@@ -9,11 +9,11 @@ import torch
 from torch.optim.optimizer import ParamsT
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from fsdp_int8._dist import local_shard
+from fsdp_int8._quant.kernels import ceil_div
 from fsdp_int8.optim._base import FusedInt8Optimizer, Slot, column_parts, like_param
 from fsdp_int8.optim._checks import check_number
 from fsdp_int8.optim._state_codec import dequantize_state_blocks, quantize_state_blocks
-from fsdp_int8.quant import ceil_div
-from fsdp_int8._dist import local_shard
 
 __all__ = ["Int8AdamW"]
 

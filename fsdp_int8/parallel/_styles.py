@@ -7,7 +7,7 @@ a linear layer whose weight is an ``Int8Weight``:
 * **the split**: colwise gives each rank whole rows with their scales, and a local weight
   that knows it is whole (``full_rows`` = its rows: FSDP2 then shards it on the dp mesh
   as a weight of its own). Rowwise gives each rank ``in_features / tp`` elements of every
-  row and the **whole row's scale** (shared by all peers, see ``fsdp_int8._tensor_parallel``).
+  row and the **whole row's scale** (shared by all peers, see ``fsdp_int8._weight.tensor_parallel``).
 * **the matmul** runs on local tensors: ``F.linear`` of the local input and the local
   weight (an ``Int8Weight`` or, after FSDP2's weight-only unshard, its dequantized
   values), so int8 GEMMs and per-token activation scales stay per rank. Colwise returns
@@ -20,6 +20,7 @@ Layers whose weight is not int8 get torch's own styles unchanged.
 from __future__ import annotations
 
 import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -29,9 +30,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from fsdp_int8._dist import local_shard
-from fsdp_int8._tensor_parallel import TensorParallelShard
-from fsdp_int8.quant import ceil_div
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8._quant.kernels import ceil_div
+from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8._weight.tensor_parallel import TensorParallelShard
 
 __all__ = ["Int8ColwiseParallel", "Int8RowwiseParallel", "int8_tp_plan"]
 

@@ -3,7 +3,7 @@ the spawned ranks unpickle them by name).
 
 * ``INT8_WEIGHT``: :class:`fsdp_int8.weight.Int8Weight` as it trains by default
   (stochastic rounding of updates), through its public API only. It lives in the package
-  (``fsdp_int8.testing._int8_weight_spec``): ``benchmarks.conformance_table`` runs it too.
+  (``fsdp_int8.testing.int8_weight_spec``): ``benchmarks.conformance_table`` runs it too.
 * ``BF16_REFERENCE`` and the ``BROKEN_*`` mutations: the reference subclass of
   ``_reference_subclass``, which only the tests use.
 """
@@ -11,13 +11,15 @@ the spawned ranks unpickle them by name).
 from __future__ import annotations
 
 import torch
+from _reference_subclass import (
+    BF16WireWeight,
+    BrokenOutWeight,
+    BrokenViewWeight,
+    BrokenWireWeight,
+)
 
 from fsdp_int8.testing import SubclassSpec
-from fsdp_int8.testing._int8_weight_spec import INT8_WEIGHT
-
-from _reference_subclass import (
-    BF16WireWeight, BrokenOutWeight, BrokenViewWeight, BrokenWireWeight,
-)
+from fsdp_int8.testing.int8_weight_spec import INT8_WEIGHT
 
 __all__ = ["INT8_WEIGHT", "BF16_REFERENCE", "BROKEN_OUT", "BROKEN_VIEW", "BROKEN_WIRE"]
 

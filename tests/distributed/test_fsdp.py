@@ -12,6 +12,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _cases import (
+    BF16_POLICY,
+    FULL_MATRIX,
+    assert_parity,
+    case,
+    int8_params,
+    local_of,
+    train_parity,
+    train_repeating_pattern,
+)
+from _nets import MLPNet, tiny_transformer
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -20,11 +31,6 @@ import fsdp_int8
 import fsdp_int8.collectives
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import device_type_for, run_distributed
-
-from _cases import (
-    BF16_POLICY, FULL_MATRIX, assert_parity, case, int8_params, local_of, train_parity, train_repeating_pattern,
-)
-from _nets import MLPNet, tiny_transformer
 
 STEPS = 8 if FULL_MATRIX else 3
 
@@ -193,7 +199,7 @@ def _check_hand_sharded_model_rounds_each_shard_with_its_own_noise(rank: int, wo
     ``shard_model`` (seeded with the mesh up front) gives, and the shards' streams differ.
     Before, every rank drew coordinate 0's noise: rows ``i`` and ``i + rows / 2`` rounded
     alike."""
-    from fsdp_int8._generators import WEIGHT_ROUNDING
+    from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 
     config = Int8TrainingConfig(seed=11, min_features=1)
     results = {}

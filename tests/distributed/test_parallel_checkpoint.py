@@ -19,15 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _cases import assert_identical, case, snapshot
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8TrainingConfig, Int8Weight
-from fsdp_int8._generators import WEIGHT_ROUNDING, GeneratorBank
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING, GeneratorBank
 from fsdp_int8.testing import run_distributed
-
-from _cases import assert_identical, case, snapshot
 
 BATCH = 8  # global batch: divides dp = 1, 2 and 4
 PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}

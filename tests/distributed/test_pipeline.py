@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _cases import assert_identical, case, int8_params, snapshot
+from _nets import MLPBlock
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
@@ -24,11 +26,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import fsdp_int8
 from fsdp_int8 import Int8TrainingConfig, _dist
-from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 from fsdp_int8.testing import run_distributed
-
-from _cases import assert_identical, case, int8_params, snapshot
-from _nets import MLPBlock
 
 STAGES, LAYERS, DIM, HIDDEN = 2, 4, 32, 64
 BATCH = 8  # global batch: 4 rows per dp rank, split into microbatches

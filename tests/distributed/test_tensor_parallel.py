@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _cases import BF16_POLICY, FULL_MATRIX, case, int8_params, local_of
+from _nets import MLPNet
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor
@@ -17,14 +19,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import fsdp_int8
 import fsdp_int8.collectives
 from fsdp_int8 import Int8MatmulConfig, Int8TrainingConfig
-from fsdp_int8 import _kernels
 from fsdp_int8._dist import broadcast_from_rank0
-from fsdp_int8._generators import WEIGHT_ROUNDING
+from fsdp_int8._quant import kernels as _kernels
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
 from fsdp_int8.testing import device_type_for, run_distributed
-
-from _cases import BF16_POLICY, FULL_MATRIX, case, int8_params, local_of
-from _nets import MLPNet
 
 PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 DIM, HIDDEN, BATCH = 32, 64, 8

@@ -12,6 +12,8 @@ import torch
 from fsdp_int8.testing._spec import SubclassSpec
 from fsdp_int8.weight import Int8Weight
 
+__all__ = ["INT8_WEIGHT", "INT8_ROUNDING_STEP", "int8_wire_bytes", "int8_weight_to_float"]
+
 INT8_ROUNDING_STEP = 1 / 127  # one int8 step of a row scaled by its absmax
 
 

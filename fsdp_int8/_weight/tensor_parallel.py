@@ -7,10 +7,10 @@ the whole row**: the row's absmax over all tensor-parallel peers. So the stored 
 1-D's, and a checkpoint reshards across any ``tp``. Every write of such a weight takes the
 row absmax over the peers (an ``all_reduce(MAX)`` of ``[rows]`` fp32) before it rounds:
 
-* an optimizer's update (``step_update``) is **deferred**: its fp32 values wait here, and
-  :func:`settle` rounds every deferred weight after one ``all_reduce`` per process group,
-  after each ``torch.optim`` optimizer's ``step()`` (a global step post-hook) or before
-  anything reads a waiting weight (:func:`settle_if_waiting`);
+* an optimizer's update (``step_update``) is **deferred**: its fp32 values wait in the
+  end-of-step queue :data:`UPDATES`, which rounds every deferred weight after one
+  ``all_reduce`` per process group when the step ends, or before anything reads a waiting
+  weight (:mod:`~fsdp_int8._weight.end_of_step`);
 * any other write (a load, an initialiser, ``copy_``) reduces at once.
 
 The scale is fixed before the noise is drawn and bounds every value of the row, so
@@ -21,22 +21,24 @@ makes the reduced absmax infinite on every peer, so all of them raise together.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
+from fsdp_int8._weight import end_of_step
 from fsdp_int8.quant import absmax_quantize, raise_non_finite, signed_row_absmax
 
 __all__ = [
-    "TensorParallelShard", "ColumnWindow", "shares_row_scales", "rounding_stream", "check_requantizable",
-    "shared_row_absmax", "write_shared_rows", "settle", "settle_if_waiting",
+    "TensorParallelShard", "ColumnWindow", "shares_row_scales", "rounding_generator", "check_requantizable",
+    "shared_row_absmax", "write_shared_rows", "UPDATES",
 ]
 
 
-WeightLike = Any  # an Int8Weight (this module sits below weight.py)
+if TYPE_CHECKING:  # for annotations only: Int8Weight's writes call into this module
+    from fsdp_int8._weight.tensor import Int8Weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,19 +73,20 @@ class ColumnWindow:
     row_len: int
 
 
-def shares_row_scales(weight: WeightLike) -> bool:
+def shares_row_scales(weight: Int8Weight) -> bool:
     """Whether ``weight``'s tensor-parallel peers share its row scales (a column split)."""
     split = weight.tensor_parallel
     return isinstance(split, TensorParallelShard) and split.shares_row_scales
 
 
-def rounding_stream(weight: WeightLike) -> "TensorParallelShard | None":
-    """What ``WEIGHT_ROUNDING.generator`` keys ``weight``'s noise stream by."""
+def rounding_generator(weight: Int8Weight, device: torch.device) -> "torch.Generator | None":
+    """The generator of ``weight``'s stochastic rounding on ``device``: its tensor-parallel
+    shard's own stream, or the rank's (``None`` on meta)."""
     split = weight.tensor_parallel
-    return split if isinstance(split, TensorParallelShard) else None
+    return WEIGHT_ROUNDING.generator(device, split if isinstance(split, TensorParallelShard) else None)
 
 
-def check_requantizable(weight: WeightLike, what: str) -> None:
+def check_requantizable(weight: Int8Weight, what: str) -> None:
     """Raise if ``what`` (a write that recomputes or rescales row scales) would reach
     columns outside ``weight``: it is a :class:`ColumnWindow`."""
     window = weight.tensor_parallel
@@ -99,17 +102,6 @@ def check_requantizable(weight: WeightLike, what: str) -> None:
         )
 
 
-# Deferred updates: (weight, fp32 values [rows, K], stochastic, generator), in write order.
-_waiting: list[tuple[WeightLike, torch.Tensor, bool, "torch.Generator | None"]] = []
-_waiting_storage: set[int] = set()
-_hook: list = []
-_MAX_WAITING = 4096  # updates before a forced settle (manual update loops outside optimizers)
-
-
-def _storage_key(weight: WeightLike) -> int:
-    return weight.int_data.untyped_storage().data_ptr()
-
-
 def shared_row_absmax(values: list[torch.Tensor], mesh: DeviceMesh) -> list[torch.Tensor]:
     """Each ``[rows, K]`` tensor's row absmax, maximised over ``mesh``'s ranks in ONE
     ``all_reduce``. NaN becomes +Inf first: every peer then sees a non-finite scale."""
@@ -122,7 +114,7 @@ def shared_row_absmax(values: list[torch.Tensor], mesh: DeviceMesh) -> list[torc
     return list(packed.split([t.numel() for t in local]))
 
 
-def _round_into(weight: WeightLike, values: torch.Tensor, amax: torch.Tensor, stochastic: bool, generator) -> None:
+def _round_into(weight: Int8Weight, values: torch.Tensor, amax: torch.Tensor, stochastic: bool, generator) -> None:
     if not values.is_meta and not bool(torch.isfinite(amax).all()):
         raise_non_finite(values, "a tensor-parallel weight (on this rank or a peer)", "int8")
     int_data, scale = absmax_quantize(
@@ -132,33 +124,8 @@ def _round_into(weight: WeightLike, values: torch.Tensor, amax: torch.Tensor, st
     weight.write_rows_(int_data, scale)
 
 
-def write_shared_rows(
-    weight: WeightLike, values: torch.Tensor, *, stochastic: bool, generator, step_update: bool
-) -> None:
-    """Round ``values`` (``[rows, K]`` fp32) into ``weight`` with row scales shared by its
-    tensor-parallel peers: now, or at the step's :func:`settle` for an optimizer update."""
-    if not step_update:
-        settle()  # keep the peers' collectives in one order
-        (amax,) = shared_row_absmax([values], weight.tensor_parallel.mesh)
-        _round_into(weight, values, amax, stochastic, generator)
-        return
-    if not _hook:
-        _hook.append(register_optimizer_step_post_hook(lambda optimizer, args, kwargs: settle()))
-    if _storage_key(weight) in _waiting_storage:
-        settle()  # a second update of one weight before the step ended: the first lands first
-    _waiting.append((weight, values.detach().float(), stochastic, generator))
-    _waiting_storage.add(_storage_key(weight))
-    if len(_waiting) >= _MAX_WAITING:
-        settle()
-
-
-def settle() -> None:
-    """Round every deferred update: one ``all_reduce(MAX)`` per tensor-parallel group."""
-    if not _waiting:
-        return
-    waiting = list(_waiting)
-    _waiting.clear()
-    _waiting_storage.clear()
+def _round_held(waiting: list[tuple[Int8Weight, torch.Tensor, bool, "torch.Generator | None"]]) -> None:
+    """Round deferred updates: one ``all_reduce(MAX)`` per tensor-parallel group."""
     by_mesh: dict[DeviceMesh, list[int]] = {}
     for index, (weight, *_rest) in enumerate(waiting):
         by_mesh.setdefault(weight.tensor_parallel.mesh, []).append(index)
@@ -175,11 +142,21 @@ def settle() -> None:
         raise failed
 
 
-def settle_if_waiting(tensors: "tuple | list") -> None:
-    """:func:`settle` if any of ``tensors`` (an op's arguments) waits for its update."""
-    if not _waiting:
+# Deferred optimizer updates: (weight, fp32 values [rows, K], stochastic, generator), in
+# write order; the cap bounds manual update loops outside optimizers.
+UPDATES = end_of_step.held_work("tensor-parallel updates", _round_held, cap=4096)
+
+
+def write_shared_rows(
+    weight: Int8Weight, values: torch.Tensor, *, stochastic: bool, generator, step_update: bool
+) -> None:
+    """Round ``values`` (``[rows, K]`` fp32) into ``weight`` with row scales shared by its
+    tensor-parallel peers: at once, or when the step ends for an optimizer update."""
+    if not step_update:
+        end_of_step.settle()  # keep the peers' collectives in one order
+        (amax,) = shared_row_absmax([values], weight.tensor_parallel.mesh)
+        _round_into(weight, values, amax, stochastic, generator)
         return
-    for tensor in tensors:
-        if getattr(tensor, "tensor_parallel", None) is not None and _storage_key(tensor) in _waiting_storage:
-            settle()
-            return
+    if UPDATES.holds(weight):
+        end_of_step.settle()  # a second update of one weight before the step ended: the first lands first
+    UPDATES.hold((weight, values.detach().float(), stochastic, generator), weight)

@@ -5,11 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
-from fsdp_int8 import _op_table
-from fsdp_int8.convert import dequantize_all
+from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight.tensor import Int8Weight
 
 aten = torch.ops.aten
+
+
+def dequantize_all(tree: Any, dtype: torch.dtype | None = None) -> Any:
+    """Replace every ``Int8Weight`` in a pytree by its dequantized plain tensor."""
+    return tree_map_only(Int8Weight, lambda w: w.dequantize(dtype), tree)
 
 
 _PLAIN_MATH_OPS = (

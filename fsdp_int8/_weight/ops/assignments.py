@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_int8 import _op_table, _tensor_parallel
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight import tensor_parallel as _tensor_parallel
+from fsdp_int8._weight.tensor import Int8Weight
 
 aten = torch.ops.aten
 _implements = _op_table.implements

@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fsdp_int8 import _op_table, hardware
-from fsdp_int8._kernels import int8_columns, int8_rows, int8_rows_nearest, run_compiled, use_compiled
+from fsdp_int8 import hardware
+from fsdp_int8._quant.kernels import int8_columns, int8_rows, int8_rows_nearest, run_compiled, use_compiled
+from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
-from fsdp_int8.weight import Int8Weight
 
 # |int32 sum| <= tokens * 127 * 127 < 2**31 holds for up to 133,144 tokens: chunk below it.
 _MAX_TOKENS_PER_INT32_SUM = 1 << 17

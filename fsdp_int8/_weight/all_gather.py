@@ -29,19 +29,18 @@ and :func:`post_all_gather` below: the hooks live next to the format they write 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fsdp_int8 import _dist, _tensor_parallel, hardware
-from fsdp_int8._generators import WEIGHT_ROUNDING
-from fsdp_int8.quant import ceil_div, dequantize_rows_into
+from fsdp_int8 import _dist, hardware
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING
+from fsdp_int8._quant.kernels import ceil_div
+from fsdp_int8._weight import end_of_step
+from fsdp_int8.quant import dequantize_rows_into
 
-# The hooks take the weight as a plain ``torch.Tensor`` annotation: importing
-# ``Int8Weight`` here, even for type checkers only, would make the two modules import
-# each other. What they read of it: int_rows(), scale, rows, row_len, full_rows,
-# int8_matmul, compiled, derive().
-Int8WeightLike = torch.Tensor
+if TYPE_CHECKING:  # for annotations only: Int8Weight's hooks call into this module
+    from fsdp_int8._weight.tensor import Int8Weight
 
 # Where a tensor-parallel layout reaches an int8 weight, the error says this.
 TENSOR_PARALLEL_UNSUPPORTED = (
@@ -115,7 +114,7 @@ def unpack_rows(gathered: torch.Tensor, full_rows: int, row_len: int) -> tuple[t
 # The 1-argument pre-all-gather form: FSDP2 skips its padded-size check for it, which a
 # per-row scale could never pass on an uneven shard (tests/distributed fail loudly if
 # torch stops calling it).
-def pre_all_gather(weight: Int8WeightLike, mesh: Any) -> tuple[tuple[torch.Tensor, ...], tuple[int, int]]:
+def pre_all_gather(weight: Int8Weight, mesh: Any) -> tuple[tuple[torch.Tensor, ...], tuple[int, int]]:
     """``Int8Weight.fsdp_pre_all_gather``: the shard's rows and scales in one padded buffer.
 
     ``mesh`` is the shard mesh: a model quantized before ``fully_shard`` learns here which
@@ -125,7 +124,7 @@ def pre_all_gather(weight: Int8WeightLike, mesh: Any) -> tuple[tuple[torch.Tenso
     """
     if not torch.compiler.is_compiling():
         WEIGHT_ROUNDING.adopt_shard_coordinate(mesh)
-        _tensor_parallel.settle_if_waiting((weight,))
+        end_of_step.settle_if_waiting((weight,))
     rows = padded_rows(weight.full_rows, mesh.size())
     if _is_expected_shard(weight, mesh):
         wire = pack_rows(weight.int_rows(), weight.scale, rows)
@@ -134,7 +133,7 @@ def pre_all_gather(weight: Int8WeightLike, mesh: Any) -> tuple[tuple[torch.Tenso
     return (wire,), (weight.full_rows, rows)
 
 
-def _is_expected_shard(weight: Int8WeightLike, mesh: Any) -> bool:
+def _is_expected_shard(weight: Int8Weight, mesh: Any) -> bool:
     """Whether ``weight`` holds the rows FSDP2's dim-0 shard of ``full_rows`` holds on
     ``mesh``. Checked once per tensor and layout: asking the mesh for the coordinate costs
     microseconds at every all-gather."""
@@ -148,7 +147,7 @@ def _is_expected_shard(weight: Int8WeightLike, mesh: Any) -> bool:
 
 
 def post_all_gather(
-    weight: Int8WeightLike,
+    weight: Int8Weight,
     outputs: tuple[torch.Tensor, ...],
     metadata: tuple[int, int],
     param_dtype: torch.dtype,
@@ -182,7 +181,7 @@ def post_all_gather(
     return weight.derive(data, scale, dtype=param_dtype), (scale,)
 
 
-def _unsupported_layout(weight: Int8WeightLike, flagged: list[int], shards: int) -> str:
+def _unsupported_layout(weight: Int8Weight, flagged: list[int], shards: int) -> str:
     return (
         f"an Int8Weight of {weight.full_rows} rows x {weight.row_len} cannot be all-gathered: "
         f"shard(s) {flagged} of the {shards}-way FSDP2 shard mesh do not hold the rows of "

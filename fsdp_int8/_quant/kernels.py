@@ -19,10 +19,16 @@ from typing import Callable
 
 import torch
 
-from fsdp_int8._noise import NOISE_OFFSET, NOISE_STEP, noise_from_bytes
+from fsdp_int8._quant.noise import NOISE_OFFSET, NOISE_STEP, noise_from_bytes, rounding_noise_bytes
 
 INT8_MAX = 127  # symmetric: -127..127, so negation never overflows
 UINT8_MAX = 255
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` for non-negative integers (blocks of a row, rows
+    of a shard)."""
+    return -(-numerator // denominator)
 
 _compile_failed = False  # torch.compile raised once in this process: stay eager from then on
 
@@ -53,10 +59,6 @@ def int8_rows(values: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.T
 
 def int8_rows_nearest(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return int8_rows(values, None)
-
-
-def int8_rows_stochastic(values: torch.Tensor, noise_bytes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return int8_rows(values, noise_from_bytes(noise_bytes))
 
 
 def int8_columns(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,3 +116,38 @@ def run_compiled(function: Callable, *args):
             stacklevel=3,
         )
         return result
+
+
+@functools.cache
+def _nearest(body: Callable) -> Callable:
+    def kernel(*operands):
+        return body(*operands, None)
+
+    return kernel
+
+
+@functools.cache
+def _stochastic(body: Callable) -> Callable:
+    def kernel(*operands_then_noise_bytes):
+        *operands, noise_bytes = operands_then_noise_bytes
+        return body(*operands, noise_from_bytes(noise_bytes))
+
+    return kernel
+
+
+def run_rounding(
+    body: Callable, *operands: torch.Tensor, rows: int, row_len: int, generator: torch.Generator | None,
+    stochastic: bool,
+):
+    """Run ``body(*operands, noise)`` as one compiled pass that rounds ``[rows, row_len]``
+    values: the one place a compiled kernel gets its rounding.
+
+    ``stochastic``: ``noise`` is the 16-bit noise drawn from ``generator``
+    (:func:`~fsdp_int8._quant.noise.rounding_noise_bytes`, decoded inside the kernel);
+    otherwise ``None`` (round to nearest). ``body`` ends in :func:`round_scaled` (through
+    :func:`int8_rows`), so the compiled pass and the eager quantizer give the same bits.
+    """
+    if not stochastic:
+        return run_compiled(_nearest(body), *operands)
+    noise_bytes = rounding_noise_bytes((rows, row_len), generator, operands[0].device)
+    return run_compiled(_stochastic(body), *operands, noise_bytes)

@@ -34,20 +34,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8._dist import local_shard
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8._weight.tensor import Int8Weight
 
 __all__ = [
-    "Int8Conv1D", "is_conv1d", "why_not_convertible", "int8_conv1d_", "conv1d_layers",
+    "Int8Conv1D", "why_not_convertible", "int8_conv1d_", "conv1d_layers",
     "to_gpt2_layout", "to_module_layout",
 ]
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """A ``transformers.pytorch_utils.Conv1D`` (GPT-2's linears: weight ``[nx, nf]``).
-
-    Recognised by name and attributes, so that ``fsdp_int8`` never imports transformers.
-    """
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
 def why_not_convertible(module: nn.Module) -> str | None:

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
-from fsdp_int8 import _kernels, _op_table, _tensor_parallel, _update_checks
-from fsdp_int8._noise import noise_from_bytes, rounding_noise_bytes
-from fsdp_int8._generators import WEIGHT_ROUNDING
-from fsdp_int8.convert import dequantize_all
+from fsdp_int8._quant import kernels as _kernels
+from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight import tensor_parallel as _tensor_parallel
+from fsdp_int8._weight import update_checks as _update_checks
+from fsdp_int8._weight.ops.math import dequantize_all
+from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.quant import raise_non_finite
-from fsdp_int8.weight import Int8Weight
 
 aten = torch.ops.aten
 _implements = _op_table.implements
@@ -108,14 +109,6 @@ def _addcdiv_then_round(q, scale, t1, t2, value, noise):
     return q, scale, torch.isfinite(scale).all()  # the check rides in the same kernel call
 
 
-def _addcdiv_rows(q, scale, t1, t2, value, noise_bytes):
-    return _addcdiv_then_round(q, scale, t1, t2, value, noise_from_bytes(noise_bytes))
-
-
-def _addcdiv_rows_nearest(q, scale, t1, t2, value):
-    return _addcdiv_then_round(q, scale, t1, t2, value, None)
-
-
 def _fusable_addcdiv(target: Int8Weight, args: tuple, kwargs: dict) -> bool:
     if not _kernels.use_compiled(target.compiled, target) or len(args) != 2 or set(kwargs) - {"value"}:
         return False
@@ -141,12 +134,11 @@ def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, v
     shape = (target.rows, target.row_len)
     operands = (rows, target.scale, t1.reshape(shape), t2.reshape(shape),
                 torch.tensor(float(value), dtype=torch.float32, device=target.device))
-    if target.stochastic_rounding:
-        generator = WEIGHT_ROUNDING.generator(target.device, _tensor_parallel.rounding_stream(target))
-        noise_bytes = rounding_noise_bytes(shape, generator, target.device)
-        q, scale, finite = _kernels.run_compiled(_addcdiv_rows, *operands, noise_bytes)
-    else:
-        q, scale, finite = _kernels.run_compiled(_addcdiv_rows_nearest, *operands)
+    q, scale, finite = _kernels.run_rounding(
+        _addcdiv_then_round, *operands, rows=target.rows, row_len=target.row_len,
+        generator=_tensor_parallel.rounding_generator(target, target.device) if target.stochastic_rounding else None,
+        stochastic=target.stochastic_rounding,
+    )
     _update_checks.check(finite, tuple(target.shape), lambda: raise_non_finite(
         target.dequantize(torch.float32).addcdiv_(t1, t2, value=value), "a weight", "int8"))
     return target.write_rows_(q, scale)

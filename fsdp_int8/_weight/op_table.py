@@ -1,6 +1,6 @@
 """The op table of ``Int8Weight``: which handler runs each aten op, kept apart from the tensor.
 
-:mod:`fsdp_int8._ops` fills it (one module per role) and :mod:`fsdp_int8._linear` adds
+:mod:`fsdp_int8._weight.ops` fills it (one module per role) and :mod:`fsdp_int8._weight.linear` adds
 ``F.linear``; ``Int8Weight.__torch_dispatch__`` / ``__torch_function__`` only look up
 here. An op with no rule raises ``NotImplementedError`` naming itself: an unknown op must
 never run on the int8 bytes as if they were floats.
@@ -12,7 +12,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from fsdp_int8 import _tensor_parallel
+from fsdp_int8._weight import end_of_step
 
 OpKey = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket]
 Handler = Callable[..., Any]
@@ -88,7 +88,7 @@ def function_handler(func: Callable) -> Handler | None:
 
 def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run ``func``'s rule on an ``Int8Weight`` (or raise saying why there is none)."""
-    _tensor_parallel.settle_if_waiting(args)  # an update waiting for its step lands first
+    end_of_step.settle_if_waiting(args)  # an update waiting for its step lands first
     handler = _OPS.get(func) or _OPS.get(func.overloadpacket)
     if handler is not None:
         if torch.is_inference_mode_enabled() and func.is_view and not args[0].is_inference():

@@ -11,9 +11,9 @@ from typing import Sequence
 
 import torch
 
-from fsdp_int8 import _op_table
-from fsdp_int8.convert import dequantize_all
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight.ops.math import dequantize_all
+from fsdp_int8._weight.tensor import Int8Weight
 
 aten = torch.ops.aten
 _implements = _op_table.implements

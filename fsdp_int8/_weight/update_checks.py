@@ -6,10 +6,10 @@ the CPU the verdict is read right away and a bad update raises before it is writ
 (the weight keeps its values). Reading a device flag back to the host, though, stalls an
 accelerator's queue: once per weight and step that would be a stall per parameter. So on
 an accelerator the update writes its result and leaves its flag (a 0-dim bool tensor its
-own kernel computed) here, and all pending flags are read with one sync: after every
-``torch.optim`` optimizer's ``step()`` (a global step post-hook, registered with the
-first pending flag), and whenever ``_MAX_PENDING`` flags have piled up (updates made
-outside an optimizer). The error then says how many updates went wrong; those weights
+own kernel computed) in the end-of-step queue :data:`VERDICTS`, and all held flags are
+read with one sync when the step ends (:mod:`~fsdp_int8._weight.end_of_step`: after every
+``torch.optim`` optimizer's ``step()``, and whenever ``VERDICTS.cap`` flags have piled up
+through updates made outside an optimizer). The error then says how many updates went wrong; those weights
 hold the non-finite rows, as a plain tensor would after the same update.
 (``save_checkpoint`` refuses non-finite state on its own, on every rank at once.)
 """
@@ -19,43 +19,13 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-_MAX_PENDING = 1024  # flags before a forced read: bounds the memory of manual update loops
-_pending: list[tuple[torch.Tensor, str]] = []
-_hook: list = []  # the step post-hook's handle, once registered
+from fsdp_int8._weight import end_of_step
 
 
-def defers(device: torch.device) -> bool:
-    """Whether updates on ``device`` leave their verdict for the step's single check."""
-    return device.type != "cpu"
-
-
-def check(finite: torch.Tensor, shape: tuple[int, ...], raise_error: Callable[[], None]) -> None:
-    """``finite`` (0-dim bool) is the verdict of an update of a weight of ``shape``:
-    ``raise_error()`` now if it is False on the CPU, or :func:`defer` it on an accelerator."""
-    if defers(finite.device):
-        defer(finite, shape)
-    elif not bool(finite):
-        raise_error()
-
-
-def defer(finite: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """Leave an update's verdict for :func:`settle` (no device sync now)."""
-    if not _hook:
-        _hook.append(register_optimizer_step_post_hook(lambda optimizer, args, kwargs: settle()))
-    _pending.append((finite, str(list(shape))))
-    if len(_pending) >= _MAX_PENDING:
-        settle()
-
-
-def settle() -> None:
-    """Read every pending verdict (one device sync per device) and raise ``ValueError`` if
-    any update was not finite. Does nothing when none is pending."""
-    if not _pending:
-        return
-    pending = list(_pending)
-    _pending.clear()
+def _read(pending: list[tuple[torch.Tensor, str]]) -> None:
+    """Read held verdicts (one device sync per device); raise ``ValueError`` if any update
+    was not finite."""
     by_device: dict[torch.device, list[int]] = {}
     for index, (finite, _) in enumerate(pending):
         by_device.setdefault(finite.device, []).append(index)
@@ -73,3 +43,26 @@ def settle() -> None:
             "accelerators this check runs once per optimizer step, not once per weight, to "
             "avoid a device sync per parameter.)"
         )
+
+
+# (flag, shape) of each update whose verdict waits; the cap bounds manual update loops.
+VERDICTS = end_of_step.held_work("update verdicts", _read, cap=1024)
+
+
+def defers(device: torch.device) -> bool:
+    """Whether updates on ``device`` leave their verdict for the step's single check."""
+    return device.type != "cpu"
+
+
+def check(finite: torch.Tensor, shape: tuple[int, ...], raise_error: Callable[[], None]) -> None:
+    """``finite`` (0-dim bool) is the verdict of an update of a weight of ``shape``:
+    ``raise_error()`` at once if it is False on the CPU, or :func:`defer` it on an accelerator."""
+    if defers(finite.device):
+        defer(finite, shape)
+    elif not bool(finite):
+        raise_error()
+
+
+def defer(finite: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Hold an update's verdict until the step ends (no device sync here)."""
+    VERDICTS.hold((finite, str(list(shape))))

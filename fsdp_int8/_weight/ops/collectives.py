@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (registers _wrap_tensor_autograd)
 from torch.utils._pytree import tree_map, tree_map_only
 
-from fsdp_int8 import _op_table
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight.tensor import Int8Weight
 
 _implements = _op_table.implements
 _c10d = torch.ops.c10d

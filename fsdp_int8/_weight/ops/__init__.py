@@ -1,6 +1,6 @@
 """The op table of :class:`~fsdp_int8.Int8Weight`: one small function per aten op.
 
-Each module registers its ops into :mod:`fsdp_int8._op_table` (``implements``); grouped by
+Each module registers its ops into :mod:`fsdp_int8._weight.op_table` (``implements``); grouped by
 role, one module a role, each with one rule:
 
 * views and shard ops keep whole rows (a row's int8 values and its scale stay together)
@@ -15,4 +15,4 @@ role, one module a role, each with one rule:
 * out-of-place math works on the dequantized values and returns plain tensors.
 """
 
-from fsdp_int8._ops import assignments, collectives, factories, math, updates, views  # noqa: F401
+from fsdp_int8._weight.ops import assignments, collectives, factories, math, updates, views  # noqa: F401

@@ -11,7 +11,7 @@ with the reason.
 One exception: ``slice`` / ``narrow`` of a 2-D weight along its columns (dim 1), which DCP
 sends to reshard a weight split by columns (``RowwiseParallel``'s ``Shard(1)``) from or into
 another layout. The result is a view whose ``tensor_parallel`` is a
-``fsdp_int8._tensor_parallel.ColumnWindow``: those columns of every row,
+``fsdp_int8._weight.tensor_parallel.ColumnWindow``: those columns of every row,
 with the whole row's scale (shared, not copied) and ``row_len`` the window's width. Its
 values read correctly, and ``copy_`` from another ``Int8Weight`` writes exact bytes and
 scales through it; a write that would requantize (``copy_`` from floats, fills, optimizer
@@ -26,13 +26,13 @@ from typing import Sequence
 
 import torch
 
-from fsdp_int8._ops.factories import zeros_in_rows
-from fsdp_int8._tensor_parallel import ColumnWindow
-from fsdp_int8.quant import ceil_div
-from fsdp_int8 import _op_table
-from fsdp_int8._all_gather import TENSOR_PARALLEL_UNSUPPORTED
-from fsdp_int8.convert import dequantize_all
-from fsdp_int8.weight import Int8Weight
+from fsdp_int8._quant.kernels import ceil_div
+from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight.all_gather import TENSOR_PARALLEL_UNSUPPORTED
+from fsdp_int8._weight.ops.factories import zeros_in_rows
+from fsdp_int8._weight.ops.math import dequantize_all
+from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8._weight.tensor_parallel import ColumnWindow
 
 aten = torch.ops.aten
 _implements = _op_table.implements

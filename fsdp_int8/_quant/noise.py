@@ -5,7 +5,7 @@ Stochastic rounding is ``round(x / scale + v)`` with ``v = (r + 1/2) / 2**16 - 1
 midpoints of ``[0, 1)``. It rounds up with probability equal to the fraction of a step to
 within 2**-17 (fp32 resolves ``x / scale`` to 2**-17 near 127 anyway), so it is unbiased,
 and updates smaller than one step survive on average. The 16 bits come four to a 64-bit
-draw of the caller's generator (see :mod:`fsdp_int8._generators`), a quarter of the draws
+draw of the caller's generator (see :mod:`fsdp_int8._quant.generators`), a quarter of the draws
 of one fp32 uniform per element: the same seed and saved state give the same rounding
 (:func:`rounding_noise_bytes` says which bytes go to which value).
 """

@@ -1,0 +1,400 @@
+"""``Int8Weight``: an int8 weight with per-row fp32 scales that trains in place.
+
+The outer tensor looks like a floating weight of the training dtype (FSDP2 and autograd
+need a floating parameter; gradients arrive in that dtype). Underneath it holds only
+
+* ``int_data``: ``int8``, ``[rows, K]``, or ``[rows * K]`` for the flat view FSDP2 takes;
+* ``scale``: ``fp32``, ``[rows]``.
+
+Views may also regroup the rows into more leading dims, ``int_data`` ``[*lead, K]`` with
+``scale`` ``[*lead]`` (torchtitan views a fused QKV weight as ``[heads, 3, head_dim, K]``);
+those can be sliced along any leading dim, and report their strides honestly.
+
+Every aten op and ``F.linear`` go through the op table (:mod:`.op_table`, filled by
+:mod:`.ops` and :mod:`.linear`, which this module never imports); the FSDP2 hooks are thin
+methods over :mod:`.all_gather`. An op that is not in the table raises naming itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from fsdp_int8._weight import all_gather as _all_gather
+from fsdp_int8._weight import end_of_step
+from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight import tensor_parallel as _tensor_parallel
+from fsdp_int8._weight import update_checks as _update_checks
+from fsdp_int8._weight.tensor_parallel import ColumnWindow, TensorParallelShard
+from fsdp_int8.config import Int8MatmulConfig
+from fsdp_int8.quant import absmax_dequantize, absmax_quantize
+
+__all__ = ["Int8Weight"]
+
+
+class Int8Weight(torch.Tensor):
+    """A floating-looking weight stored as int8 data plus one fp32 absmax scale per row.
+
+    Args:
+        int_data: ``int8`` tensor, ``[rows, row_len]`` or flat ``[rows * row_len]`` (or
+            ``[*lead, row_len]``, a view regrouping the rows).
+        scale: ``fp32`` tensor, ``[rows]`` (``[*lead]`` for ``[*lead, row_len]`` data).
+        dtype: The outer (training) dtype, a floating dtype.
+        row_len: Elements per row (``in_features`` of the linear layer).
+        full_rows: Rows of the whole weight this tensor belongs to. FSDP2 shards carry
+            it so that the all-gather hook can pad every shard to the same size.
+        stochastic_rounding: How in-place updates are written back (see
+            :class:`fsdp_int8.Int8TrainingConfig`).
+        int8_matmul: Which matmuls of ``F.linear`` run as int8 GEMMs (``None``: none).
+        compiled: Run this weight's quantization kernels (updates, dequantization,
+            activation quantization) as ``torch.compile``d passes
+            (``Int8TrainingConfig.compile``).
+        tensor_parallel: This rank's part of a weight split by tensor parallelism
+            (``fsdp_int8.parallel``'s styles set it), a window of columns (a slice along
+            dim 1), or ``None``.
+
+    Use :meth:`from_float` to build one from a plain tensor.
+    """
+
+    int_data: torch.Tensor
+    scale: torch.Tensor
+    row_len: int
+    full_rows: int
+    stochastic_rounding: bool
+    int8_matmul: Int8MatmulConfig | None
+    compiled: bool
+    tensor_parallel: TensorParallelShard | ColumnWindow | None
+
+    @staticmethod
+    def __new__(
+        cls,
+        int_data: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        dtype: torch.dtype,
+        row_len: int,
+        full_rows: int | None = None,
+        stochastic_rounding: bool = True,
+        int8_matmul: Int8MatmulConfig | None = None,
+        compiled: bool = False,
+        tensor_parallel: TensorParallelShard | ColumnWindow | None = None,
+        requires_grad: bool = False,
+    ) -> "Int8Weight":
+        if int_data.dtype != torch.int8 or scale.dtype != torch.float32:
+            raise TypeError(
+                f"Int8Weight needs int8 data and fp32 scales, got {int_data.dtype} and {scale.dtype}"
+            )
+        if not dtype.is_floating_point:
+            raise TypeError(f"Int8Weight's outer dtype must be floating, got {dtype}")
+        if int_data.dim() == 0 or (int_data.dim() >= 2 and int_data.shape[-1] != row_len):
+            raise ValueError(
+                f"Int8Weight data must be [rows, {row_len}] or flat, got {tuple(int_data.shape)}"
+            )
+        rows = int_data.numel() // row_len if row_len else 0
+        scale_shape = (rows,) if int_data.dim() == 1 else tuple(int_data.shape[:-1])
+        if rows * row_len != int_data.numel() or tuple(scale.shape) != scale_shape:
+            raise ValueError(
+                f"Int8Weight data {tuple(int_data.shape)} does not hold whole rows of {row_len} "
+                f"matching {tuple(scale.shape)} scales"
+            )
+        # Weights (flat or 2-D) always look contiguous to FSDP2, even when their rows are
+        # strided views of the all-gather buffer; regrouped views tell their real strides,
+        # so that reshape and contiguous() copy them where a plain tensor would be copied.
+        strides = int_data.stride() if int_data.dim() > 2 else None
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, int_data.shape, strides=strides, dtype=dtype, device=int_data.device,
+            requires_grad=requires_grad,
+        )
+        self.int_data = int_data
+        self.scale = scale
+        self.row_len = row_len
+        self.full_rows = rows if full_rows is None else full_rows
+        self.stochastic_rounding = stochastic_rounding
+        self.int8_matmul = int8_matmul
+        self.compiled = compiled
+        self.tensor_parallel = tensor_parallel
+        return self
+
+    @staticmethod
+    def supported_ops() -> list[str]:
+        """Names of the aten ops and torch functions ``Int8Weight`` implements, sorted."""
+        return _op_table.supported_ops()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        *,
+        stochastic_rounding: bool = True,
+        int8_matmul: Int8MatmulConfig | None = None,
+        compiled: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> "Int8Weight":
+        """Quantize a 2-D floating tensor with round-to-nearest.
+
+        Args:
+            weight: ``[out_features, in_features]`` floating tensor (meta allowed).
+            stochastic_rounding: Rounding used by later in-place updates.
+            int8_matmul: Which matmuls run as int8 GEMMs (``None``: weight-only).
+            compiled: Run its quantization kernels ``torch.compile``d (same bits).
+            dtype: Outer dtype; defaults to ``weight.dtype``.
+        """
+        if isinstance(weight, Int8Weight):
+            raise TypeError("from_float got an Int8Weight; it is already quantized")
+        if weight.dim() != 2:
+            raise ValueError(
+                f"Int8Weight quantizes 2-D [out_features, in_features] weights, got shape "
+                f"{tuple(weight.shape)}"
+            )
+        if weight.shape[1] == 0:
+            raise ValueError(
+                f"cannot quantize a weight of shape {tuple(weight.shape)}: a layer with 0 input "
+                "features has rows of length 0, which carry no scale. Leave it in full "
+                "precision (exclude it in Int8TrainingConfig.module_filter)."
+            )
+        int_data, scale = absmax_quantize(weight.detach(), what="a weight", compiled=compiled)
+        return cls(
+            int_data, scale, dtype=dtype or weight.dtype, row_len=weight.shape[1],
+            stochastic_rounding=stochastic_rounding, int8_matmul=int8_matmul, compiled=compiled,
+        )
+
+    def derive(
+        self,
+        int_data: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        dtype: torch.dtype | None = None,
+        **changes: Any,
+    ) -> "Int8Weight":
+        """A new ``Int8Weight`` over other inner tensors, with this one's metadata but for
+        ``dtype`` and ``changes`` (other constructor keywords: ``row_len``, ...)."""
+        settings = dict(
+            dtype=dtype or self.dtype, row_len=self.row_len, full_rows=self.full_rows,
+            stochastic_rounding=self.stochastic_rounding, int8_matmul=self.int8_matmul,
+            compiled=self.compiled, tensor_parallel=self.tensor_parallel,
+        )
+        return Int8Weight(int_data, scale, **{**settings, **changes})
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def rows(self) -> int:
+        """Number of rows held (``out_features`` of this shard)."""
+        return self.scale.numel()
+
+    def int_rows(self) -> torch.Tensor:
+        """The int8 data as ``[rows, row_len]`` (a view; a strided regrouped view has none)."""
+        return self.int_data if self.int_data.dim() == 2 else self.int_data.view(self.rows, self.row_len)
+
+    def read_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(int8 [rows, row_len], fp32 [rows])`` of any layout, to read (a copy if strided)."""
+        end_of_step.settle_if_waiting((self,))
+        return self.int_data.reshape(self.rows, self.row_len), self.scale.reshape(self.rows)
+
+    def write_rows_(
+        self, int_rows: torch.Tensor, scale: torch.Tensor, non_blocking: bool = False
+    ) -> "Int8Weight":
+        """Copy ``int8 [rows, row_len]`` values and ``[rows]`` scales into this tensor's storage."""
+        self.int_data.copy_(int_rows.reshape(self.int_data.shape), non_blocking=non_blocking)
+        self.scale.copy_(scale.reshape(self.scale.shape), non_blocking=non_blocking)
+        return self
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A plain tensor of this shape: ``int_data * scale`` in ``dtype`` (default: outer)."""
+        values = absmax_dequantize(*self.read_rows(), dtype=dtype or self.dtype, compiled=self.compiled)
+        return values.view(self.shape)
+
+    def assign_(self, values: torch.Tensor, *, stochastic: bool, step_update: bool = False) -> "Int8Weight":
+        """Requantize ``values`` (this shape, any float dtype) into this tensor's storage.
+
+        Non-finite ``values`` raise ``ValueError`` and leave the weight unchanged. An
+        optimizer's update (``step_update=True``) on an accelerator is checked once per
+        optimizer step instead, with every other update of the step (``_update_checks``).
+        """
+        _tensor_parallel.check_requantizable(self, "requantizing")
+        generator = _tensor_parallel.rounding_generator(self, values.device) if stochastic else None
+        if _tensor_parallel.shares_row_scales(self):
+            _tensor_parallel.write_shared_rows(
+                self, values.reshape(self.rows, self.row_len), stochastic=stochastic,
+                generator=generator, step_update=step_update,
+            )
+            return self
+        deferred = step_update and _update_checks.defers(values.device)
+        int_data, scale = absmax_quantize(
+            values.reshape(self.rows, self.row_len), rounding="stochastic" if stochastic else "nearest",
+            generator=generator, nonfinite="unchecked" if deferred else "raise", what="a weight",
+            compiled=self.compiled,
+        )
+        if deferred:
+            _update_checks.defer(torch.isfinite(scale).all(), tuple(self.shape))
+        return self.write_rows_(int_data, scale)
+
+    def numpy(self, *, force: bool = False):
+        """Refused: an ``Int8Weight`` holds int8 values and per-row scales, not floats."""
+        raise TypeError(
+            "Int8Weight holds int8 values with per-row fp32 scales: call w.dequantize().numpy() "
+            "for the float values, or w.int_data.numpy() and w.scale.numpy() for the stored ones"
+        )
+
+    def tolist(self):
+        """Refused, as :meth:`numpy`: use ``w.dequantize().tolist()``."""
+        raise TypeError("Int8Weight holds int8 values with per-row fp32 scales: call w.dequantize().tolist()")
+
+    def data_ptr(self) -> int:
+        """The address of the int8 data (one byte per element, not ``itemsize``).
+
+        Frameworks key parameters by it (accelerate's FSDP2 optimizer re-mapping): a wrapper
+        tensor's default, 0, would make every int8 weight collide. It identifies the
+        weight; it is not ``numel * itemsize`` readable bytes of the outer dtype, which is
+        why :meth:`storage` refuses raw-bytes writers.
+        """
+        return self.int_data.data_ptr()
+
+    def storage(self):
+        """Refused: there is no storage of the outer dtype to read bytes from.
+
+        Raw-bytes writers (safetensors, hence Hugging Face ``save_pretrained`` and
+        ``accelerator.save_model``) end up here; they would otherwise write garbage.
+        """
+        raise RuntimeError(
+            "Int8Weight has no storage of its floating dtype (it holds int8 rows with fp32 "
+            "scales), so raw-bytes writers such as safetensors cannot save it. A transformers "
+            "model saves its int8 rows and scales through fsdp_int8's quantizer, which "
+            "fsdp_int8.quantize_ / shard_model attach (a model made int8 another way: "
+            "fsdp_int8.integrations.hf_quantizer.attach_hf_quantizer(model)); then "
+            "save_pretrained and the Trainer work, and instead of accelerator.save_model "
+            "call accelerator.unwrap_model(model)."
+            "save_pretrained(path, state_dict=accelerator.get_state_dict(model)) on every rank "
+            "(unsharded save_state: safe_serialization=False). Dequantized values: "
+            "fsdp_int8.export_full_state_dict(model, dtype); an exact int8 checkpoint of any "
+            "model: fsdp_int8.save_checkpoint."
+        )
+
+    def __deepcopy__(self, memo: dict) -> "Int8Weight":
+        """A copy with its own int8 data and scales, ``requires_grad`` and attributes kept.
+
+        Needed because this weight's :meth:`data_ptr` is not 0: ``Tensor.__deepcopy__``
+        would take it for a storage-backed tensor and copy a storage it does not have.
+        """
+        if id(self) in memo:
+            return memo[id(self)]
+        copied = self.derive(copy.deepcopy(self.int_data, memo), copy.deepcopy(self.scale, memo))
+        memo[id(self)] = copied
+        own = set(vars(copied))
+        extra = {k: v for k, v in vars(self).items() if k not in own}  # _is_param, framework tags
+        vars(copied).update(copy.deepcopy(extra, memo))
+        if self.requires_grad:
+            copied.requires_grad_(True)
+        if self.grad is not None:
+            copied.grad = copy.deepcopy(self.grad, memo)
+        return copied
+
+    def storage_bytes(self) -> int:
+        """Bytes of int8 data plus scales held by this tensor's own elements."""
+        return self.int_data.numel() * self.int_data.element_size() + self.scale.numel() * 4
+
+    def __repr__(self) -> str:  # never dispatches: safe inside error messages
+        rounding = "stochastic" if self.stochastic_rounding else "nearest"
+        matmul = ("" if self.int8_matmul is None else ", int8 matmuls") + (", compiled" if self.compiled else "")
+        return (
+            f"Int8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+            f"int8 rows of {self.row_len} + fp32 scales, rounding={rounding}{matmul}"
+            + (", requires_grad=True" if self.requires_grad else "") + ")"
+        )
+
+    # ------------------------------------------------------------------ subclass protocol
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        return ["int_data", "scale"], (
+            self.dtype, self.row_len, self.full_rows, self.stochastic_rounding, self.int8_matmul,
+            self.compiled, self.tensor_parallel,
+        )
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size: Any, outer_stride: Any) -> "Int8Weight":
+        dtype, row_len, full_rows, stochastic, int8_matmul, compiled, tensor_parallel = ctx
+        return Int8Weight(
+            inner["int_data"], inner["scale"], dtype=dtype, row_len=row_len,
+            full_rows=full_rows, stochastic_rounding=stochastic, int8_matmul=int8_matmul,
+            compiled=compiled, tensor_parallel=tensor_parallel,
+        )
+
+    def __reduce_ex__(self, protocol: int):
+        # Both names are weights_only safe globals (end of module). A tensor-parallel split
+        # is this process's placement, not the weight's: it is not pickled.
+        return (
+            _rebuild_int8_weight,
+            (self.int_data.clone(), self.scale.clone(), self.dtype, self.row_len,
+             self.full_rows, self.stochastic_rounding, self.requires_grad,
+             getattr(self, "_is_param", False),
+             None if self.int8_matmul is None else dataclasses.astuple(self.int8_matmul),
+             self.compiled),
+        )
+
+    # ------------------------------------------------------------------ FSDP2 all-gather
+    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], tuple[int, int]]:
+        """FSDP2 hook: this shard's rows and scales packed into one padded int8 buffer
+        (the wire format and why: :mod:`fsdp_int8._weight.all_gather`)."""
+        return _all_gather.pre_all_gather(self, mesh)
+
+    def fsdp_post_all_gather(
+        self,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: tuple[int, int],
+        param_dtype: torch.dtype,
+        *,
+        out: "torch.Tensor | None" = None,
+    ) -> "tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None":
+        """FSDP2 hook: the unsharded weight, built from the gathered int8 rows and scales.
+
+        Weight-only (no ``int8_matmul``): a plain ``param_dtype`` tensor, the rows
+        dequantized once per unshard (the gathered bytes stay int8). Int8 matmuls: an
+        ``Int8Weight`` over the gathered buffer (its GEMMs read the int8 rows).
+
+        Raises:
+            NotImplementedError: on every rank, at the first unshard, if a rank flagged its
+                shard as not FSDP2's dim-0 chunk of the weight (tensor parallelism, say).
+        """
+        return _all_gather.post_all_gather(self, outputs, metadata, param_dtype, out)
+
+    # ------------------------------------------------------------------ dispatch
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        handler = _op_table.function_handler(func)
+        if handler is not None:
+            return handler(*args, **(kwargs or {}))
+        # Everything else goes straight to __torch_dispatch__; skipping the default
+        # __torch_function__ keeps plain results plain (it would rewrap them).
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _op_table.dispatch(func, args, kwargs or {})
+
+
+def _rebuild_int8_weight(
+    int_data, scale, dtype, row_len, full_rows, stochastic, requires_grad, is_param=False,
+    int8_matmul=None, compiled=False,
+):
+    # int8_matmul: Int8MatmulConfig's 3 fields (pickle layout 2, what __reduce_ex__ writes),
+    # or 4 with the compiled-kernel flag last (layout 1)
+    if int8_matmul is not None and len(int8_matmul) == 4:
+        *int8_matmul, compiled = int8_matmul
+    weight = Int8Weight(
+        int_data, scale, dtype=dtype, row_len=row_len, full_rows=full_rows,
+        stochastic_rounding=stochastic,
+        int8_matmul=None if int8_matmul is None else Int8MatmulConfig(*int8_matmul),
+        compiled=bool(compiled),
+    )
+    if is_param:  # a pickled module's parameter comes back as a parameter
+        return torch.nn.Parameter(weight, requires_grad=requires_grad)
+    return weight.requires_grad_(requires_grad) if requires_grad else weight
+
+
+# Pickles, reprs and allow-lists name the public home, which private moves never change.
+Int8Weight.__module__ = _rebuild_int8_weight.__module__ = "fsdp_int8.weight"
+# torch.load(weights_only=True) rebuilds Int8Weights through these two names only.
+torch.serialization.add_safe_globals([Int8Weight, _rebuild_int8_weight])
