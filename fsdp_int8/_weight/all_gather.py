@@ -173,9 +173,15 @@ def post_all_gather(
     if weight.int8_matmul is None:
         return _dequantized_unshard(data, scale, param_dtype, out, compiled=weight.compiled)
     if out is not None:
+        # A refill, as in _dequantized_unshard: a compiled block's graph saved these inner
+        # tensors for backward (eager autograd saves the weight itself), FSDP2 resharded
+        # after forward, and the same values are written back; hidden from autograd's
+        # version check as FSDP2 hides the refill of its own all-gather outputs.
         if out.int_data.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
-            out.int_data.copy_(data)  # FSDP2 gave a new buffer: keep `out` current anyway
-        out.scale.copy_(scale)
+            with torch.autograd._unsafe_preserve_version_counter(out.int_data):
+                out.int_data.copy_(data)  # FSDP2 gave a new buffer: keep `out` current anyway
+        with torch.autograd._unsafe_preserve_version_counter(out.scale):
+            out.scale.copy_(scale)
         return None
     # `data` views FSDP2's own output buffer, which it frees; `scale` is ours to hand over.
     return weight.derive(data, scale, dtype=param_dtype), (scale,)
