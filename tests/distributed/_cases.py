@@ -224,3 +224,28 @@ def train_repeating_pattern(model: nn.Module, rank: int, world: int, steps: int)
     total = torch.stack(losses)
     dist.all_reduce(total)
     return (total / world).tolist()
+
+
+STEP_BATCH = 8  # global batch of train_step_batches: divides 1, 2 and 4 ranks
+
+
+def sharded_mlp(mesh=None, hidden: int = 33) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``MLPNet`` (seed 0) through ``shard_model`` over ``mesh`` (all ranks by default), with
+    stochastic rounding seeded 7, and an AdamW with weight decay."""
+    torch.manual_seed(0)
+    model = fsdp_int8.shard_model(MLPNet(hidden=hidden), mesh=mesh, config=Int8TrainingConfig(seed=7))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train_step_batches(model: nn.Module, opt: torch.optim.Optimizer, first_step: int, steps: int) -> None:
+    """Steps ``first_step ..``: each on a global batch that depends on the step only, split
+    over the ranks (so a resumed run sees the data an uninterrupted one would)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = STEP_BATCH // world
+    for step in range(first_step, first_step + steps):
+        data = torch.Generator().manual_seed(step)
+        x, y = torch.randn(STEP_BATCH, 32, generator=data), torch.randn(STEP_BATCH, 4, generator=data)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()

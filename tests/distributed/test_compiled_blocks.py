@@ -4,12 +4,16 @@ one spawn.
 With int8 matmuls and FSDP2's default ``reshard_after_forward=True`` the compiled graph
 saves the unsharded weight's inner tensors (int8 rows, fp32 row scales) for backward, and
 the backward all-gather refills them: the refill must not trip autograd's version check
-(it did: "[torch.FloatTensor [64]] is at version 1; expected version 0"). Each case trains
+("one of the variables needed for gradient computation has been modified by an inplace
+operation: [torch.FloatTensor [64]] is at version 1; expected version 0"). Each case trains
 three steps and must give the eager run's losses bit for bit: the ``aot_eager`` backend
 runs the same kernels as eager through AOTAutograd, which is where saved tensors are
-checked (inductor fuses the block's own fp32 ops differently; the exhaustive matrix,
-``FSDP_INT8_FULL_MATRIX=1``, runs it with a bound). Every case compiles without a graph
-break and really runs compiled (dynamo's counters).
+checked. CI runs three cases that together cover both compile orders, activation
+checkpointing inside the compiled region, the int8 gradient reduce-scatter and weight-only
+int8; the exhaustive matrix (``FSDP_INT8_FULL_MATRIX=1``) adds each option alone,
+``reshard_after_forward=False``, and inductor for every case (it fuses the block's own
+fp32 ops in other orders: a bound instead of equality). Every case compiles without a
+graph break and really runs compiled (dynamo's counters).
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
 import fsdp_int8
 from fsdp_int8 import Int8MatmulConfig, Int8TrainingConfig
+from fsdp_int8.gradients import enable_quantized_reduce_scatter
 from fsdp_int8.testing import run_distributed
 
 from _cases import FULL_MATRIX, case
@@ -33,15 +40,22 @@ INDUCTOR_RTOL = 1e-5
 
 
 def _train(rank: int, config: Int8TrainingConfig, *, compile_: str | None, backend: str,
-           reshard: bool = True) -> list[float]:
+           reshard: bool = True, checkpointed: bool = False, int8_gradients: bool = False) -> list[float]:
     """Losses of 3 AdamW steps. ``compile_``: ``None`` (eager), ``"before"`` (each block's
     ``Module.compile`` before ``shard_model``, torchtitan's order) or ``"after"`` (each block
-    replaced by ``torch.compile(block)`` after ``shard_model``)."""
+    replaced by ``torch.compile(block)`` after ``shard_model``). ``checkpointed``: each block
+    under full activation checkpointing (inside the compiled region); ``int8_gradients``:
+    the int8 gradient reduce-scatter."""
     model = tiny_transformer(dim=64, vocab_size=64)
+    if checkpointed:
+        for index, block in enumerate(model.layers):
+            model.layers[index] = checkpoint_wrapper(block)
     if compile_ == "before":
         for block in model.layers:
             block.compile(fullgraph=True, backend=backend)
     fsdp_int8.shard_model(model, config=config, reshard_after_forward=reshard)
+    if int8_gradients:
+        enable_quantized_reduce_scatter(model)
     if compile_ == "after":
         for index, block in enumerate(model.layers):
             model.layers[index] = torch.compile(block, fullgraph=True, backend=backend)
@@ -62,25 +76,35 @@ def _compiled_like_eager(rank: int, world: int) -> None:
     from torch._dynamo.utils import counters
 
     backends = ("aot_eager", "inductor") if FULL_MATRIX else ("aot_eager",)
-    cases = [
-        ("int8 matmuls, compiled after shard_model, reshard_after_forward=True", INT8_MM, "after", True),
-        ("int8 matmuls, Module.compile before shard_model, reshard_after_forward=True", INT8_MM, "before", True),
-        ("int8 matmuls, compiled after shard_model, reshard_after_forward=False", INT8_MM, "after", False),
-        ("weight-only, compiled after shard_model, reshard_after_forward=True", WEIGHT_ONLY, "after", True),
+    cases = [  # (name, config, order, options): the eager reference runs the same options
+        ("int8 matmuls, compiled after shard_model", INT8_MM, "after", {}),
+        ("int8 matmuls, Module.compile before shard_model, full activation checkpointing inside, "
+         "int8 gradient reduce-scatter", INT8_MM, "before", {"checkpointed": True, "int8_gradients": True}),
+        ("weight-only, compiled after shard_model", WEIGHT_ONLY, "after", {}),
     ]
-    eager = {id(config): _train(rank, config, compile_=None, backend="eager") for config in (INT8_MM, WEIGHT_ONLY)}
+    if FULL_MATRIX:  # each option alone, and FSDP2 keeping the weights gathered
+        cases += [
+            ("int8 matmuls, Module.compile before shard_model", INT8_MM, "before", {}),
+            ("int8 matmuls, reshard_after_forward=False", INT8_MM, "after", {"reshard": False}),
+            ("int8 matmuls, full activation checkpointing inside", INT8_MM, "after", {"checkpointed": True}),
+            ("int8 matmuls, int8 gradient reduce-scatter", INT8_MM, "after", {"int8_gradients": True}),
+        ]
+    eager: dict[tuple, list[float]] = {}
     for backend in backends:
-        for name, config, order, reshard in cases:
+        for name, config, order, options in cases:
             with case(f"{name} ({backend})"):
+                key = (id(config), tuple(sorted(options.items())))
+                if key not in eager:
+                    eager[key] = _train(rank, config, compile_=None, backend="eager", **options)
                 torch._dynamo.reset()
                 counters.clear()
-                losses = _train(rank, config, compile_=order, backend=backend, reshard=reshard)
+                losses = _train(rank, config, compile_=order, backend=backend, **options)
                 assert not counters["graph_break"], dict(counters["graph_break"])
                 assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
                 if backend == "aot_eager":
-                    assert losses == eager[id(config)], (losses, eager[id(config)])
+                    assert losses == eager[key], (losses, eager[key])
                 else:
-                    torch.testing.assert_close(losses, eager[id(config)], rtol=INDUCTOR_RTOL, atol=0)
+                    torch.testing.assert_close(losses, eager[key], rtol=INDUCTOR_RTOL, atol=0)
                 assert losses[-1] < losses[0], losses
 
 

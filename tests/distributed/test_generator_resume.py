@@ -22,35 +22,15 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from _cases import case
-from _nets import MLPNet
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_int8
-from fsdp_int8 import Int8TrainingConfig, Int8Weight
+from fsdp_int8 import Int8Weight
 from fsdp_int8.testing import device_type_for, run_distributed
 
-BATCH = 8
+from _cases import case, sharded_mlp, train_step_batches
+
 PATHS = ("core", "hf", "lightning", "torchtitan")
-
-
-def _model(mesh=None):
-    torch.manual_seed(0)
-    model = fsdp_int8.shard_model(MLPNet(hidden=32), mesh=mesh, config=Int8TrainingConfig(seed=7))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def _train(model, opt, first_step: int, steps: int) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = BATCH // world
-    for step in range(first_step, first_step + steps):
-        data = torch.Generator().manual_seed(step)
-        x, y = torch.randn(BATCH, 32, generator=data), torch.randn(BATCH, 4, generator=data)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        F.mse_loss(model(x[mine]), y[mine]).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _rounding_state() -> dict[str, torch.Tensor]:
@@ -152,8 +132,8 @@ def _replicas_identical(model, mesh) -> list[str]:
 def _fsdp_then_hsdp(rank: int, world: int, root: str) -> None:
     root = Path(root)
     saved: dict = {}
-    model, opt = _model()  # FSDP over the 4 ranks
-    _train(model, opt, 0, 2)
+    model, opt = sharded_mlp(hidden=32)  # FSDP over the 4 ranks
+    train_step_batches(model, opt, 0, 2)
     at_save = _rounding_state()
     for path in PATHS:
         _save(path, model, opt, root, saved)
@@ -162,7 +142,7 @@ def _fsdp_then_hsdp(rank: int, world: int, root: str) -> None:
             _disturb_rounding(model)
             assert any(not torch.equal(v, at_save[k]) for k, v in _rounding_state().items())
             if path == "core":
-                fresh, fresh_opt = _model()
+                fresh, fresh_opt = sharded_mlp(hidden=32)
                 assert fsdp_int8.load_checkpoint(root / "core", fresh, fresh_opt).rng_restored
             else:
                 _restore(path, model, opt, root, saved)
@@ -173,11 +153,11 @@ def _fsdp_then_hsdp(rank: int, world: int, root: str) -> None:
     mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     for path in PATHS:
         with case(f"{path}: FSDP 4 -> HSDP 2 x 2 keeps the replicas identical"):
-            model, opt = _model(mesh)
+            model, opt = sharded_mlp(mesh, hidden=32)
             info = fsdp_int8.load_checkpoint(root / "core", model, opt)
             assert not info.rng_restored  # the rows moved: the core reseeds
             _restore(path, model, opt, root, saved)
-            _train(model, opt, 2, 2)
+            train_step_batches(model, opt, 2, 1)  # one stochastic step shows a drift
             differ = _replicas_identical(model, mesh)
             assert not differ, f"HSDP replicas drifted apart in {differ}"
 

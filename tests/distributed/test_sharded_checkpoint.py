@@ -10,7 +10,6 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,45 +20,24 @@ from torch.distributed.fsdp import FSDPModule
 
 import fsdp_int8
 import fsdp_int8.checkpoint
-from fsdp_int8 import Int8TrainingConfig, Int8Weight
+from fsdp_int8 import Int8Weight
 from fsdp_int8.testing import device_type_for, run_distributed
 
-from _cases import assert_identical, case, snapshot
+from _cases import assert_identical, case, sharded_mlp, snapshot, train_step_batches
 from _nets import MLPNet
-
-BATCH = 8  # global batch: divides 1, 2 and 4 ranks
-
-
-def _model(mesh=None):
-    torch.manual_seed(0)
-    model = fsdp_int8.shard_model(MLPNet(hidden=33), mesh=mesh, config=Int8TrainingConfig(seed=7))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def _train(model, opt, first_step: int, steps: int) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = BATCH // world
-    for step in range(first_step, first_step + steps):
-        data = torch.Generator().manual_seed(step)  # the batch depends on the step only
-        x, y = torch.randn(BATCH, 32, generator=data), torch.randn(BATCH, 4, generator=data)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        F.mse_loss(model(x[mine]), y[mine]).backward()
-        opt.step()
-        opt.zero_grad()
-
 
 def _save_then_continue(rank, world, root):
     """3 steps, save, 3 more: the snapshots after 3 and after 6 uninterrupted steps."""
-    model, opt = _model()
-    _train(model, opt, 0, 3)
+    model, opt = sharded_mlp()
+    train_step_batches(model, opt, 0, 3)
     fsdp_int8.save_checkpoint(root, model, opt, step=3, extra={"run": "test"})
     at_save = snapshot(model, opt)
-    _train(model, opt, 3, 3)
+    train_step_batches(model, opt, 3, 3)
     return at_save, snapshot(model, opt)
 
 
 def _load_at_one_rank_then_save(rank, world, root, root_from_one):
-    model, opt = _model()
+    model, opt = sharded_mlp()
     info = fsdp_int8.load_checkpoint(root, model, opt)
     assert info.step == 3 and info.world_size == 2 and not info.rng_restored
     loaded = snapshot(model, opt)
@@ -70,16 +48,16 @@ def _load_at_one_rank_then_save(rank, world, root, root_from_one):
 def _resume_at_two_ranks(rank, world, root, root_from_one):
     out = {}
     with case("1 -> 2 load"):
-        model, opt = _model()
+        model, opt = sharded_mlp()
         info = fsdp_int8.load_checkpoint(root_from_one, model, opt)
         assert info.world_size == 1 and not info.rng_restored
         out["from_one"] = snapshot(model, opt)
     with case("2 -> 2 resume"):
-        model, opt = _model()
+        model, opt = sharded_mlp()
         info = fsdp_int8.load_checkpoint(root, model, opt)
         assert info.step == 3 and info.rng_restored and info.extra == {"run": "test"}
         out["loaded"] = snapshot(model, opt)
-        _train(model, opt, info.step, 3)
+        train_step_batches(model, opt, info.step, 3)
         out["resumed"] = snapshot(model, opt)
     with case("export to full precision, import back"):
         exported = fsdp_int8.export_full_state_dict(model, dtype=torch.float32)
@@ -95,7 +73,7 @@ def _resume_at_two_ranks(rank, world, root, root_from_one):
             plain.load_state_dict(exported)  # the unquantized model takes it as is
             # the same dequantized values, multiplied in another order: fp32 rounding only
             torch.testing.assert_close(plain(x), int8_output, rtol=1e-5, atol=1e-5)
-        fresh, _ = _model()
+        fresh, _ = sharded_mlp()
         fsdp_int8.checkpoint.load_full_state_dict(fresh, exported)  # rank 0 has it, others pass {}
         for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
             a_local, b_local = a._local_tensor, b._local_tensor
@@ -106,7 +84,7 @@ def _resume_at_two_ranks(rank, world, root, root_from_one):
                 assert torch.equal(a_local, b_local), name
     with case("a full int8 state dict broadcast from rank 0"):
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        fresh, _ = _model()
+        fresh, _ = sharded_mlp()
         set_model_state_dict(
             fresh, full if rank == 0 else {},
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
@@ -135,25 +113,25 @@ def _assert_replicas_identical(model, mesh) -> None:
 
 
 def _load_at_four_ranks(rank, world, root, four_root):
-    model, opt = _model()
+    model, opt = sharded_mlp()
     fsdp_int8.load_checkpoint(root, model, opt)
     loaded = snapshot(model, opt)
-    _train(model, opt, 3, 1)  # and it trains on
+    train_step_batches(model, opt, 3, 1)  # and it trains on
     mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("replicate", "shard"))
     with case("4-way FSDP -> 2 x 2 HSDP (same world size): reseeded by shard, replicas stay identical"):
         fsdp_int8.save_checkpoint(four_root, model, opt, step=4)
-        model, opt = _model(mesh)
+        model, opt = sharded_mlp(mesh)
         info = fsdp_int8.load_checkpoint(four_root, model, opt)
         assert info.world_size == 4 and not info.rng_restored  # each rank holds other rows now
-        _train(model, opt, 4, 2)  # stochastic rounding
+        train_step_batches(model, opt, 4, 2)  # stochastic rounding
         _assert_replicas_identical(model, mesh)
     with case("2 x 2 HSDP -> 2 x 2 HSDP: exact resume, replicas stay identical"):
         fsdp_int8.save_checkpoint(four_root, model, opt, step=6)
-        _train(model, opt, 6, 1)
+        train_step_batches(model, opt, 6, 1)
         uninterrupted = snapshot(model, opt)
-        model, opt = _model(mesh)
+        model, opt = sharded_mlp(mesh)
         assert fsdp_int8.load_checkpoint(four_root, model, opt).rng_restored
-        _train(model, opt, 6, 1)
+        train_step_batches(model, opt, 6, 1)
         _assert_replicas_identical(model, mesh)
         assert_identical(uninterrupted, snapshot(model, opt), "HSDP save at 6, resume, 1 more")
     return loaded
