@@ -111,43 +111,74 @@ STAGE_SEED_STRIDE = 7_919  # build_model: pipeline stage i's initial weights dra
 COMPUTE_DTYPES = ("bf16", "fp32", "bf16-model")  # of fsdp_int8 precisions; bf16 is the default
 _COMPUTE_POLICY = {"bf16": BF16_POLICY, "fp32": None, "bf16-model": None}  # bf16-model: cast, no policy
 COMPILE_OPTIONS = ("compiled", "eager")
+BLOCKS_OPTION = "blocks"  # a row option: every transformer block compiled whole
+COMPILE_MODES = ("auto", "on", "off", "blocks")
 # --compile auto turns the compiled kernels on from this width: below it the kernels are
 # too small for fusion to repay torch.compile's ~15 s of start-up per process.
 COMPILE_FROM_WIDTH = 512
 
 
 def compile_wanted(mode: str, dim: int) -> bool:
-    """``--compile``: ``"on"``, ``"off"``, or ``"auto"`` (on from :data:`COMPILE_FROM_WIDTH`)."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"--compile is auto, on or off, not {mode!r}")
+    """Whether ``--compile`` ``mode`` compiles fsdp_int8's quantization kernels on their own:
+    ``"on"``, or ``"auto"`` from :data:`COMPILE_FROM_WIDTH` where blocks are not compiled
+    (``"blocks"`` compiles them inside each block's graph)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile is one of {', '.join(COMPILE_MODES)}, not {mode!r}")
     return mode == "on" or (mode == "auto" and dim >= COMPILE_FROM_WIDTH)
+
+
+def blocks_wanted(mode: str, device_type: str, *, tp: int = 1, pp: int = 1) -> bool:
+    """Whether ``--compile`` ``mode`` compiles each transformer block whole
+    (``torch.compile(fullgraph=True)`` before sharding, torchtitan's per-block compile).
+
+    ``"blocks"``: yes. ``"auto"``: on accelerators, where it is what FSDP2 users run; not
+    on CPUs, where inductor's C++ build of every block shape costs each process minutes
+    on a few cores, and no CPU speed-up has been measured yet (docs/performance.md). Not
+    with tensor or pipeline parallelism, which are not tested compiled yet.
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile is one of {', '.join(COMPILE_MODES)}, not {mode!r}")
+    if mode == "blocks" and (tp > 1 or pp > 1):
+        raise ValueError("--compile blocks is not tested with --tp or --pp yet: use --compile on "
+                         "(the quantization kernels) or leave --tp / --pp at 1")
+    return mode == "blocks" or (mode == "auto" and device_type != "cpu" and tp == 1 and pp == 1)
 
 
 @dataclass(frozen=True)
 class Recipe:
     """A precision with its run options: what one launcher run or benchmark row trains.
 
-    ``compute_dtype`` and ``compile`` apply to fsdp_int8 precisions only; the others fix
-    their own dtypes (``compute_dtype`` ``None``, ``compile`` ``False``).
+    ``compute_dtype`` and ``compile`` (fsdp_int8's quantization kernels) apply to fsdp_int8
+    precisions only; the others fix their own dtypes (``compute_dtype`` ``None``,
+    ``compile`` ``False``). ``blocks`` (every transformer block compiled whole, before
+    sharding) applies to every precision, so that a compiled run is compared with a
+    compiled baseline; it compiles the quantization kernels inside each block's graph, so
+    it excludes ``compile``.
     """
 
     precision: Precision
     compute_dtype: str | None = "bf16"
     compile: bool = False
+    blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.precision.int8 and self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
         if not self.precision.int8 and (self.compute_dtype is not None or self.compile):
-            raise ValueError(f"{self.precision.name} fixes its own dtypes and kernels: it takes no options")
+            raise ValueError(f"{self.precision.name} fixes its own dtypes and kernels: it takes no options "
+                             f"but {BLOCKS_OPTION}")
+        if self.compile and self.blocks:
+            raise ValueError(f"{BLOCKS_OPTION} compiles the quantization kernels inside each block: "
+                             "it takes no 'compiled'")
 
     @classmethod
-    def of(cls, name: str, compute_dtype: str = "bf16", compile: bool = False) -> "Recipe":
-        """The recipe of precision ``name``; the options are dropped where it fixes its own."""
+    def of(cls, name: str, compute_dtype: str = "bf16", compile: bool = False, blocks: bool = False) -> "Recipe":
+        """The recipe of precision ``name``; the options are dropped where it fixes its own
+        (``compile`` also where ``blocks`` compiles the kernels inside the blocks)."""
         precision = PRECISIONS[name]
         if not precision.int8:
-            return cls(precision, None, False)
-        return cls(precision, compute_dtype, compile)
+            return cls(precision, None, False, blocks)
+        return cls(precision, compute_dtype, compile and not blocks, blocks)
 
     @property
     def name(self) -> str:
@@ -156,7 +187,8 @@ class Recipe:
         options = []
         if self.precision.int8:
             options += [self.compute_dtype] if self.compute_dtype != "bf16" else []
-            options += [] if self.compile else ["eager"]
+            options += [] if self.compile or self.blocks else ["eager"]
+        options += [BLOCKS_OPTION] if self.blocks else []
         return ":".join([self.precision.name, *options])
 
     @property
@@ -176,18 +208,22 @@ def parse_row(text: str, *, compile: bool) -> Recipe:
     name, *options = text.split(":")
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {name!r}: one of {', '.join(PRECISIONS)}")
-    compute_dtype = "bf16"
+    compute_dtype, blocks = "bf16", False
     for option in options:
         if option in COMPUTE_DTYPES:
             compute_dtype = option
         elif option in COMPILE_OPTIONS:
             compile = option == "compiled"
+        elif option == BLOCKS_OPTION:
+            blocks = True
         else:
             raise ValueError(f"unknown option {option!r} in {text!r}: a compute dtype "
-                             f"({', '.join(COMPUTE_DTYPES)}) or {' / '.join(COMPILE_OPTIONS)}")
-    if options and not PRECISIONS[name].int8:
-        raise ValueError(f"{text!r}: {name} fixes its own dtypes and kernels, it takes no options")
-    return Recipe.of(name, compute_dtype, compile)
+                             f"({', '.join(COMPUTE_DTYPES)}), {' / '.join(COMPILE_OPTIONS)} or {BLOCKS_OPTION}")
+    if set(options) - {BLOCKS_OPTION} and not PRECISIONS[name].int8:
+        raise ValueError(f"{text!r}: {name} fixes its own dtypes and kernels, it takes no options but {BLOCKS_OPTION}")
+    if blocks and "compiled" in options:
+        raise ValueError(f"{text!r}: {BLOCKS_OPTION} compiles the quantization kernels inside each block")
+    return Recipe.of(name, compute_dtype, compile, blocks)
 
 
 def row_argument(text: str) -> str:
@@ -283,6 +319,9 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         model.keep_stage(index, count)
     if recipe.compute_dtype == "bf16-model":
         model.to(torch.bfloat16)
+    if recipe.blocks:  # torchtitan's order: compile each block in place, then shard
+        for block in model.blocks():
+            block.compile(fullgraph=True)
     if precision.int8:
         config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=precision.int8_matmul, compile=recipe.compile)
         fsdp_int8.shard_model(model, mesh=mesh, config=config, mp_policy=_COMPUTE_POLICY[recipe.compute_dtype],

@@ -44,7 +44,8 @@ from launch import parallel, pipeline, run_dir
 from launch.data import Corpus, load_corpus, sample_batch
 from launch.metrics import RunLog, bits_per_byte, plot_losses, read_metrics
 from launch.model import PRESETS, Transformer, check_pp, check_tp, model_args
-from launch.precisions import AUTO, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, build_model, compile_wanted, resolve_auto
+from launch.precisions import (AUTO, COMPILE_MODES, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, blocks_wanted,
+                               build_model, compile_wanted, resolve_auto)
 
 # Everything random derives from --seed: the initial weights (torch.manual_seed), the
 # stochastic rounding of int8 updates (Int8TrainingConfig.seed) and the batches:
@@ -72,9 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--compute-dtype", default=AUTO, choices=(AUTO, "fp32", "bf16"),
                        help="compute dtype of int8 runs; auto (default): bf16 where this hardware has "
                        "fast bf16 matmuls, else fp32 (the all-gather is int8 either way)")
-    train.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                       help="fuse int8 quantization steps with torch.compile; auto (default): on "
-                       "from width 512, where it repays its ~15 s of start-up per process")
+    train.add_argument("--compile", default="auto", choices=COMPILE_MODES,
+                       help="on: fuse int8 quantization steps with torch.compile; blocks: compile every "
+                       "transformer block whole (torchtitan's per-block compile, the quantization steps "
+                       "inside); auto (default): blocks on GPUs; on CPUs on from width 512, where it repays "
+                       "its ~15 s of start-up per process")
     train.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     train.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
@@ -133,6 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     error = microbatch_error(args)
     if error:
         parser.error(error)
+    try:
+        blocks_wanted(args.compile, "cpu", tp=args.tp, pp=args.pp)
+    except ValueError as error:
+        parser.error(str(error))
     error = parallel.layout_error(int(os.environ.get("WORLD_SIZE", 1)), tp=args.tp, pp=args.pp, replicas=args.replicas)
     if error:
         parser.error(error)
@@ -214,7 +221,10 @@ def choose_recipe(args: argparse.Namespace, device: torch.device) -> Recipe:
     args.precision, args.compute_dtype, why = resolve_auto(args.precision, args.compute_dtype, device)
     if why and dist.get_rank() == 0:
         print(why, flush=True)
-    return Recipe.of(args.precision, args.compute_dtype, compile_wanted(args.compile, args.model.dim))
+    blocks = blocks_wanted(args.compile, device.type, tp=args.tp, pp=args.pp)
+    if blocks and args.compile == "auto" and dist.get_rank() == 0:
+        print(f"auto on {device.type}: --compile blocks (each transformer block compiled whole)", flush=True)
+    return Recipe.of(args.precision, args.compute_dtype, compile_wanted(args.compile, args.model.dim), blocks)
 
 
 def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.Optimizer:

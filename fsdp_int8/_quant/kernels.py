@@ -30,6 +30,7 @@ def ceil_div(numerator: int, denominator: int) -> int:
     of a shard)."""
     return -(-numerator // denominator)
 
+
 _compile_failed = False  # torch.compile raised once in this process: stay eager from then on
 
 

@@ -124,6 +124,7 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path):
         (["--pp", "2", "--batch-size", "3"], "--batch-size 3 does not divide into --microbatches 2"),
         (["--pp", "2", "--microbatches", "1"], "--pp-schedule 1f1b needs at least --pp 2 microbatches"),
         (["--microbatches", "2"], "--microbatches is for pipeline parallelism"),
+        (["--compile", "blocks", "--tp", "2"], "--compile blocks is not tested with --tp or --pp yet"),
     ],
 )
 def test_bad_input_fails_before_any_process_group(argv, message, monkeypatch, capsys, tmp_path):
@@ -273,12 +274,30 @@ def test_a_row_spells_a_precision_and_its_options():
     assert precisions.compile_wanted("auto", 511) is False and precisions.compile_wanted("auto", 512) is True
 
 
+def test_compiled_blocks_are_a_row_option_of_every_precision_and_a_compile_mode():
+    parse = precisions.parse_row
+    assert parse("bf16:blocks", compile=True) == precisions.Recipe(precisions.PRECISIONS["bf16"], None, False, True)
+    assert parse("int8-mm:blocks", compile=True) == precisions.Recipe(precisions.PRECISIONS["int8-mm"], "bf16", False, True)
+    for name in ("bf16:blocks", "int8-mm:blocks", "int8:fp32:blocks"):
+        assert parse(name, compile=True).name == name
+    for bad, message in (("int8:compiled:blocks", "compiles the quantization kernels inside"),
+                         ("fp32:eager:blocks", "takes no options but blocks")):
+        with pytest.raises(ValueError, match=message):
+            parse(bad, compile=False)
+    wanted = precisions.blocks_wanted
+    assert wanted("blocks", "cpu") and not wanted("on", "cuda") and not wanted("off", "cuda")
+    assert wanted("auto", "cuda") and not wanted("auto", "cpu")  # GPUs compile blocks by default; CPUs do not
+    assert not wanted("auto", "cuda", tp=2) and not wanted("auto", "cuda", pp=2)  # not tested compiled yet
+    with pytest.raises(ValueError, match="not tested with --tp or --pp"):
+        wanted("blocks", "cpu", pp=2)
+
+
 def _every_precision_trains(rank: int, world: int) -> dict:
     out = {}
     shape = PRESETS["tiny"]
     tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     for row in ("fp32", "bf16", "all-bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16", "int8-grads",
-                "int8-mm-grads", "int8:fp32:eager", "int8-mm:bf16-model"):
+                "int8-mm-grads", "int8:fp32:eager", "int8-mm:bf16-model", "bf16:blocks", "int8-mm:blocks"):
         recipe = precisions.parse_row(row, compile=False)
         # full_init is one code path for every recipe: one baseline, one int8 and the bf16 model suffice
         for full_init in (False, True) if row in ("bf16", "int8", "int8-mm:bf16-model") else (False,):
@@ -289,6 +308,7 @@ def _every_precision_trains(rank: int, world: int) -> dict:
             locals_ = [p.to_local() for p in model.parameters()]
             out[row, full_init] = dict(
                 losses=losses, int8=sum(isinstance(p, fsdp_int8.Int8Weight) for p in locals_),
+                compiled=[block._compiled_call_impl is not None for block in model.blocks()],
                 dtypes={p.dtype for p in locals_ if not isinstance(p, fsdp_int8.Int8Weight)},
             )
     return out
@@ -296,11 +316,13 @@ def _every_precision_trains(rank: int, world: int) -> dict:
 
 def test_every_precision_builds_shards_and_trains():
     """Each precision of launch.precisions, built both ways (on meta then initialised by
-    shard, and initialised whole then sharded), trains: its loss falls over 3 steps."""
+    shard, and initialised whole then sharded), trains: its loss falls over 3 steps. With
+    ``blocks`` (a bf16 baseline and int8 matmuls) every block is compiled whole, by inductor."""
     results = run_distributed(_every_precision_trains, 1)[0]
     for (row, full_init), found in results.items():
         recipe = precisions.parse_row(row, compile=False)
         assert found["losses"][-1] < found["losses"][0], (row, full_init, found["losses"])
+        assert found["compiled"] == [recipe.blocks] * PRESETS["tiny"].n_layers, (row, found["compiled"])
         assert (found["int8"] == 7 * PRESETS["tiny"].n_layers) == recipe.precision.int8, (row, found)
         stored = torch.bfloat16 if recipe.compute_dtype == "bf16-model" else torch.float32
         assert found["dtypes"] == {stored}, (row, found)
