@@ -19,7 +19,7 @@ def test_dry_run_checks_gemms_and_training_and_writes_its_report(tmp_path):
     trained = results["train"]["rows"]
     assert set(trained) == set(gpu.TRAIN_ROWS)
     assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in trained.values()), trained
-    assert trained["bf16"]["ratio"] == 1.0  # the baseline against itself
+    assert trained["bf16"]["ratio"] == 1.0 and trained["bf16:blocks"]["ratio"] == 1.0  # baselines against themselves
     text = out.read_text()
     assert text.startswith("# fsdp_int8 on GPUs") and "| check | result |" in text and "Goals" in text
     (run,) = json.loads(out.with_suffix(".json").read_text())
