@@ -72,6 +72,8 @@ def _trainer_config(args: argparse.Namespace, dump_folder: str):
     config.dump_folder = dump_folder
     config.checkpoint.enable = True
     config.checkpoint.interval = args.steps
+    if args.compile:  # torchtitan compiles each block after AC wrapping and before FSDP
+        config.compile.enable, config.compile.components, config.compile.backend = True, ["model"], args.compile
     return config
 
 
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dump-folder", default=None, help="default: a temporary folder")
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="torchtitan's per-block compile (compile.enable, components ['model']) "
+                        "with this torch.compile backend, e.g. inductor")
     args = parser.parse_args(argv)
 
     created = not dist.is_initialized()
