@@ -249,3 +249,19 @@ def train_step_batches(model: nn.Module, opt: torch.optim.Optimizer, first_step:
         F.mse_loss(model(x[mine]), y[mine]).backward()
         opt.step()
         opt.zero_grad()
+
+
+def replicas_differ(model: nn.Module, mesh, replicate_dim: str) -> list[str]:
+    """Names of the int8 weights whose shard (bytes and scales) is not the same on every
+    replica of it along ``mesh``'s dim ``replicate_dim`` (HSDP)."""
+    group, size = mesh.get_group(replicate_dim), mesh.size(mesh.mesh_dim_names.index(replicate_dim))
+    differ = []
+    for name, param in model.named_parameters():
+        local = local_of(param)
+        if isinstance(local, Int8Weight):
+            mine = (local.int_rows().cpu(), local.scale.cpu())
+            replicas = [None] * size
+            dist.all_gather_object(replicas, mine, group=group)
+            if not all(all(map(torch.equal, mine, other)) for other in replicas):
+                differ.append(name)
+    return differ

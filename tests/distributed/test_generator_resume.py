@@ -28,7 +28,7 @@ import fsdp_int8
 from fsdp_int8 import Int8Weight
 from fsdp_int8.testing import device_type_for, run_distributed
 
-from _cases import case, sharded_mlp, train_step_batches
+from _cases import case, replicas_differ, sharded_mlp, train_step_batches
 
 PATHS = ("core", "hf", "lightning", "torchtitan")
 
@@ -114,21 +114,6 @@ def _restore(path: str, model, opt, root: Path, saved: dict) -> None:
         manager.dcp_load(states, str(root / "torchtitan"), False, False)
 
 
-def _replicas_identical(model, mesh) -> list[str]:
-    """Names of the int8 weights whose shard differs between its two HSDP replicas."""
-    group = mesh.get_group("dp_replicate")
-    differ = []
-    for name, param in model.named_parameters():
-        local = param._local_tensor
-        if isinstance(local, Int8Weight):
-            mine = (local.int_rows().clone(), local.scale.clone())
-            replicas = [None] * mesh.size(0)
-            dist.all_gather_object(replicas, mine, group=group)
-            if not all(all(map(torch.equal, mine, other)) for other in replicas):
-                differ.append(name)
-    return differ
-
-
 def _fsdp_then_hsdp(rank: int, world: int, root: str) -> None:
     root = Path(root)
     saved: dict = {}
@@ -158,7 +143,7 @@ def _fsdp_then_hsdp(rank: int, world: int, root: str) -> None:
             assert not info.rng_restored  # the rows moved: the core reseeds
             _restore(path, model, opt, root, saved)
             train_step_batches(model, opt, 2, 1)  # one stochastic step shows a drift
-            differ = _replicas_identical(model, mesh)
+            differ = replicas_differ(model, mesh, "dp_replicate")
             assert not differ, f"HSDP replicas drifted apart in {differ}"
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import tempfile
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -23,7 +22,7 @@ import fsdp_int8.checkpoint
 from fsdp_int8 import Int8Weight
 from fsdp_int8.testing import device_type_for, run_distributed
 
-from _cases import assert_identical, case, sharded_mlp, snapshot, train_step_batches
+from _cases import assert_identical, case, replicas_differ, sharded_mlp, snapshot, train_step_batches
 from _nets import MLPNet
 
 def _save_then_continue(rank, world, root):
@@ -99,19 +98,6 @@ def _resume_at_two_ranks(rank, world, root, root_from_one):
     return out
 
 
-def _assert_replicas_identical(model, mesh) -> None:
-    """Every int8 shard (bytes and scales) is the same on each replica of it."""
-    group = mesh.get_group("replicate")
-    for name, param in model.named_parameters():
-        local = param._local_tensor
-        if isinstance(local, Int8Weight):
-            mine = (local.int_rows().cpu(), local.scale.cpu())
-            replicas = [None] * mesh.size(0)
-            dist.all_gather_object(replicas, mine, group=group)
-            for other in replicas:
-                assert all(map(torch.equal, mine, other)), f"{name}: HSDP replicas differ"
-
-
 def _load_at_four_ranks(rank, world, root, four_root):
     model, opt = sharded_mlp()
     fsdp_int8.load_checkpoint(root, model, opt)
@@ -124,7 +110,7 @@ def _load_at_four_ranks(rank, world, root, four_root):
         info = fsdp_int8.load_checkpoint(four_root, model, opt)
         assert info.world_size == 4 and not info.rng_restored  # each rank holds other rows now
         train_step_batches(model, opt, 4, 2)  # stochastic rounding
-        _assert_replicas_identical(model, mesh)
+        assert not replicas_differ(model, mesh, "replicate"), "HSDP replicas differ"
     with case("2 x 2 HSDP -> 2 x 2 HSDP: exact resume, replicas stay identical"):
         fsdp_int8.save_checkpoint(four_root, model, opt, step=6)
         train_step_batches(model, opt, 6, 1)
@@ -132,7 +118,7 @@ def _load_at_four_ranks(rank, world, root, four_root):
         model, opt = sharded_mlp(mesh)
         assert fsdp_int8.load_checkpoint(four_root, model, opt).rng_restored
         train_step_batches(model, opt, 6, 1)
-        _assert_replicas_identical(model, mesh)
+        assert not replicas_differ(model, mesh, "replicate"), "HSDP replicas differ"
         assert_identical(uninterrupted, snapshot(model, opt), "HSDP save at 6, resume, 1 more")
     return loaded
 
