@@ -131,15 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 n_heads=args.n_heads)
         check_tp(args.model, args.tp)
         check_pp(args.model, args.pp)
+        blocks_wanted(args.compile, "cpu", tp=args.tp, pp=args.pp)  # refusals; the device decides auto only
     except ValueError as error:
         parser.error(str(error))
     error = microbatch_error(args)
     if error:
         parser.error(error)
-    try:
-        blocks_wanted(args.compile, "cpu", tp=args.tp, pp=args.pp)
-    except ValueError as error:
-        parser.error(str(error))
     error = parallel.layout_error(int(os.environ.get("WORLD_SIZE", 1)), tp=args.tp, pp=args.pp, replicas=args.replicas)
     if error:
         parser.error(error)

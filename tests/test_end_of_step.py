@@ -97,3 +97,15 @@ def test_an_optimizer_step_settles_at_its_end(queues):
     first.hold("during the step")
     optimizer.step()
     assert flushed == [("first", ["during the step"])]
+
+
+def test_a_weight_held_by_two_queues_waits_until_both_are_flushed(queues):
+    make, flushed = queues
+    first, second = make("first"), make("second")
+    weight = Int8Weight.from_float(torch.randn(4, 8))
+    first.hold("a", weight)
+    second.hold("b", weight)
+    first._take()  # as settle does, one queue at a time
+    assert second.holds(weight)
+    weight.read_rows()
+    assert flushed == [("second", ["b"])]

@@ -69,9 +69,10 @@ class HeldWork:
         return _storage_of(weight) in self._storages
 
     def _take(self) -> list:
-        items, self.items = self.items, []
-        _waiting_storages.difference_update(self._storages)
-        self._storages = set()
+        items, self.items, self._storages = self.items, [], set()
+        # what the other queues still hold keeps waiting (a weight may be in several)
+        _waiting_storages.clear()
+        _waiting_storages.update(*(queue._storages for queue in _queues.values()))
         return items
 
 
