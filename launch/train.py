@@ -87,7 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
     train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     train.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
-    train.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    train.add_argument("--grad-clip", type=float,
+                       help="max gradient norm (0: off; default 1.0, or off with --step-in-backward)")
+    train.add_argument("--step-in-backward", action="store_true",
+                       help="with --optimizer int8-adamw or int8-adamw-8bit: update each parameter inside "
+                       "backward as soon as its gradient is reduced, and free the gradient (gradients never "
+                       "all live at once; no global gradient clipping; not with --pp)")
     train.add_argument("--replicas", type=int, default=1,
                        help="HSDP: replicate the sharded model over this many groups of ranks")
     train.add_argument("--tp", type=int, default=1,
@@ -126,6 +131,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--checkpoint-every must be >= 0")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out, --overwrite deletes it: pass one")
+    error = step_in_backward_error(args)
+    if error:
+        parser.error(error)
+    if args.grad_clip is None:
+        args.grad_clip = 0.0 if args.step_in_backward else 1.0
     try:
         args.model = model_args(args.preset, seq_len=args.seq_len, dim=args.dim, n_layers=args.n_layers,
                                 n_heads=args.n_heads)
@@ -229,7 +239,22 @@ def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     state_bits = 8 if args.optimizer.endswith("8bit") else 32
     return fsdp_int8.Int8AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                               state_bits=state_bits)
+                               state_bits=state_bits, step_in_backward=args.step_in_backward)
+
+
+def step_in_backward_error(args: argparse.Namespace) -> str | None:
+    """Why --step-in-backward does not fit the other arguments."""
+    if not args.step_in_backward:
+        return None
+    if args.optimizer == "adamw":
+        return "--step-in-backward needs fsdp_int8's optimizer: --optimizer int8-adamw or int8-adamw-8bit"
+    if args.grad_clip:
+        return ("--step-in-backward updates each parameter before the next gradient exists, so no global "
+                "gradient norm can clip them: pass --grad-clip 0 (or drop --step-in-backward)")
+    if args.pp > 1:
+        return ("--step-in-backward applies each gradient once per step, and a pipeline schedule hands "
+                "each parameter one gradient per microbatch: drop one of --step-in-backward and --pp")
+    return None
 
 
 def microbatch_error(args: argparse.Namespace) -> str | None:

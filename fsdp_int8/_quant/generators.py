@@ -16,7 +16,9 @@ global rank. Both save and restore their states for exact resumption.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -138,3 +140,45 @@ def seed_weight_rounding(seed: int, mesh: DeviceMesh | None = None) -> None:
     weight's first all-gather tells the coordinate (``Int8Weight.fsdp_pre_all_gather``).
     """
     WEIGHT_ROUNDING.manual_seed(seed, None if mesh is None else _dist.rounding_coordinate(mesh))
+
+
+# A generator that replaces every weight's bank stream while one optimizer update writes
+# its weight (see :func:`update_stream`).
+_UPDATE_STREAM: contextvars.ContextVar[torch.Generator | None] = contextvars.ContextVar(
+    "fsdp_int8_update_stream", default=None
+)
+
+
+def draw_update_seeds(generators: list[torch.Generator]) -> list[int]:
+    """One 63-bit seed per entry of ``generators``, drawn from each in list order (one
+    draw per entry; entries that share a generator draw from it in turn)."""
+    counts: dict[int, int] = {}
+    for gen in generators:
+        counts[id(gen)] = counts.get(id(gen), 0) + 1
+    drawn: dict[int, list[int]] = {}
+    for gen in {id(g): g for g in generators}.values():
+        seeds = torch.randint(0, _MASK63, (counts[id(gen)],), dtype=torch.int64, generator=gen, device=gen.device)
+        drawn[id(gen)] = seeds.tolist()[::-1]  # popped from the end: list order
+    return [drawn[id(gen)].pop() for gen in generators]
+
+
+@contextlib.contextmanager
+def update_stream(generator: torch.Generator) -> Iterator[None]:
+    """Round the weight written inside this block from ``generator``.
+
+    An optimizer draws one seed per int8 weight at the start of a step, in its parameter
+    order (:func:`draw_update_seeds`), then updates each weight from a generator seeded
+    with it: the noise a weight gets does not depend on the order in which weights are
+    updated (after backward, in parameter order; inside backward, in the order gradients
+    arrive).
+    """
+    token = _UPDATE_STREAM.set(generator)
+    try:
+        yield
+    finally:
+        _UPDATE_STREAM.reset(token)
+
+
+def active_update_stream() -> torch.Generator | None:
+    """The generator of the update running now (:func:`update_stream`), else ``None``."""
+    return _UPDATE_STREAM.get()

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_int8._quant.generators import WEIGHT_ROUNDING
+from fsdp_int8._quant.generators import WEIGHT_ROUNDING, active_update_stream
 from fsdp_int8._weight import end_of_step
 from fsdp_int8.quant import absmax_quantize, raise_non_finite, signed_row_absmax
 
@@ -81,7 +81,11 @@ def shares_row_scales(weight: Int8Weight) -> bool:
 
 def rounding_generator(weight: Int8Weight, device: torch.device) -> "torch.Generator | None":
     """The generator of ``weight``'s stochastic rounding on ``device``: its tensor-parallel
-    shard's own stream, or the rank's (``None`` on meta)."""
+    shard's own stream, or the rank's (``None`` on meta); inside an optimizer's update of
+    one weight, that update's own stream (``fsdp_int8._quant.generators.update_stream``)."""
+    update = active_update_stream()
+    if update is not None and device.type != "meta":
+        return update
     split = weight.tensor_parallel
     return WEIGHT_ROUNDING.generator(device, split if isinstance(split, TensorParallelShard) else None)
 

@@ -9,6 +9,7 @@ state (``_init_state``) and runs its fp32 update over a chunk (``_update``).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -18,10 +19,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer
 
 from fsdp_int8._dist import local_shard
+from fsdp_int8._quant.generators import draw_update_seeds, update_stream
+from fsdp_int8._weight.tensor_parallel import rounding_generator
 from fsdp_int8._weight.ops.views import contiguous_strides
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.guard import check_finite_gradients
 from fsdp_int8.optim._checks import check_floating
+from fsdp_int8.optim._in_backward import InBackward
 
 # The update of a chunk of parameters runs on fp32 copies (dequantized weights, moments,
 # the denominator): at most this many elements at a time (one parameter at least), so the
@@ -32,6 +36,12 @@ from fsdp_int8.optim._checks import check_floating
 # (docs/performance.md, "Kernel choices", has the measurement).
 _CHUNK_ELEMENTS = 1 << 24
 _CHUNK_ELEMENTS_CPU = 0
+# A parameter larger than this is updated in pieces of whole dim-0 rows (at most this
+# many elements, one row at least): the step's fp32 copies never grow with the largest
+# parameter (an embedding of a large vocabulary), so its transient memory stays below
+# ~20 bytes x this (20 MiB on CPU, 320 MiB on GPUs, where fewer, larger kernels pay).
+_PIECE_ELEMENTS = 1 << 24
+_PIECE_ELEMENTS_CPU = 1 << 20
 
 # 32-bit state entries: always fp32 (also when loaded from a torch.optim checkpoint of a
 # bf16 model, whose states are bf16).
@@ -88,19 +98,28 @@ def _placement_text(tensor: torch.Tensor) -> str:
     return "plain tensor"
 
 
-def _chunks(params: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive parameters, at most ``limit`` local elements per chunk (one at least)."""
-    chunk: list[torch.Tensor] = []
+def _chunks(pieces: list["Piece"], limit: int) -> Iterator[list["Piece"]]:
+    """Consecutive pieces, at most ``limit`` local elements per chunk (one at least)."""
+    chunk: list[Piece] = []
     total = 0
-    for param in params:
-        size = local_shard(param).numel()
+    for piece in pieces:
+        size = piece.local.numel()
         if chunk and total + size > limit:
             yield chunk
             chunk, total = [], 0
-        chunk.append(param)
+        chunk.append(piece)
         total += size
     if chunk:
         yield chunk
+
+
+def _row_ranges(local: torch.Tensor, limit: int) -> list[slice | None]:
+    """``[None]`` (the whole tensor) if ``local`` has at most ``limit`` elements, else
+    consecutive ranges of whole dim-0 rows of at most ``limit`` elements (one row at least)."""
+    if local.numel() <= limit or local.dim() == 0 or local.shape[0] < 2:
+        return [None]
+    rows = max(1, limit // max(1, local.numel() // local.shape[0]))
+    return [slice(start, min(start + rows, local.shape[0])) for start in range(0, local.shape[0], rows)]
 
 
 class _KeepAsLoaded:
@@ -113,18 +132,38 @@ class _KeepAsLoaded:
 
 
 @dataclass
-class Slot:
-    """One parameter during a step: its local tensors and fp32 working copies."""
+class Piece:
+    """A parameter, or a range of its dim-0 rows, with its state and gradient (local)."""
 
     param: torch.Tensor  # as the optimizer holds it (DTensor or plain)
-    local: torch.Tensor  # this rank's tensor: an Int8Weight or a plain tensor
+    local: torch.Tensor  # this rank's tensor or its rows: an Int8Weight or a plain tensor
+    state: dict  # the parameter's state, its tensors cut to the same rows ("step" shared)
+    grad: torch.Tensor  # the local gradient, same rows
+    first: bool  # the parameter's first piece (counts the step)
+
+
+@dataclass
+class Slot:
+    """One piece during a step: its local tensors and fp32 working copies."""
+
+    param: torch.Tensor
+    local: torch.Tensor
     state: dict
     work: torch.Tensor  # fp32 values updated in place (the local tensor itself if fp32)
     grad: torch.Tensor  # fp32, read only
+    first: bool = True
 
 
 class FusedInt8Optimizer(Optimizer):
     """Parameter handling shared by :class:`~fsdp_int8.Int8AdamW` and :class:`~fsdp_int8.Int8SGD`."""
+
+    def __init__(self, params: Any, defaults: dict[str, Any], *, step_in_backward: bool = False) -> None:
+        if not isinstance(step_in_backward, bool):
+            raise TypeError(f"step_in_backward must be a bool, got {step_in_backward!r}")
+        self._in_backward = InBackward(self) if step_in_backward else None
+        self._seeds: dict[int, int] | None = None  # id(param) -> its update's rounding seed
+        self._streams: dict[int, torch.Generator] = {}  # id(param) -> its seeded generator
+        super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group, as ``torch.optim.Optimizer`` does, then check its
@@ -133,33 +172,91 @@ class FusedInt8Optimizer(Optimizer):
         group = self.param_groups[-1]
         check_floating(group["params"], type(self).__name__)
         self._check_group(group)
+        if self._in_backward is not None:
+            self._in_backward.watch(group)
 
     def _check_group(self, group: dict[str, Any]) -> None:  # pragma: no cover - overridden
         """Raise if a parameter group's hyperparameters are invalid."""
         raise NotImplementedError
 
+    @property
+    def step_in_backward(self) -> bool:
+        """Whether each parameter is updated inside backward, as soon as its gradient is
+        final (see ``step_in_backward`` in the optimizer's docstring)."""
+        return self._in_backward is not None
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one optimization step; returns ``closure()``'s loss if given."""
+        """Perform one optimization step; returns ``closure()``'s loss if given.
+
+        With ``step_in_backward=True`` the parameters were updated during backward:
+        this completes the step (parameters whose gradient arrived without the hook,
+        the non-finite verdict, the end-of-step work)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._in_backward is not None:
+            self._in_backward.finish()
+            return loss
         check_finite_gradients(self)  # before anything changes: a refused step changes nothing
         for group in self.param_groups:
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-            for param in with_grad:
-                by_device[local_shard(param).device].append(param)
-            for device, params in by_device.items():
-                limit = _CHUNK_ELEMENTS_CPU if device.type == "cpu" else _CHUNK_ELEMENTS
-                for chunk in _chunks(params, limit):
-                    slots = [self._slot(param, group) for param in chunk]
-                    self._update(slots, group)
-                    self._write_back(slots, skip_int8=float(group["lr"]) == 0.0)
+            self.update_params([p for p in group["params"] if p.grad is not None], group)
+        self.end_step()
         return loss
 
-    def _slot(self, param: torch.Tensor, group: dict[str, Any]) -> Slot:
+    def update_params(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """Update ``params`` (of ``group``, each with a gradient) in chunks of bounded size."""
+        self._draw_seeds()
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for param in params:
+            by_device[local_shard(param).device].append(param)
+        for device, on_device in by_device.items():
+            cpu = device.type == "cpu"
+            piece_limit = _PIECE_ELEMENTS_CPU if cpu else _PIECE_ELEMENTS
+            pieces = [piece for param in on_device for piece in self._pieces(param, group, piece_limit)]
+            for chunk in _chunks(pieces, _CHUNK_ELEMENTS_CPU if cpu else _CHUNK_ELEMENTS):
+                slots = [self._slot(piece) for piece in chunk]
+                self._update(slots, group)
+                self._write_back(slots, skip_int8=float(group["lr"]) == 0.0)
+                del slots
+
+    def _stream(self, param: torch.Tensor, device: torch.device) -> torch.Generator | None:
+        """The generator of ``param``'s rounding this step (one per parameter, shared by
+        its pieces in row order), ``None`` if it has no seed (round to nearest)."""
+        stream = self._streams.get(id(param))
+        if stream is None:
+            seed = (self._seeds or {}).get(id(param))
+            if seed is None:
+                return None
+            stream = self._streams[id(param)] = torch.Generator(device=device).manual_seed(seed)
+        return stream
+
+    def end_step(self) -> None:
+        """Forget this step's rounding seeds: the next update draws new ones."""
+        self._seeds = None
+        self._streams.clear()
+
+    def _draw_seeds(self) -> None:
+        """Once per step: one rounding seed per stochastically rounded int8 weight of the
+        groups with ``lr != 0``, drawn in parameter order from each weight's stream. Each
+        weight is then rounded from its own seed, so the noise it gets does not depend on
+        the order of the updates (after backward or inside it) or on which other weights
+        got gradients."""
+        if self._seeds is not None:
+            return
+        weights = [
+            param for group in self.param_groups if float(group["lr"]) != 0.0 for param in group["params"]
+            if isinstance(local_shard(param), Int8Weight) and local_shard(param).stochastic_rounding
+        ]
+        generators = [rounding_generator(local_shard(p), local_shard(p).device) for p in weights]
+        drawn = draw_update_seeds([g for g in generators if g is not None])
+        seeds = iter(drawn)
+        self._seeds = {id(p): next(seeds) for p, g in zip(weights, generators) if g is not None}
+
+    def _pieces(self, param: torch.Tensor, group: dict[str, Any], limit: int) -> list[Piece]:
+        """Check ``param``'s gradient, make its state on the first step, and cut both into
+        pieces of whole rows of at most ``limit`` elements."""
         grad = param.grad
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
@@ -181,13 +278,26 @@ class FusedInt8Optimizer(Optimizer):
             state = self._init_state(param, local, group)
             if state:
                 self.state[param] = state
+        pieces = []
+        for index, rows in enumerate(_row_ranges(local, limit)):
+            if rows is None:
+                pieces.append(Piece(param, local, state, local_grad, True))
+                continue
+            # every state tensor but the step counter has the parameter's local rows first
+            cut = {name: local_shard(value)[rows] if name != "step" and isinstance(value, torch.Tensor) else value
+                   for name, value in state.items()}
+            pieces.append(Piece(param, local[rows], cut, local_grad[rows], index == 0))
+        return pieces
+
+    def _slot(self, piece: Piece) -> Slot:
+        local = piece.local
         if isinstance(local, Int8Weight):
             work = local.dequantize(torch.float32)  # one dequantization per step
         elif local.dtype == torch.float32:
             work = local  # updated in place, as torch.optim does
         else:
             work = local.float()
-        return Slot(param, local, state, work, local_grad.float())
+        return Slot(piece.param, local, piece.state, work, piece.grad.float(), piece.first)
 
     def _init_state(self, param: torch.Tensor, local: torch.Tensor,
                     group: dict[str, Any]) -> dict:  # pragma: no cover - overridden
@@ -204,7 +314,10 @@ class FusedInt8Optimizer(Optimizer):
                 # lr == 0 (warm-up from 0, or get_optimizer_state_dict's initialising step):
                 # the fp32 values are exactly the old ones; requantizing could still move a
                 # value by one step (recomputed scale, stochastic noise): leave it untouched.
-                if not skip_int8:
+                if skip_int8:
+                    continue
+                stream = self._stream(slot.param, slot.local.device)
+                with update_stream(stream) if stream is not None else contextlib.nullcontext():
                     slot.local.assign_(slot.work, stochastic=slot.local.stochastic_rounding, step_update=True)
             elif slot.work is not slot.local:
                 slot.local.copy_(slot.work)

@@ -141,6 +141,15 @@ class Int8AdamW(FusedInt8Optimizer):
             ``torch.optim.AdamW(fused=True)``'s; with ``fused=False``, to its for-loop and
             foreach forms'. The two kernels round a few values differently (their
             operations differ in order), so pick the one to match.
+        step_in_backward: Update each parameter inside backward, as soon as its
+            gradient is final (FSDP2 hands it over right after its reduce-scatter), and
+            free the gradient at once: gradients never all live together. The loop stays
+            ``loss.backward(); opt.step(); opt.zero_grad()`` (``step()`` completes the
+            step); weights and states equal stepping after backward bit for bit.
+            Gradient clipping is impossible (no global norm exists before the updates);
+            accumulation needs FSDP2's ``set_requires_gradient_sync(False)``; a
+            non-finite gradient leaves its parameter unchanged and ``step()`` raises.
+            docs/memory.md says what it saves and what it refuses.
 
     Raises:
         ValueError: a hyperparameter out of range, ``state_bits`` not 8 or 32,
@@ -159,13 +168,14 @@ class Int8AdamW(FusedInt8Optimizer):
         state_bits: int = 32,
         block_size: int = 64,
         fused: bool | None = None,
+        step_in_backward: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
             weight_decay=weight_decay, state_bits=state_bits, block_size=block_size, fused=fused,
         )
         self._check_group(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, step_in_backward=step_in_backward)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("lr", group["lr"], 0.0)
@@ -250,7 +260,8 @@ class Int8AdamW(FusedInt8Optimizer):
         del moments
         steps = []
         for slot in slots:
-            slot.state["step"] += 1
+            if slot.first:  # a parameter cut into pieces counts its step once
+                slot.state["step"] += 1
             steps.append(slot.state["step"].item())
 
         if _use_fused(group.get("fused"), works[0].device):

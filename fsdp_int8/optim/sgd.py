@@ -37,6 +37,8 @@ class Int8SGD(FusedInt8Optimizer):
         momentum: Momentum factor, >= 0.
         weight_decay: L2 penalty added to the gradient, >= 0.
         nesterov: Nesterov momentum (needs ``momentum > 0``).
+        step_in_backward: Update each parameter inside backward and free its gradient
+            at once (see :class:`~fsdp_int8.Int8AdamW`).
 
     Raises:
         ValueError: a hyperparameter out of range, ``nesterov`` without momentum, or a
@@ -51,10 +53,12 @@ class Int8SGD(FusedInt8Optimizer):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
+        *,
+        step_in_backward: bool = False,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         self._check_group(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, step_in_backward=step_in_backward)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("lr", group["lr"], 0.0)
@@ -66,7 +70,12 @@ class Int8SGD(FusedInt8Optimizer):
             raise ValueError("Nesterov momentum needs momentum > 0")
 
     def _init_state(self, param, local, group) -> dict:
-        return {}  # the momentum buffer is made from the first gradient, as torch.optim.SGD does
+        # torch.optim.SGD makes the buffer a copy of the first gradient: momentum * 0 + g
+        # is that gradient exactly, so a zero buffer gives the same values (and lets a
+        # large parameter be updated in pieces of rows)
+        if float(group["momentum"]) == 0:
+            return {}
+        return {"momentum_buffer": self._fp32_state(param, local)}
 
     def _update(self, slots: list[Slot], group: dict[str, Any]) -> None:
         lr, momentum = float(group["lr"]), float(group["momentum"])
@@ -76,16 +85,8 @@ class Int8SGD(FusedInt8Optimizer):
         if weight_decay != 0:
             grads = torch._foreach_add(grads, works, alpha=weight_decay)
         if momentum != 0:
-            fresh = [i for i, s in enumerate(slots) if "momentum_buffer" not in s.state]
-            for i in fresh:
-                slot = slots[i]
-                slot.state = self.state[slot.param]
-                slot.state["momentum_buffer"] = self._fp32_state(slot.param, slot.local, grads[i])
-            old = sorted(set(range(len(slots))) - set(fresh))
-            if old:
-                bufs = [local_shard(slots[i].state["momentum_buffer"]) for i in old]
-                torch._foreach_mul_(bufs, momentum)
-                torch._foreach_add_(bufs, [grads[i] for i in old], alpha=1.0)
             bufs = [local_shard(s.state["momentum_buffer"]) for s in slots]
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads, alpha=1.0)
             grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
         torch._foreach_add_(works, grads, alpha=-lr)

@@ -255,6 +255,21 @@ def test_explicit_precision_wins_over_auto(monkeypatch):
         train.parse_args(["--precision", "int8-mm-all"])
 
 
+def test_step_in_backward_flags(capsys):
+    args = train.parse_args(["--optimizer", "int8-adamw-8bit", "--step-in-backward"])
+    assert args.step_in_backward and args.grad_clip == 0.0  # no clipping by default with it
+    assert train.parse_args([]).grad_clip == 1.0
+    refused = {
+        ("--step-in-backward",): "--optimizer int8-adamw",
+        ("--optimizer", "int8-adamw", "--step-in-backward", "--grad-clip", "1"): "--grad-clip 0",
+        ("--optimizer", "int8-adamw", "--step-in-backward", "--pp", "2"): "--pp",
+    }
+    for argv, message in refused.items():
+        with pytest.raises(SystemExit):
+            train.parse_args(list(argv))
+        assert message in capsys.readouterr().err, argv
+
+
 # ---------------------------------------------------------------- launch.precisions
 def test_a_row_spells_a_precision_and_its_options():
     parse = precisions.parse_row

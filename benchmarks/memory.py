@@ -1,0 +1,168 @@
+"""Peak memory per parameter, by category, from torch's own tracker: bf16 FSDP2 against int8.
+
+    python -m benchmarks.memory                     # every row, with and without activation checkpointing
+    python -m benchmarks.memory --rows bf16 lean --checkpointing on
+
+A Hugging Face Llama with Llama-3.2-1B's proportions scaled down (hidden 512, 12 blocks,
+8 query / 2 key-value heads, MLP 2048, vocab 16,000, tied embeddings: ~15% of the
+parameters) trains on 2 gloo ranks, batch 1 x 256 per rank. Each row runs in fresh
+processes; its second (steady-state) step runs under
+``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which counts every live
+storage by category (sharded / unsharded parameters and gradients, activations,
+temporaries, optimizer states, all-gather and reduce-scatter buffers) and records the
+categories at the moment of the peak. Figures are bytes per parameter per rank: a
+category's bytes on rank 0 over rank 0's share of the parameters (all parameters / world
+size), so a bf16 FSDP2 + AdamW model's fp32 parameters and states read 4 + 8.
+
+Rows (each a recipe users run):
+
+* ``bf16``: FSDP2 per block + root, fp32 parameters, bf16 compute, fp32 reduction
+  (torchtitan's default), ``torch.optim.AdamW``: the baseline;
+* ``fp32``: the same without mixed precision;
+* ``int8``: ``shard_model`` (int8 linear weights) + ``Int8AdamW``;
+* ``int8-8bit``: the same with ``Int8AdamW(state_bits=8)``;
+* ``int8-8bit-in-backward``: ``Int8AdamW(state_bits=8, step_in_backward=True)``: each
+  parameter is updated as soon as FSDP2 hands it its reduced gradient.
+
+Columns: ``peak`` (bytes/param at the peak, all categories), ``vs bf16`` (over the bf16
+row with the same checkpointing, measured in this run), the largest categories at the
+peak, and ``after step`` (bytes/param live after ``zero_grad``: what the model keeps
+between steps). On a GPU, ``torch.cuda.max_memory_allocated`` of the same step is
+printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+# row -> (Int8TrainingConfig options, Int8AdamW options); bf16 and fp32 are plain FSDP2
+INT8_ROWS: dict[str, tuple[dict, dict]] = {
+    "int8": ({}, {}),
+    "int8-8bit": ({}, {"state_bits": 8}),
+    "int8-8bit-in-backward": ({}, {"state_bits": 8, "step_in_backward": True}),
+}
+ROWS = ("bf16", "fp32", *INT8_ROWS)
+SHAPES = {
+    # Llama-3.2-1B's proportions, scaled down: what the figures in docs/memory.md use
+    "llama-1b-scaled": dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
+                            intermediate_size=2048, vocab_size=16_000, tie_word_embeddings=True),
+    # the same proportions at a size the test suite can afford
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, vocab_size=512, tie_word_embeddings=True),
+}
+EIGHT_BIT_BLOCK = 128  # values per scale of 8-bit Adam states
+
+
+def llama(shape: dict, seed: int = 0) -> torch.nn.Module:
+    """A Hugging Face Llama of ``shape``, initialised from ``seed`` (same on every rank)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(max_position_embeddings=4096, **shape)
+    return LlamaForCausalLM(config)
+
+
+def build(row: str, shape: dict, checkpointing: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model of ``row``, sharded on the default process group, and its optimizer."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import fsdp_int8
+    from fsdp_int8.sharding import find_blocks
+
+    model = llama(shape)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if row in ("bf16", "fp32"):
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if row == "bf16" else MixedPrecisionPolicy()
+        for block in find_blocks(model):
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    config_options, optimizer_options = INT8_ROWS[row]
+    fsdp_int8.shard_model(
+        model, config=fsdp_int8.Int8TrainingConfig(**config_options),
+        mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+    )
+    return model, fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, block_size=EIGHT_BIT_BLOCK,
+                                      **optimizer_options)
+
+
+def _measure(rank: int, world: int, row: str, checkpointing: bool, shape: dict, batch: int, seq_len: int) -> dict:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from fsdp_int8.hardware import device_type_for
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    device = device_type_for(world)
+    model, optimizer = build(row, shape, checkpointing)
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    data = torch.Generator().manual_seed(rank)
+
+    def step() -> None:
+        tokens = torch.randint(0, shape["vocab_size"], (batch, seq_len), generator=data).to(device)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # states exist from here on
+    tracker = FSDPMemTracker(model, optimizer)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with tracker:
+        step()
+    device_key = next(iter(tracker.get_tracker_snapshot("peak")))
+    peak = {str(k.value if hasattr(k, "value") else k): v
+            for k, v in tracker.get_tracker_snapshot("peak")[device_key].items()}
+    current = {str(k.value if hasattr(k, "value") else k): v
+               for k, v in tracker.get_tracker_snapshot("current")[device_key].items()}
+    cuda_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    share = params / world
+    return dict(peak={k: v / share for k, v in peak.items()}, after={k: v / share for k, v in current.items()},
+                cuda_peak=cuda_peak / share if cuda_peak else None)
+
+
+def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
+    """Print the table; return each ``(row, checkpointing)``'s figures (bytes/param)."""
+    from fsdp_int8 import hardware
+    from fsdp_int8.testing import run_distributed
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--checkpointing", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama-1b-scaled")
+    args = parser.parse_args(argv)
+    shape = SHAPES[args.shape]
+    capability = hardware.capability(torch.device("cpu"))
+    print(f"# {capability.name}, {', '.join(capability.features) or 'no avx512_vnni/avx512_bf16/amx'}; "
+          f"torch {torch.__version__}; {args.world_size} ranks, batch {args.batch_size} x {args.seq_len} per rank, "
+          f"shape {args.shape}", flush=True)
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]
+    results: dict[tuple[str, bool], dict] = {}
+    for checkpointing in modes:
+        print(f"\nactivation checkpointing {'on' if checkpointing else 'off'}; bytes/param per rank")
+        baseline = None
+        for row in args.rows:
+            result = run_distributed(_measure, args.world_size, row, checkpointing, shape,
+                                     args.batch_size, args.seq_len, timeout=1800)[0]
+            peak, after = result["peak"], result["after"]
+            total = peak.pop("Total", sum(peak.values()))
+            after_total = after.pop("Total", sum(after.values()))
+            if row == "bf16":
+                baseline = total
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(peak.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+            ratio = f"{total / baseline:.2f}x" if baseline else "-"
+            cuda = f"  cuda max allocated {result['cuda_peak']:.2f}" if result["cuda_peak"] else ""
+            print(f"{row:22s} peak {total:6.2f} ({ratio} bf16)  after step {after_total:5.2f}{cuda}  | {parts}",
+                  flush=True)
+            results[(row, checkpointing)] = dict(peak=total, after=after_total, parts=peak)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The optimizer step inside backward: each parameter is updated as soon as its gradient
+is final, and the gradient is freed at once.
+
+A post-accumulate-grad hook on every parameter runs the optimizer's own update of that
+one parameter (the code ``step()`` runs after backward, with the same per-weight rounding
+seeds), so weights and states equal stepping after backward bit for bit. FSDP2 calls a
+sharded parameter's hooks right after its gradient is reduce-scattered (and all-reduced
+under HSDP); it does not call them on micro-batches without gradient sync, which is how
+gradient accumulation works here. ``optimizer.step()`` completes the step.
+
+What cannot be done inside backward is refused, never skipped silently:
+
+* a second gradient for a parameter before ``step()`` (accumulation without FSDP2's
+  ``set_requires_gradient_sync(False)``, or a pipeline schedule's micro-batches);
+* a plain (non-DTensor) parameter in a multi-process run: DDP and similar wrappers
+  reduce gradients after autograd hands them over, so the hook would see this rank's
+  gradient alone.
+
+A non-finite gradient is never written: that parameter (weight and states) is left as
+it was, and ``step()`` raises :class:`~fsdp_int8.guard.NonFiniteGradientError` on every
+rank, saying that the other parameters were already updated.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fsdp_int8 import _dist
+from fsdp_int8._dist import local_shard
+from fsdp_int8.guard import NonFiniteGradientError, norms_finite
+
+if TYPE_CHECKING:
+    from fsdp_int8.optim._base import FusedInt8Optimizer
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of ``tensor`` (a local gradient) is finite: one host sync."""
+    if not tensor.numel() or bool(norms_finite([tensor])):
+        return True
+    return bool(tensor.isfinite().all())  # the norm may only have overflowed
+
+
+class InBackward:
+    """The in-backward state of one optimizer: hooks, who was updated, who was skipped."""
+
+    def __init__(self, optimizer: FusedInt8Optimizer) -> None:
+        self._optimizer = optimizer
+        self._group_of: dict[int, dict[str, Any]] = {}  # id(param) -> its group
+        self._names: dict[int, str] = {}
+        self._updated: set[int] = set()
+        self._skipped: list[int] = []
+        self._handles: list[Any] = []
+
+    def watch(self, group: dict[str, Any]) -> None:
+        """Update ``group``'s parameters from their post-accumulate-grad hooks."""
+        start = len(self._group_of)
+        for index, param in enumerate(group["params"]):
+            if id(param) in self._group_of:
+                continue
+            self._group_of[id(param)] = group
+            self._names[id(param)] = f"parameter {start + index} of group {len(self._optimizer.param_groups) - 1}"
+            self._handles.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+
+    def name(self, param: torch.Tensor) -> str:
+        return self._names[id(param)]
+
+    @torch.no_grad()
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        """Update ``param`` from its final gradient, then free the gradient."""
+        optimizer = self._optimizer
+        if id(param) in self._updated or id(param) in self._skipped:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}(step_in_backward=True) got a second gradient for "
+                f"{self.name(param)} before optimizer.step(): the first one was already applied. "
+                "Accumulate gradients with FSDP2: model.set_requires_gradient_sync(False) on every "
+                "micro-batch but the last (FSDP2 then hands each parameter its gradient once, "
+                "after the last one); pipeline schedules, and accumulation without FSDP2, need "
+                "step_in_backward=False."
+            )
+        if not isinstance(param, DTensor) and _dist.is_distributed() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}(step_in_backward=True) got the gradient of a plain "
+                f"(non-DTensor) {self.name(param)} in a {dist.get_world_size()}-process run. Only "
+                "FSDP2 (fully_shard / fsdp_int8.shard_model) and tensor parallelism hand a "
+                "parameter its final gradient inside backward; DDP and similar wrappers reduce "
+                "gradients after autograd hands them over, so this rank's gradient alone would "
+                "be applied. Shard the model with FSDP2, or use step_in_backward=False."
+            )
+        if not _finite(local_shard(param.grad)):
+            self._skipped.append(id(param))
+        else:
+            optimizer.update_params([param], self._group_of[id(param)])
+            self._updated.add(id(param))
+        param.grad = None
+
+    def finish(self) -> None:
+        """Complete the step: update parameters that hold a gradient the hooks did not see
+        (set by hand), agree on the non-finite verdict across ranks, reset."""
+        optimizer = self._optimizer
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._on_gradient(param)
+        skipped = [self._names[i] for i in self._skipped]
+        self._updated.clear()
+        self._skipped.clear()
+        optimizer.end_step()
+        count = torch.tensor(len(skipped), dtype=torch.int32, device=_dist.collective_device())
+        if _dist.is_distributed():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        if int(count):
+            where = f" ({', '.join(skipped[:4])}{', ...' if len(skipped) > 4 else ''} here)" if skipped else ""
+            raise NonFiniteGradientError(
+                f"{type(optimizer).__name__}(step_in_backward=True): a gradient held NaN or Inf on "
+                f"this or another rank{where}. Those parameters and their states were left "
+                "unchanged; every other parameter was already updated inside backward (that "
+                "cannot be undone). Skip this batch and go on, or lower the learning rate; "
+                "use step_in_backward=False to refuse a whole step before anything changes."
+            )

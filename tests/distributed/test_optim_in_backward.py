@@ -1,0 +1,103 @@
+"""``Int8AdamW(step_in_backward=True)`` under FSDP2 on 2 gloo ranks, one spawn: FSDP, HSDP,
+tensor parallelism, the int8 gradient reduce-scatter and gradient accumulation (gradient
+sync off on all micro-batches but the last) each give the weights and optimizer states of
+stepping after backward, bit for bit, with stochastic rounding and 8-bit states; a plain
+parameter in a multi-process run (DDP's case) is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import fsdp_int8
+from fsdp_int8 import Int8AdamW, Int8TrainingConfig
+from fsdp_int8.gradients import enable_quantized_reduce_scatter
+from fsdp_int8.testing import device_type_for, run_distributed
+
+from _cases import case, local_of
+from _nets import MLPNet
+
+PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+STEPS, MICRO_BATCHES = 3, 2
+
+
+def _build(mesh_kind: str, world: int):
+    torch.manual_seed(0)
+    model = MLPNet(dim=32, hidden=64)
+    config = Int8TrainingConfig(min_features=1, seed=5)
+    device = device_type_for(world)
+    if mesh_kind == "hsdp":
+        mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return fsdp_int8.shard_model(model, mesh=mesh, config=config)
+    if mesh_kind == "tp":
+        mesh = init_device_mesh(device, (1, world), mesh_dim_names=("dp", "tp"))
+        return fsdp_int8.shard_model(model, mesh=mesh, config=config, tp_plan=PLAN)
+    return fsdp_int8.shard_model(model, config=config)
+
+
+def _train(rank: int, world: int, mesh_kind: str, in_backward: bool, *, int8_gradients: bool = False,
+           accumulate: bool = False) -> tuple[dict, dict]:
+    model = _build(mesh_kind, world)
+    if int8_gradients:
+        enable_quantized_reduce_scatter(model)
+    opt = Int8AdamW(model.parameters(), lr=1e-2, state_bits=8, block_size=16, step_in_backward=in_backward)
+    data = torch.Generator().manual_seed(rank if mesh_kind != "tp" else 0)  # tp ranks share a batch
+    for _ in range(STEPS):
+        micro = MICRO_BATCHES if accumulate else 1
+        for index in range(micro):
+            if accumulate:
+                model.set_requires_gradient_sync(index == micro - 1)
+            x = torch.randn(4, 3, 32, generator=data)
+            F.mse_loss(model(x), torch.tanh(x[..., :4])).backward()
+            if in_backward and index < micro - 1:  # no sync: FSDP2 keeps the gradient, no update yet
+                assert all(p.grad is None for p in model.parameters())
+        if in_backward:
+            assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    weights = {n: local_of(p).detach().clone() for n, p in model.named_parameters()}
+    states = {i: {k: local_of(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+              for i, s in opt.state_dict()["state"].items()}
+    return weights, states
+
+
+def _assert_same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, dict):
+            _assert_same(x, y, f"{what}[{key}]")
+        elif hasattr(x, "int_data"):
+            assert torch.equal(x.int_data, y.int_data) and torch.equal(x.scale, y.scale), f"{what}: {key}"
+        else:
+            assert torch.equal(x, y), f"{what}: {key}"
+
+
+def _in_backward_equals_after(rank: int, world: int) -> None:
+    cases = {
+        "FSDP": dict(mesh_kind="fsdp"),
+        "HSDP (2 replicas x 1 shard)": dict(mesh_kind="hsdp"),
+        "tensor parallel, int8 colwise/rowwise": dict(mesh_kind="tp"),
+        "FSDP + int8 gradient reduce-scatter": dict(mesh_kind="fsdp", int8_gradients=True),
+        "FSDP, 2 micro-batches, gradient sync off on the first": dict(mesh_kind="fsdp", accumulate=True),
+    }
+    for name, options in cases.items():
+        with case(name):
+            after = _train(rank, world, in_backward=False, **options)
+            inside = _train(rank, world, in_backward=True, **options)
+            _assert_same(inside[0], after[0], "weights")
+            _assert_same(inside[1], after[1], "optimizer state")
+    with case("a plain parameter in a 2-process run (DDP's case) is refused"):
+        torch.manual_seed(0)
+        model = fsdp_int8.quantize_(MLPNet(dim=32, hidden=64), Int8TrainingConfig(min_features=1))
+        opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+        with pytest.raises(RuntimeError, match="plain \\(non-DTensor\\).*DDP"):
+            model(torch.randn(2, 3, 32)).square().mean().backward()
+        del opt
+
+
+def test_step_in_backward_equals_step_after_backward_under_fsdp2():
+    run_distributed(_in_backward_equals_after, 2, timeout=600)

@@ -1,0 +1,189 @@
+"""``Int8AdamW`` / ``Int8SGD`` with ``step_in_backward=True`` in one process: the same weights
+and states as stepping after backward, bit for bit; gradients freed inside backward; what
+it refuses (a second gradient before ``step()``) and what a non-finite gradient does.
+The multi-process cases (FSDP2, HSDP, tensor parallelism, accumulation with gradient
+sync off) are in tests/distributed/test_optim_in_backward.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight, quantize_
+from fsdp_int8.guard import NonFiniteGradientError
+
+OPTIMIZERS = {
+    "adamw": (Int8AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adamw-foreach": (Int8AdamW, dict(lr=1e-2, weight_decay=0.1, fused=False)),
+    "adamw-8bit": (Int8AdamW, dict(lr=1e-2, weight_decay=0.1, state_bits=8, block_size=16)),
+    "sgd-nesterov": (Int8SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+}
+
+
+def _model(stochastic: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    return quantize_(model, Int8TrainingConfig(seed=0, stochastic_rounding=stochastic))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(64, 16, generator=gen)
+    return x, torch.tanh(x[:, :4] * 2)
+
+
+def _train(name: str, in_backward: bool, steps: int = 4, scheduler: bool = False):
+    cls, kwargs = OPTIMIZERS[name]
+    model = _model()
+    opt = cls(model.parameters(), **kwargs, step_in_backward=in_backward)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if in_backward:  # every gradient was applied and freed inside backward
+            assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+def _same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, dict):
+            _same_tensors(x, y)
+        elif isinstance(x, Int8Weight):
+            assert torch.equal(x.int_data, y.int_data) and torch.equal(x.scale, y.scale), key
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), key
+        else:
+            assert x == y, key
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_in_backward_equals_after_backward_bit_for_bit(name):
+    after, after_opt, after_losses = _train(name, in_backward=False, scheduler=True)
+    inside, inside_opt, inside_losses = _train(name, in_backward=True, scheduler=True)
+    assert inside_losses == after_losses
+    assert inside_losses[-1] < inside_losses[0]
+    _same_tensors(dict(inside.named_parameters()), dict(after.named_parameters()))
+    _same_tensors(inside_opt.state_dict()["state"], after_opt.state_dict()["state"])
+    assert [g["lr"] for g in inside_opt.param_groups] == [g["lr"] for g in after_opt.param_groups]
+
+
+def test_rounding_does_not_depend_on_update_order():
+    """Each weight is rounded from its own seed: updating the weights one at a time in
+    reverse (the order inside backward) gives what one ``step()`` gives."""
+    x, y = _batch(0)
+    results = []
+    for reverse in (False, True):
+        model = _model()  # quantize_ reseeds the rounding streams: both runs start alike
+        opt = Int8AdamW(model.parameters(), lr=1e-2)
+        F.mse_loss(model(x), y).backward()
+        if reverse:
+            group = opt.param_groups[0]
+            for param in reversed(group["params"]):
+                opt.update_params([param], group)
+        else:
+            opt.step()
+        results.append(dict(model.named_parameters()))
+    _same_tensors(*results)
+
+
+def test_second_gradient_before_step_is_refused():
+    model = _model()
+    opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    assert opt.step_in_backward
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="second gradient.*set_requires_gradient_sync"):
+        F.mse_loss(model(x), y).backward()
+
+
+def test_non_finite_gradient_never_reaches_a_weight():
+    model = _model()
+    opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    poisoned = model[3].weight
+    handle = poisoned.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(NonFiniteGradientError, match="already updated"):
+        opt.step()
+    assert torch.equal(poisoned.int_data, before["3.weight"].int_data)
+    assert torch.equal(poisoned.scale, before["3.weight"].scale)
+    assert poisoned not in opt.state or float(opt.state[poisoned]["step"]) == 0.0
+    assert not torch.equal(model[0].weight.int_data, before["0.weight"].int_data)  # the others moved
+    assert all(torch.isfinite(p.detach().float()).all() for p in model.parameters())
+    handle.remove()  # the next step trains normally
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    assert float(opt.state[poisoned]["step"]) == 1.0
+
+
+def test_state_dict_resumes_exactly():
+    """Save after 2 in-backward steps, load into a fresh model and optimizer, train 2
+    more: the same as 4 uninterrupted steps (the rounding streams are saved too)."""
+    from fsdp_int8.checkpoint import capture_generators, restore_generators
+
+    full, full_opt, _ = _train("adamw-8bit", in_backward=True, steps=4)
+    model, opt, _ = _train("adamw-8bit", in_backward=True, steps=2)
+    saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), capture_generators(model))
+    cls, kwargs = OPTIMIZERS["adamw-8bit"]
+    resumed = _model()
+    resumed.load_state_dict(saved[0])
+    resumed_opt = cls(resumed.parameters(), **kwargs, step_in_backward=True)
+    resumed_opt.load_state_dict(saved[1])
+    assert restore_generators(saved[2], resumed)
+    for step in (2, 3):
+        x, y = _batch(step)
+        F.mse_loss(resumed(x), y).backward()
+        resumed_opt.step()
+        resumed_opt.zero_grad()
+    _same_tensors(dict(resumed.named_parameters()), dict(full.named_parameters()))
+    _same_tensors(resumed_opt.state_dict()["state"], full_opt.state_dict()["state"])
+
+
+def test_step_in_backward_must_be_a_bool():
+    with pytest.raises(TypeError, match="step_in_backward must be a bool"):
+        Int8AdamW(_model().parameters(), step_in_backward="yes")
+
+
+@pytest.mark.parametrize("name", ["adamw-8bit", "sgd-nesterov"])
+def test_large_parameters_update_in_pieces_of_rows(name, monkeypatch):
+    """A parameter above the piece size is updated a range of rows at a time, so the
+    step's fp32 copies stay bounded. Every operation is row-local (per-row scales, 8-bit
+    blocks inside rows, element-wise moments): with round-to-nearest weights the pieces
+    give the whole-parameter update bit for bit; with stochastic rounding, stepping
+    inside backward still equals stepping after it."""
+    from fsdp_int8.optim import _base
+
+    def run(piece_elements: int, stochastic: bool, in_backward: bool):
+        monkeypatch.setattr(_base, "_PIECE_ELEMENTS_CPU", piece_elements)
+        cls, kwargs = OPTIMIZERS[name]
+        model = _model(stochastic)
+        opt = cls(model.parameters(), **kwargs, step_in_backward=in_backward)
+        for step in range(3):
+            x, y = _batch(step)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return dict(model.named_parameters()), opt.state_dict()["state"]
+
+    whole = run(1 << 20, stochastic=False, in_backward=False)
+    pieces = run(40, stochastic=False, in_backward=False)  # rows of 16 and 32: 2 and 1 per piece
+    _same_tensors(pieces[0], whole[0])
+    _same_tensors(pieces[1], whole[1])
+    after = run(40, stochastic=True, in_backward=False)
+    inside = run(40, stochastic=True, in_backward=True)
+    _same_tensors(inside[0], after[0])
+    _same_tensors(inside[1], after[1])
