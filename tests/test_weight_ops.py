@@ -768,6 +768,34 @@ def test_int8_state_dict_loads_into_fp32_model_as_dequantized_values():
     assert torch.equal(plain[0].weight.detach(), model[0].weight.dequantize())
 
 
+
+def test_aot_autograd_cache_key_names_the_metadata_not_the_values():
+    """``_stable_hash_for_caching``, which torch.compile's AOTAutograd cache asks a tensor
+    subclass for: the same for other int8 values and scales (each step's weights must hit
+    the same compiled graph), another for any field a graph may depend on."""
+    from fsdp_int8 import Int8MatmulConfig
+    from fsdp_int8._weight.tensor_parallel import ColumnWindow
+
+    w, _ = make()
+    key = w._stable_hash_for_caching()
+    assert isinstance(key, str) and len(key) == 32
+    other_values, _ = make(seed=1)
+    assert not torch.equal(other_values.int_data, w.int_data)
+    assert other_values._stable_hash_for_caching() == key
+    variants = {
+        "rows": make(rows=ROWS + 1)[0], "outer dtype": make(dtype=torch.bfloat16)[0],
+        "rounding": make(sr=True)[0], "requires_grad": w.detach().clone().requires_grad_(),
+        "int8 matmuls": w.derive(w.int_data, w.scale, int8_matmul=Int8MatmulConfig()),
+        "which matmuls": w.derive(w.int_data, w.scale, int8_matmul=Int8MatmulConfig(grad_weight=False)),
+        "compiled kernels": w.derive(w.int_data, w.scale, compiled=True),
+        "full rows": w.derive(w.int_data, w.scale, full_rows=2 * ROWS),
+        "flat data": w.derive(w.int_data.view(-1), w.scale),
+        "column window": w.derive(w.int_data, w.scale, tensor_parallel=ColumnWindow(0, K, 2 * K)),
+    }
+    keys = {name: variant._stable_hash_for_caching() for name, variant in variants.items()}
+    assert key not in keys.values(), keys
+    assert len(set(keys.values())) == len(keys), keys
+
 # ---------------------------------------------------------------- edges (clear errors, no noise)
 def test_numpy_and_tolist_say_what_to_call_instead():
     w = Int8Weight.from_float(torch.randn(4, 8))

@@ -6,6 +6,7 @@ pickling, the subclass protocol), :mod:`.op_table` (registration and dispatch) f
 (the FSDP2 hooks and their wire format), :mod:`.conv1d` (GPT-2's ``Conv1D`` as an
 ``nn.Linear`` over the transposed weight), :mod:`.tensor_parallel` (what a weight knows of a
 tensor-parallel split; writes that keep row scales shared), :mod:`.update_checks` (the
-finiteness verdicts of updates) and :mod:`.end_of_step` (the one queue of work held until
-an optimizer step ends). ``fsdp_int8.weight`` is the public name of ``Int8Weight``.
+finiteness verdicts of updates), :mod:`.end_of_step` (the one queue of work held until
+an optimizer step ends) and :mod:`.cache_key` (the weight's key in torch.compile's
+AOTAutograd cache). ``fsdp_int8.weight`` is the public name of ``Int8Weight``.
 """

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fsdp_int8._weight import all_gather as _all_gather
+from fsdp_int8._weight import cache_key as _cache_key
 from fsdp_int8._weight import end_of_step
 from fsdp_int8._weight import op_table as _op_table
 from fsdp_int8._weight import tensor_parallel as _tensor_parallel
@@ -84,9 +85,7 @@ class Int8Weight(torch.Tensor):
         requires_grad: bool = False,
     ) -> "Int8Weight":
         if int_data.dtype != torch.int8 or scale.dtype != torch.float32:
-            raise TypeError(
-                f"Int8Weight needs int8 data and fp32 scales, got {int_data.dtype} and {scale.dtype}"
-            )
+            raise TypeError(f"Int8Weight needs int8 data and fp32 scales, got {int_data.dtype} and {scale.dtype}")
         if not dtype.is_floating_point:
             raise TypeError(f"Int8Weight's outer dtype must be floating, got {dtype}")
         if int_data.dim() == 0 or (int_data.dim() >= 2 and int_data.shape[-1] != row_len):
@@ -147,8 +146,7 @@ class Int8Weight(torch.Tensor):
             raise TypeError("from_float got an Int8Weight; it is already quantized")
         if weight.dim() != 2:
             raise ValueError(
-                f"Int8Weight quantizes 2-D [out_features, in_features] weights, got shape "
-                f"{tuple(weight.shape)}"
+                f"Int8Weight quantizes 2-D [out_features, in_features] weights, got shape {tuple(weight.shape)}"
             )
         if weight.shape[1] == 0:
             raise ValueError(
@@ -311,6 +309,8 @@ class Int8Weight(torch.Tensor):
             self.dtype, self.row_len, self.full_rows, self.stochastic_rounding, self.int8_matmul,
             self.compiled, self.tensor_parallel,
         )
+
+    _stable_hash_for_caching = _cache_key.stable_hash  # AOTAutograd's cache key: metadata, no values
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size: Any, outer_stride: Any) -> "Int8Weight":

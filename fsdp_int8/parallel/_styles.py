@@ -19,7 +19,7 @@ Layers whose weight is not int8 get torch's own styles unchanged.
 
 from __future__ import annotations
 
-import functools
+import types
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,10 @@ def _local(parameter: torch.Tensor | None) -> torch.Tensor | None:
     return parameter.to_local() if isinstance(parameter, DTensor) else parameter
 
 
+# The styles bind these as methods, not as ``functools.partial`` objects: torch.compile
+# guards a partial by its identity, a bound method by its function. With one partial per
+# layer each compiled block would compile again, and the ninth block of a
+# ``fullgraph=True`` model would raise (dynamo's recompile limit, 8).
 def _colwise_forward(module: nn.Linear, x: DTensor) -> DTensor:
     # x is replicated on the tp mesh: its gradient from this rank's rows is a partial sum.
     y = F.linear(x.to_local(grad_placements=[Partial()]), _local(module.weight), _local(module.bias))
@@ -134,7 +138,7 @@ class Int8ColwiseParallel(ColwiseParallel):
         if not _int8_linear(module):
             return super()._partition_linear_fn(name, module, device_mesh)
         _split(module, device_mesh, self.src_data_rank, by_columns=False)
-        module.forward = functools.partial(_colwise_forward, module)
+        module.forward = types.MethodType(_colwise_forward, module)
 
 
 class Int8RowwiseParallel(RowwiseParallel):
@@ -151,7 +155,7 @@ class Int8RowwiseParallel(RowwiseParallel):
         if not _int8_linear(module):
             return super()._partition_linear_fn(name, module, device_mesh)
         _split(module, device_mesh, self.src_data_rank, by_columns=True)
-        module.forward = functools.partial(_rowwise_forward, module)
+        module.forward = types.MethodType(_rowwise_forward, module)
 
 
 def _converted(style: ParallelStyle) -> ParallelStyle:
