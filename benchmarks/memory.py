@@ -53,7 +53,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=512, tie_word_embeddings=True),
 }
-EIGHT_BIT_BLOCK = 128  # values per scale of 8-bit Adam states
+EIGHT_BIT_BLOCK = 128  # values per scale of 8-bit Adam states (at most half a row)
 
 
 def llama(shape: dict, seed: int = 0) -> torch.nn.Module:
@@ -86,7 +86,8 @@ def build(row: str, shape: dict, checkpointing: bool) -> tuple[torch.nn.Module, 
         model, config=fsdp_int8.Int8TrainingConfig(**config_options),
         mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32),
     )
-    return model, fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, block_size=EIGHT_BIT_BLOCK,
+    block = min(EIGHT_BIT_BLOCK, shape["hidden_size"] // 2)  # rows shorter than a block keep fp32 states
+    return model, fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, block_size=block,
                                       **optimizer_options)
 
 
