@@ -2,7 +2,7 @@
 and states as stepping after backward, bit for bit; gradients freed inside backward; what
 it refuses (a second gradient before ``step()``) and what a non-finite gradient does.
 The multi-process cases (FSDP2, HSDP, tensor parallelism, accumulation with gradient
-sync off) are in tests/distributed/test_optim_in_backward.py."""
+sync off) are in tests/distributed/test_optim_in_backward_distributed.py."""
 
 from __future__ import annotations
 
