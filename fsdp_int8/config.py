@@ -10,7 +10,8 @@ import torch.nn as nn
 
 __all__ = ["Int8TrainingConfig", "Int8MatmulConfig", "ModuleFilter"]
 
-# ``filter(module, fully_qualified_name) -> bool``: True quantizes that ``nn.Linear``.
+# ``filter(module, fully_qualified_name) -> bool``: True quantizes that ``nn.Linear`` (or,
+# with ``quantize_embeddings``, that ``nn.Embedding``).
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
@@ -74,6 +75,14 @@ class Int8TrainingConfig:
             layers (the launcher turns it on from width 512). If compiling fails (no C++
             compiler, an unsupported device) the first call warns and every kernel runs
             eagerly from then on.
+        quantize_embeddings: Also make ``nn.Embedding`` weights int8 (one scale per
+            token row, stochastic-rounding updates, the int8 all-gather). An output head
+            tied to the embedding follows it: it runs on the int8 weight (with
+            ``int8_matmul``'s GEMMs when set). ``module_filter``, when set, is offered the
+            embeddings too; otherwise an embedding is selected when its ``embedding_dim`` is
+            at least ``min_features`` (``skip_names`` is for linear layers). Embeddings with
+            ``max_norm`` or ``sparse`` gradients stay in full precision, with a warning.
+            Off by default (docs/memory.md: what it saves, and its quality).
 
     The int8 gradient reduce-scatter is not a field: it replaces FSDP2's communication
     of an already sharded model, so it is enabled on that model with
@@ -87,6 +96,7 @@ class Int8TrainingConfig:
     min_features: int = 16
     int8_matmul: Int8MatmulConfig | None = None
     compile: bool = False
+    quantize_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.min_features < 1:
@@ -96,9 +106,13 @@ class Int8TrainingConfig:
 
     def should_quantize(self, module: nn.Module, name: str) -> bool:
         """Whether ``module`` (found at ``name`` in the model) gets an int8 weight: the one
-        rule, for ``nn.Linear`` and GPT-2's ``Conv1D`` alike. ``module_filter`` decides
-        when it is set; otherwise :meth:`selects_by_default`."""
-        if linear_features(module) is None:
+        rule, for ``nn.Linear``, GPT-2's ``Conv1D`` and (with ``quantize_embeddings``)
+        ``nn.Embedding``. ``module_filter`` decides when it is set; otherwise
+        :meth:`selects_by_default`."""
+        if isinstance(module, nn.Embedding):
+            if not self.quantize_embeddings:
+                return False
+        elif linear_features(module) is None:
             return False
         if self.module_filter is not None:
             return bool(self.module_filter(module, name))
@@ -107,7 +121,10 @@ class Int8TrainingConfig:
     def selects_by_default(self, module: nn.Module, name: str) -> bool:
         """The rule without ``module_filter``: a linear layer whose last name component is
         not in ``skip_names`` and whose input and output features are both at least
-        ``min_features``."""
+        ``min_features``; with ``quantize_embeddings``, an embedding whose rows hold at
+        least ``min_features`` values."""
+        if isinstance(module, nn.Embedding):
+            return self.quantize_embeddings and module.embedding_dim >= self.min_features
         features = linear_features(module)
         if features is None or name.rsplit(".", 1)[-1] in self.skip_names:
             return False

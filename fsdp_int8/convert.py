@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_int8._dist import is_sharded, local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.conv1d import int8_conv1d_, why_not_convertible
+from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embedding
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8TrainingConfig, is_conv1d
 
@@ -104,6 +105,8 @@ def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
     A weight shared with a module that keeps it in full precision (an ``nn.Embedding``
     tied to the output head) is left alone: quantizing it for one owner would untie it
     (the other would keep a plain weight) or give the other an int8 weight it cannot use.
+    A selected embedding takes its tied ``nn.Linear`` heads along (they run on the int8
+    weight).
     A Conv1D's weight is left alone if anything else holds it: its int8 weight is the
     transpose, which no other module could use.
     """
@@ -126,11 +129,18 @@ def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
         if transposed:
             others = [o for o in holders if model.get_submodule(o) is not module]
             problem = why_not_convertible(module)
-            if problem is not None:
-                found.unsupported.append(f"{name} ({problem})")
-                continue
         else:
             others = [o for o in holders if o not in target_names]
+            problem = why_not_int8_embedding(module) if isinstance(module, nn.Embedding) else None
+        if problem is not None:
+            found.unsupported.append(f"{name} ({problem})")
+            continue
+        heads = [model.get_submodule(o) for o in others]
+        if isinstance(module, nn.Embedding) and all(isinstance(h, nn.Linear) for h in heads):
+            # an output head tied to the embedding follows it onto the int8 weight
+            found.layers.extend((head, False) for head in heads if id(head) not in seen)
+            seen.update(id(head) for head in heads)
+            others = []
         if others and not isinstance(module.weight, Int8Weight):
             found.tied.append(f"{name} (tied to {', '.join(others)})")
         else:
@@ -149,8 +159,8 @@ def _warn_about_full_precision(tied: list[str], unsupported: list[str]) -> None:
         )
     if unsupported:
         warnings.warn(
-            f"quantize_ left {len(unsupported)} Conv1D layer(s) in full precision: "
-            f"{_named_list(unsupported)}.",
+            f"quantize_ left {len(unsupported)} layer(s) in full precision that it cannot "
+            f"convert: {_named_list(unsupported)}.",
             stacklevel=3,
         )
 
@@ -238,8 +248,9 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
 
     It warns once, naming them, about layers it leaves in full precision that look like
     candidates: weights tied to a module that is not quantized (an ``nn.Embedding`` tied
-    to the output head), and ``Conv1D`` layers it cannot convert (a weight shared with
-    another module, a ``forward`` replaced on the instance). It logs the
+    to the output head), ``Conv1D`` layers it cannot convert (a weight shared with
+    another module, a ``forward`` replaced on the instance) and, with
+    ``quantize_embeddings``, embeddings with ``max_norm`` or sparse gradients. It logs the
     count of int8 weights and elements on the ``fsdp_int8`` logger at INFO.
 
     Args:

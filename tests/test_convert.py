@@ -221,7 +221,7 @@ def test_conv1d_layers_that_cannot_be_converted_are_named_once():
         quantize_(model)
     messages = sorted(str(w.message) for w in record)
     assert len(messages) == 2
-    assert "1 Conv1D layer(s) in full precision: hooked (its forward is replaced on the instance" in messages[0]
+    assert "1 layer(s) in full precision that it cannot convert: hooked (its forward is replaced on the instance" in messages[0]
     assert "1 weight(s) in full precision because they are tied to a module that is not quantized: tied (tied to embed)" in messages[1]
     assert _int8_names(model) == {"fine"} and model.tied.weight is model.embed.weight
 

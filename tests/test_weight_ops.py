@@ -175,7 +175,8 @@ def test_row_breaking_view_raises(shape):
         (lambda w: w.transpose(0, 1), "aten.transpose"),
         (lambda w: w.permute(1, 0), "aten.permute"),
         (lambda w: w.unsqueeze(0), "aten.unsqueeze"),
-        (lambda w: w[0], "aten.select"),
+        (lambda w: w[:, 0], "aten.select"),
+        (lambda w: w.view(-1)[3], "aten.select"),
         (lambda w: w.T, "aten"),
     ],
 )
@@ -183,6 +184,19 @@ def test_transposing_views_raise_naming_the_op(op, name):
     w, _ = make()
     with pytest.raises(NotImplementedError, match=rf"Int8Weight does not support {name}"):
         op(w)
+
+
+def test_select_of_a_row_is_a_one_row_view_that_writes_through():
+    w, x = make()
+    row = w[-2]  # an embedding's padding row: weight[padding_idx].fill_(0)
+    assert isinstance(row, Int8Weight) and row.shape == (K,)
+    assert row.int_data.data_ptr() == w.int_rows()[ROWS - 2].data_ptr()
+    assert torch.equal(row.dequantize(), w.dequantize()[ROWS - 2])
+    row.fill_(0)
+    assert torch.equal(w.dequantize()[ROWS - 2], torch.zeros(K))
+    assert torch.equal(w.dequantize()[: ROWS - 2], Int8Weight.from_float(x).dequantize()[: ROWS - 2])
+    with pytest.raises(IndexError, match="out of bounds"):
+        w[ROWS]
 
 
 def test_as_strided_own_shape_aliases_and_writes_through():

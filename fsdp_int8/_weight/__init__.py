@@ -2,11 +2,11 @@
 
 In the order a weight meets them: :mod:`.tensor` (``Int8Weight``: construction, rows,
 pickling, the subclass protocol), :mod:`.op_table` (registration and dispatch) filled by
-:mod:`.ops` (one module per role) and :mod:`.linear` (``F.linear``), :mod:`.all_gather`
-(the FSDP2 hooks and their wire format), :mod:`.conv1d` (GPT-2's ``Conv1D`` as an
-``nn.Linear`` over the transposed weight), :mod:`.tensor_parallel` (what a weight knows of a
-tensor-parallel split; writes that keep row scales shared), :mod:`.update_checks` (the
-finiteness verdicts of updates), :mod:`.end_of_step` (the one queue of work held until
-an optimizer step ends) and :mod:`.cache_key` (the weight's key in torch.compile's
-AOTAutograd cache). ``fsdp_int8.weight`` is the public name of ``Int8Weight``.
+:mod:`.ops` (one module per role), :mod:`.linear` (``F.linear``) and :mod:`.embedding`
+(``F.embedding``), :mod:`.all_gather` (the FSDP2 hooks and their wire format),
+:mod:`.conv1d` (GPT-2's ``Conv1D`` as an ``nn.Linear`` over the transposed weight),
+:mod:`.tensor_parallel` (what a weight knows of a tensor-parallel split; writes that keep
+row scales shared), :mod:`.update_checks` (the finiteness verdicts of updates),
+:mod:`.end_of_step` (the one queue of work held until an optimizer step ends) and
+:mod:`.cache_key` (the weight's key in torch.compile's AOTAutograd cache). ``fsdp_int8.weight`` is the public name of ``Int8Weight``.
 """

@@ -243,8 +243,14 @@ def _slice(func, weight: Int8Weight, dim: int = 0, start=None, end=None, step: i
 
 @_implements(aten.select.int)
 def _select(func, weight: Int8Weight, dim: int, index: int) -> Int8Weight:
-    # One index of a leading dim of a regrouped view (torchtitan's w[:, heads_per_kv]);
-    # on a weight it would leave a single row's values, or cut every row.
+    # One index of a leading dim of a regrouped view (torchtitan's w[:, heads_per_kv]), or
+    # one row of a weight as a flat one-row view (an embedding's padding row: w[pad].zero_());
+    # a flat weight's element, or a column, would cut rows.
+    if weight.dim() == 2 and dim in (0, -2):
+        row = index + weight.shape[0] if index < 0 else index
+        if not 0 <= row < weight.shape[0]:
+            raise IndexError(f"index {index} is out of bounds for dimension 0 with size {weight.shape[0]}")
+        return _as_rows(weight, row, row + 1, flat=True)
     if weight.dim() <= 2:
         raise NotImplementedError(f"Int8Weight does not support {func}: {_ROW_BREAKING}")
     dim = _row_dim(dim, weight.dim(), "select")
