@@ -109,7 +109,7 @@ def test_save_pretrained_writes_int8_rows_and_scales_and_from_pretrained_restore
     assert recorded == {
         "quant_method": "fsdp_int8", "format_version": 1, "stochastic_rounding": True, "seed": 0,
         "skip_names": ["lm_head", "output", "head"], "min_features": 16, "modules_to_not_convert": None,
-        "int8_matmul": None, "compile": False,
+        "int8_matmul": None, "compile": False, "quantize_embeddings": False,
     }
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
@@ -193,6 +193,39 @@ def test_a_model_quantized_by_quantize_saves_the_same_way_once_attached(tmp_path
     again = fsdp_int8.quantize_(tiny_llama(seed=2))
     again.load_state_dict(torch.load(buf, weights_only=True))
     _assert_same_model(again, model)
+
+
+def test_int8_embeddings_and_their_tied_head_save_and_load_exactly(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = fsdp_int8.quantize_(tiny_llama(tie=True), Int8TrainingConfig(quantize_embeddings=True))
+    embedding = model.model.embed_tokens.weight
+    assert isinstance(embedding, Int8Weight) and model.lm_head.weight is embedding
+    _train(model)
+    model.save_pretrained(tmp_path / "int8")
+    saved = load_file(tmp_path / "int8" / "model.safetensors")
+    assert torch.equal(saved["model.embed_tokens.weight"], embedding.int_data)
+    assert torch.equal(saved["model.embed_tokens.weight_scale"], embedding.scale)
+    assert not any(k.startswith("lm_head") for k in saved)  # the tie is written once
+    recorded = json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]
+    assert recorded["quantize_embeddings"] is True
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
+    _assert_same_model(reloaded, model)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # tied again, int8
+    tokens = fibonacci_mod_task(4, 12, vocab=VOCAB)
+    assert torch.equal(hf_loss(reloaded, tokens), hf_loss(model, tokens))
+
+    # A full-precision folder quantizes its embedding while loading; the head follows the tie.
+    tiny_llama(tie=True).save_pretrained(tmp_path / "float")
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=hfq.Int8TrainingHfConfig(quantize_embeddings=True)
+    )
+    _assert_same_model(
+        loaded, fsdp_int8.quantize_(tiny_llama(tie=True), Int8TrainingConfig(quantize_embeddings=True))
+    )
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
 def test_a_custom_module_filter_is_recorded_by_name_and_the_checkpoint_decides(tmp_path):

@@ -122,11 +122,15 @@ def state_dict_given_to_save_pretrained() -> dict | None:
         del frame
 
 
-def tied_and_fp32_modules(model: nn.Module) -> list[str]:
+def tied_and_fp32_modules(model: nn.Module, keep_embeddings: bool = False) -> list[str]:
     """Layers that must stay in full precision: both ends of a tie (transformers ties them
-    only after loading, so quantize_ cannot see the tie yet) and ``_keep_in_fp32_modules``."""
+    only after loading, so quantize_ cannot see the tie yet) and ``_keep_in_fp32_modules``.
+    With ``keep_embeddings`` (int8 embeddings), a tie's embedding end is not listed: it is
+    quantized, and the tie hands its int8 weight to the other end."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     names = {key.rsplit(".", 1)[0] for pair in tied.items() for key in pair}
+    if keep_embeddings:
+        names = {n for n in names if not isinstance(model.get_submodule(n), nn.Embedding)}
     return sorted(names | set(getattr(model, "_keep_in_fp32_modules", None) or ()))
 
 

@@ -68,8 +68,8 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
     """The ``quantization_config`` of fsdp_int8 for transformers: what ``config.json`` records.
 
     Args:
-        stochastic_rounding, seed, skip_names, min_features, compile: as in
-            :class:`fsdp_int8.Int8TrainingConfig`.
+        stochastic_rounding, seed, skip_names, min_features, compile,
+            quantize_embeddings: as in :class:`fsdp_int8.Int8TrainingConfig`.
         modules_to_not_convert: More linear layers to keep in full precision, matched as
             transformers' quantizers match them (a module name, a prefix up to a ``.``, a
             suffix such as ``"lm_head"``, or a regex). ``Int8TrainingConfig.module_filter``
@@ -91,6 +91,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         int8_matmul: dict[str, bool] | None = None,
         compile: bool = False,
+        quantize_embeddings: bool = False,
         format_version: int = _FORMAT_VERSION,
         **kwargs: Any,
     ) -> None:
@@ -111,6 +112,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
         self.int8_matmul = None if int8_matmul is None else dict(int8_matmul)
         self.compile = bool(compile)
+        self.quantize_embeddings = bool(quantize_embeddings)
         self.to_training_config()  # validates the fields now, not at load time
 
     @classmethod
@@ -124,12 +126,13 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         if config.module_filter is not None:
             if model is None:
                 raise ValueError("a module_filter has no JSON form: pass the quantized model to list what it kept")
-            kept = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_int8(m)]
+            candidates = (nn.Linear, nn.Embedding) if config.quantize_embeddings else nn.Linear
+            kept = [n for n, m in model.named_modules() if isinstance(m, candidates) and not is_int8(m)]
         return cls(
             stochastic_rounding=config.stochastic_rounding, seed=config.seed,
             skip_names=config.skip_names, min_features=config.min_features, modules_to_not_convert=kept,
             int8_matmul=None if config.int8_matmul is None else dataclasses.asdict(config.int8_matmul),
-            compile=config.compile,
+            compile=config.compile, quantize_embeddings=config.quantize_embeddings,
         )
 
     def to_training_config(self, more_to_not_convert: list[str] | tuple[str, ...] = ()) -> Int8TrainingConfig:
@@ -137,10 +140,13 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         excluded = [*(self.modules_to_not_convert or ()), *more_to_not_convert]
         return Int8TrainingConfig(
             stochastic_rounding=self.stochastic_rounding, seed=self.seed,
-            module_filter=_NotConverted(excluded, tuple(self.skip_names), self.min_features) if excluded else None,
+            module_filter=(
+                _NotConverted(excluded, tuple(self.skip_names), self.min_features, self.quantize_embeddings)
+                if excluded else None
+            ),
             skip_names=tuple(self.skip_names), min_features=self.min_features,
             int8_matmul=None if self.int8_matmul is None else Int8MatmulConfig(**self.int8_matmul),
-            compile=self.compile,
+            compile=self.compile, quantize_embeddings=self.quantize_embeddings,
         )
 
 
@@ -148,9 +154,13 @@ class _NotConverted:
     """``module_filter``: the default rule, minus the modules ``patterns`` name (a picklable
     object, as ``quantize_``'s config may be copied with the model)."""
 
-    def __init__(self, patterns: list[str], skip_names: tuple[str, ...], min_features: int) -> None:
+    def __init__(
+        self, patterns: list[str], skip_names: tuple[str, ...], min_features: int, quantize_embeddings: bool = False
+    ) -> None:
         self.patterns = patterns
-        self.default = Int8TrainingConfig(skip_names=skip_names, min_features=min_features)
+        self.default = Int8TrainingConfig(
+            skip_names=skip_names, min_features=min_features, quantize_embeddings=quantize_embeddings
+        )
 
     def __call__(self, module: nn.Module, name: str) -> bool:
         return should_convert_module(name, self.patterns) and self.default.selects_by_default(module, name)
@@ -228,7 +238,8 @@ class Int8TrainingHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(
         self, model: PreTrainedModel, checkpoint_files: list[str] | None = None, **kwargs: Any
     ) -> None:
-        config = self.quantization_config.to_training_config(tied_and_fp32_modules(model))
+        keep_embeddings = self.quantization_config.quantize_embeddings
+        config = self.quantization_config.to_training_config(tied_and_fp32_modules(model, keep_embeddings))
         names = None
         if self.pre_quantized:
             names = int8_layers_in_checkpoint(model, checkpoint_files)
@@ -262,14 +273,22 @@ class Int8TrainingHfQuantizer(HfQuantizer):
         return super().postprocess_model(model, **kwargs)
 
     def _process_model_after_weight_loading(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
+        # transformers has tied the weights by now: every holder of a loaded int8 tensor (an
+        # output head tied to an int8 embedding) gets the Int8Weight made of it
+        holders: dict[int, list[nn.Module]] = {}
+        for holder in model.modules():
+            loaded = holder._parameters.get("weight")
+            if loaded is not None:
+                holders.setdefault(id(loaded), []).append(holder)
         for name, placeholder in self._placeholders.items():
             module = model.get_submodule(name)
             scale = module._parameters.pop("weight" + SCALE_SUFFIX)
             data = module.weight
             if data.dtype != torch.int8 or scale.is_meta:
                 raise ValueError(f"{name}: the checkpoint has no int8 rows with scales for this layer")
-            weight = placeholder.derive(data.detach().to(scale.device), scale.detach().float())
-            module.weight = nn.Parameter(weight, requires_grad=True)
+            weight = nn.Parameter(placeholder.derive(data.detach().to(scale.device), scale.detach().float()))
+            for holder in holders.get(id(data), [module]):
+                holder.weight = weight
         self._placeholders = {}
         add_load_hooks(model)
         return model
