@@ -22,7 +22,9 @@ Rows (each a recipe users run):
 * ``int8``: ``shard_model`` (int8 linear weights) + ``Int8AdamW``;
 * ``int8-8bit``: the same with ``Int8AdamW(state_bits=8)``;
 * ``int8-8bit-in-backward``: ``Int8AdamW(state_bits=8, step_in_backward=True)``: each
-  parameter is updated as soon as FSDP2 hands it its reduced gradient.
+  parameter is updated as soon as FSDP2 hands it its reduced gradient;
+* ``lean``: that, with int8 embeddings (``Int8TrainingConfig(quantize_embeddings=True)``;
+  the tied head follows): the launcher's ``--lean``.
 
 Columns: ``peak`` (bytes/param at the peak, all categories), ``vs bf16`` (over the bf16
 row with the same checkpointing, measured in this run), the largest categories at the
@@ -43,6 +45,7 @@ INT8_ROWS: dict[str, tuple[dict, dict]] = {
     "int8": ({}, {}),
     "int8-8bit": ({}, {"state_bits": 8}),
     "int8-8bit-in-backward": ({}, {"state_bits": 8, "step_in_backward": True}),
+    "lean": ({"quantize_embeddings": True}, {"state_bits": 8, "step_in_backward": True}),
 }
 ROWS = ("bf16", "fp32", *INT8_ROWS)
 SHAPES = {

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -181,7 +182,13 @@ class Transformer(nn.Module):
     """Token embedding, ``n_layers`` blocks in ``self.layers``, final norm, output head.
 
     A pipeline stage (:meth:`keep_stage`) holds a share of the blocks and, on the first and
-    last stage, the embedding and the norm and head; its forward skips what it lacks."""
+    last stage, the embedding and the norm and head; its forward skips what it lacks.
+
+    ``checkpoint_blocks`` (default ``False``): each block's forward runs under
+    ``torch.utils.checkpoint`` (non-reentrant) while gradients are recorded, keeping only
+    its input and recomputing the rest in backward."""
+
+    checkpoint_blocks: bool = False
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -224,7 +231,10 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {tokens.shape[1]} tokens > max_seq_len {self.args.max_seq_len}")
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # a later stage: hidden states
         for layer in self.blocks():
-            x = layer(x, self.freqs)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(layer, x, self.freqs, use_reentrant=False)
+            else:
+                x = layer(x, self.freqs)
         if self.norm is not None:
             x = self.norm(x)
         return self.output(x) if self.output is not None else x

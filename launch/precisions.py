@@ -268,7 +268,8 @@ def resolve_auto(precision: str, compute_dtype: str, device: torch.device) -> tu
 # ---------------------------------------------------------------- the builder
 def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, seed: int = 0,
                 replicas: int = 1, full_init: bool = False, mesh: DeviceMesh | None = None,
-                stage: tuple[int, int] = (0, 1)) -> Transformer:
+                stage: tuple[int, int] = (0, 1), quantize_embeddings: bool = False,
+                activation_checkpointing: bool = False) -> Transformer:
     """The launcher's Transformer of shape ``args``, sharded over all ranks for ``recipe``.
 
     Weights come from ``torch.manual_seed(seed)`` (fsdp_int8's stochastic rounding from
@@ -295,9 +296,15 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
             model's names). On the meta device each stage initialises from its own seed
             (``seed`` + ``index`` x :data:`STAGE_SEED_STRIDE`), so no two stages' blocks
             start alike; with ``full_init`` the whole model is initialised, then cut.
+        quantize_embeddings: An int8 precision's token embedding is int8 too
+            (``Int8TrainingConfig.quantize_embeddings``).
+        activation_checkpointing: Each block recomputes its activations in backward
+            (:attr:`launch.model.Transformer.checkpoint_blocks`).
     """
     device = torch.device(device)
     precision = recipe.precision
+    if quantize_embeddings and not precision.int8:
+        raise ValueError(f"quantize_embeddings needs an int8 precision, not {precision.name}")
     if precision.family == "torchao" and not full_init:
         raise ValueError("torchao's int8 weights are built from initialised weights: pass full_init=True")
     mesh = mesh or parallel.device_mesh(device.type, replicas=replicas)
@@ -317,13 +324,15 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
             model = Transformer(args)
     if count > 1:
         model.keep_stage(index, count)
+    model.checkpoint_blocks = activation_checkpointing
     if recipe.compute_dtype == "bf16-model":
         model.to(torch.bfloat16)
     if recipe.blocks:  # torchtitan's order: compile each block in place, then shard
         for block in model.blocks():
             block.compile(fullgraph=True)
     if precision.int8:
-        config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=precision.int8_matmul, compile=recipe.compile)
+        config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=precision.int8_matmul, compile=recipe.compile,
+                                              quantize_embeddings=quantize_embeddings)
         fsdp_int8.shard_model(model, mesh=mesh, config=config, mp_policy=_COMPUTE_POLICY[recipe.compute_dtype],
                               tp_plan=tp_plan() if tensor_parallel else None)
         if precision.int8_gradients:

@@ -81,9 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     train.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
-    train.add_argument("--optimizer", default="adamw", choices=("adamw", "int8-adamw", "int8-adamw-8bit"),
-                       help="torch AdamW, fsdp_int8's fused AdamW (one requantization per step), "
-                       "or the same with 8-bit Adam states")
+    train.add_argument("--optimizer", choices=("adamw", "int8-adamw", "int8-adamw-8bit"),
+                       help="torch AdamW (the default), fsdp_int8's fused AdamW (one requantization per step), "
+                       "or the same with 8-bit Adam states (the default with --lean)")
     train.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
     train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     train.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
@@ -93,6 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="with --optimizer int8-adamw or int8-adamw-8bit: update each parameter inside "
                        "backward as soon as its gradient is reduced, and free the gradient (gradients never "
                        "all live at once; no global gradient clipping; not with --pp)")
+    train.add_argument("--quantize-embeddings", action="store_true",
+                       help="int8 precisions: int8 token embedding too (one scale per token row)")
+    train.add_argument("--activation-checkpointing", action="store_true",
+                       help="recompute each block's activations in backward instead of keeping them")
+    train.add_argument("--lean", action="store_true",
+                       help="the lean-memory recipe in one word: --optimizer int8-adamw-8bit --step-in-backward "
+                       "--quantize-embeddings --activation-checkpointing (no gradient clipping; docs/memory.md)")
     train.add_argument("--replicas", type=int, default=1,
                        help="HSDP: replicate the sharded model over this many groups of ranks")
     train.add_argument("--tp", type=int, default=1,
@@ -131,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--checkpoint-every must be >= 0")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out, --overwrite deletes it: pass one")
-    error = step_in_backward_error(args)
+    error = lean_error(args) or step_in_backward_error(args)
     if error:
         parser.error(error)
     if args.grad_clip is None:
@@ -163,7 +170,9 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
     mesh = parallel.device_mesh(device.type, tp=args.tp, replicas=args.replicas, pp=args.pp)
     data_index, data_ranks = parallel.data_rank(mesh)  # tensor-parallel peers and pipeline stages train on one batch
     model = build_model(recipe, args.model, device, seed=args.seed, mesh=parallel.stage_mesh(mesh),
-                        stage=parallel.pipeline_stage(mesh))  # with --pp: this rank's stage of the model
+                        stage=parallel.pipeline_stage(mesh),  # with --pp: this rank's stage of the model
+                        quantize_embeddings=args.quantize_embeddings,
+                        activation_checkpointing=args.activation_checkpointing)
     run = pipeline.runner(model, mesh, device, microbatches=args.microbatches, schedule=args.pp_schedule)
     optimizer = make_optimizer(args, model)
     # a stage holds its part of the checkpoint's keys: the other stages' are no error
@@ -240,6 +249,19 @@ def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.
     state_bits = 8 if args.optimizer.endswith("8bit") else 32
     return fsdp_int8.Int8AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                state_bits=state_bits, step_in_backward=args.step_in_backward)
+
+
+def lean_error(args: argparse.Namespace) -> str | None:
+    """Resolve --lean and --optimizer's default into ``args``; why they do not fit, if so."""
+    if args.lean:
+        if args.optimizer == "adamw":
+            return "--lean trains with fsdp_int8's optimizer: drop --optimizer adamw (or --lean)"
+        args.optimizer = args.optimizer or "int8-adamw-8bit"
+        args.step_in_backward = args.quantize_embeddings = args.activation_checkpointing = True
+    args.optimizer = args.optimizer or "adamw"
+    if args.quantize_embeddings and args.precision in LAUNCHER_PRECISIONS and not PRECISIONS[args.precision].int8:
+        return f"--quantize-embeddings needs an int8 precision, not --precision {args.precision}"
+    return None
 
 
 def step_in_backward_error(args: argparse.Namespace) -> str | None:

@@ -199,6 +199,28 @@ def test_a_new_run_refuses_another_runs_checkpoints_and_a_finished_run_is_comple
     assert [p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*")] == ["step_00000001"]
 
 
+def test_the_lean_recipe_trains_and_resumes(one_process, tmp_path):
+    out = str(tmp_path / "lean")
+    assert one_process(*SHORT, "--lean", "--out", out) == 0
+    assert one_process(*SHORT, "--lean", "--out", out, "--resume", "--steps", "3") == 0
+    assert read_metrics(tmp_path / "lean" / "metrics.jsonl")[-1]["step"] == 3
+
+
+def test_block_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"])
+    model.init_weights()
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for checkpointing in (False, True):
+        model.checkpoint_blocks = checkpointing
+        next_token_loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad()
+    # the recomputed forward runs the same fp32 kernels on the same inputs: bit for bit
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
 def test_a_torchrun_restart_resumes_only_its_own_jobs_checkpoints(monkeypatch, tmp_path):
     out = tmp_path / "out"
     fsdp_int8.save_checkpoint(out / "checkpoints", nn.Linear(2, 2), step=5)  # an earlier job's
@@ -259,10 +281,19 @@ def test_step_in_backward_flags(capsys):
     args = train.parse_args(["--optimizer", "int8-adamw-8bit", "--step-in-backward"])
     assert args.step_in_backward and args.grad_clip == 0.0  # no clipping by default with it
     assert train.parse_args([]).grad_clip == 1.0
+    plain = train.parse_args([])
+    assert plain.optimizer == "adamw" and not (plain.quantize_embeddings or plain.activation_checkpointing)
+    lean = train.parse_args(["--lean"])  # one word for the whole lean-memory recipe
+    assert lean.optimizer == "int8-adamw-8bit" and lean.step_in_backward and lean.grad_clip == 0.0
+    assert lean.quantize_embeddings and lean.activation_checkpointing
+    assert train.parse_args(["--lean", "--optimizer", "int8-adamw"]).optimizer == "int8-adamw"
     refused = {
         ("--step-in-backward",): "--optimizer int8-adamw",
         ("--optimizer", "int8-adamw", "--step-in-backward", "--grad-clip", "1"): "--grad-clip 0",
         ("--optimizer", "int8-adamw", "--step-in-backward", "--pp", "2"): "--pp",
+        ("--lean", "--optimizer", "adamw"): "drop --optimizer adamw",
+        ("--lean", "--grad-clip", "1"): "--grad-clip 0",
+        ("--quantize-embeddings", "--precision", "bf16"): "needs an int8 precision",
     }
     for argv, message in refused.items():
         with pytest.raises(SystemExit):
