@@ -1,7 +1,7 @@
 """Peak memory per parameter, by category, from torch's own tracker: bf16 FSDP2 against int8.
 
     python -m benchmarks.memory                     # every row, with and without activation checkpointing
-    python -m benchmarks.memory --rows bf16 lean --checkpointing on
+    python -m benchmarks.memory --rows bf16 lean --checkpointing on --json memory.json
 
 A Hugging Face Llama with Llama-3.2-1B's proportions scaled down (hidden 512, 12 blocks,
 8 query / 2 key-value heads, MLP 2048, vocab 16,000, tied embeddings: ~15% of the
@@ -125,7 +125,7 @@ def _measure(rank: int, world: int, row: str, checkpointing: bool, shape: dict, 
     cuda_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     share = params / world
     return dict(peak={k: v / share for k, v in peak.items()}, after={k: v / share for k, v in current.items()},
-                cuda_peak=cuda_peak / share if cuda_peak else None)
+                cuda_peak=cuda_peak / share if cuda_peak else None, parameters=params)
 
 
 def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--shape", choices=list(SHAPES), default="llama-1b-scaled")
+    parser.add_argument("--json", help="also write the figures here (what benchmarks.what_fits reads)")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     capability = hardware.capability(torch.device("cpu"))
@@ -164,8 +165,33 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
             cuda = f"  cuda max allocated {result['cuda_peak']:.2f}" if result["cuda_peak"] else ""
             print(f"{row:22s} peak {total:6.2f} ({ratio} bf16)  after step {after_total:5.2f}{cuda}  | {parts}",
                   flush=True)
-            results[(row, checkpointing)] = dict(peak=total, after=after_total, parts=peak)
+            results[(row, checkpointing)] = dict(peak=total, after=after_total, parts=peak,
+                                                 parameters=result["parameters"])
+    if args.json:
+        _write_json(args, capability, results)
     return results
+
+
+def _write_json(args: argparse.Namespace, capability, results: dict[tuple[str, bool], dict]) -> None:
+    """The figures, with what ``benchmarks.what_fits`` needs to scale them."""
+    import json
+
+    shape = SHAPES[args.shape]
+    hidden, kv_dim = shape["hidden_size"], shape["num_key_value_heads"] * shape["hidden_size"] // shape["num_attention_heads"]
+    block = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * shape["intermediate_size"]
+    by_mode = {mode: {row: {k: v for k, v in figures.items() if k != "parameters"}
+                      for (row, checkpointing), figures in results.items() if checkpointing == (mode == "on")}
+               for mode in ("on", "off")}
+    record = dict(
+        machine=f"{capability.name}, {', '.join(capability.features) or 'no avx512_vnni/avx512_bf16/amx'}; "
+                f"torch {torch.__version__}",
+        shape=shape, world_size=args.world_size, tokens_per_rank=args.batch_size * args.seq_len,
+        parameters=next(iter(results.values()))["parameters"],
+        largest_group=max(shape["vocab_size"] * hidden, block),
+        rows=by_mode["on"], rows_checkpointing_off=by_mode["off"],
+    )
+    with open(args.json, "w") as handle:
+        json.dump(record, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,42 @@
 """``python -m benchmarks.memory`` at its tiny shape: torch's FSDPMemTracker measures each
-row in real 2-rank processes, and the figures keep their meaning (docs/memory.md)."""
+row in real 2-rank processes, and the figures keep their meaning (docs/memory.md); then
+``python -m benchmarks.what_fits`` scales them to Llama 3 shapes."""
 
 from __future__ import annotations
 
-from benchmarks import memory
+from benchmarks import memory, what_fits
 
 
-def test_tracker_measures_bf16_fsdp2_and_int8_stepping_inside_backward(capsys):
-    results = memory.main(["--rows", "bf16", "int8-8bit-in-backward", "--checkpointing", "on", "--shape", "tiny"])
-    bf16, lean = results[("bf16", True)], results[("int8-8bit-in-backward", True)]
+def test_tracker_measures_bf16_fsdp2_and_the_lean_recipe_and_what_fits_scales_them(capsys, tmp_path):
+    figures = tmp_path / "memory.json"
+    results = memory.main(["--rows", "bf16", "lean", "--checkpointing", "on", "--shape", "tiny",
+                           "--json", str(figures)])
+    bf16, lean = results[("bf16", True)], results[("lean", True)]
     # Between steps bf16 FSDP2 keeps fp32 parameters (4 bytes) and AdamW's two fp32
     # moments (8), nothing else: 12 bytes per parameter up to buffers and the tracker's
     # rounding of sizes to whole blocks.
     assert 12.0 <= bf16["after"] < 12.5, bf16
-    # int8 rows (~1 byte + scales) for the linear weights, the fp32 tied embedding (20%
-    # of this shape) and 8-bit moments (~2 bytes): about 4 bytes, a third of bf16's.
-    assert lean["after"] < 0.45 * bf16["after"], (lean, bf16)
+    # every weight int8 (~1 byte + a 4-byte scale per row of 64) and 8-bit moments (2 bytes
+    # + a scale per block of 32): about 3.3 bytes, under a third of bf16's
+    assert lean["after"] < 0.33 * bf16["after"], (lean, bf16)
     # at this shape activations and their gradients make most of the peak (~23 of 37
     # bytes/param for both rows); what is left is smaller with int8
     assert lean["peak"] < bf16["peak"], (lean, bf16)
-    table = capsys.readouterr().out
-    assert "int8-8bit-in-backward" in table and "x bf16" in table
+    assert "lean" in capsys.readouterr().out
+
+    table = what_fits.main([str(figures)])
+    assert set(table) == {(gb, n) for gb in what_fits.GPU_SIZES_GB for n in what_fits.GPU_COUNTS}
+    order = ["none", *(shape.name for shape in what_fits.LLAMA3)]
+
+    def rank(entry: str) -> int:
+        return order.index(entry.split(" (")[0])
+
+    for (gb, gpus), fits in table.items():
+        # the lean recipe's smaller state never fits a smaller model than bf16's
+        assert rank(fits["lean"]) >= rank(fits["bf16"]), (gb, gpus, fits)
+    # more GPUs or more memory never fit less
+    for row in ("bf16", "lean"):
+        assert rank(table[80, 64][row]) >= rank(table[80, 8][row]) >= rank(table[80, 1][row])
+        assert rank(table[80, 8][row]) >= rank(table[40, 8][row]) >= rank(table[24, 8][row])
+    shown = capsys.readouterr().out
+    assert "| 80 GB | 64 |" in shown and "activations measured" in shown

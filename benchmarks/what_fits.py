@@ -1,0 +1,158 @@
+"""What fits: the largest Llama 3 model each recipe trains per GPU size and count, from the
+peak memory ``benchmarks.memory`` measured.
+
+    python -m benchmarks.memory --checkpointing on --json memory.json
+    python -m benchmarks.what_fits memory.json [--tokens 4096]
+
+A step's peak (activation checkpointing on, as measured) is modelled as three terms:
+
+* **sharded state**, ``s`` bytes per parameter per rank: sharded parameters, gradients and
+  optimizer states at the peak, measured; it scales with ``parameters / GPUs``;
+* **the largest group's transients**, ``u`` bytes per element of the largest FSDP2 group:
+  its unsharded parameters and gradient, the all-gather and reduce-scatter buffers and
+  the temporaries at the peak, measured (the peak falls at the end of backward, in the
+  root group, which holds the token embedding: ``vocab x hidden`` elements); it does not
+  shrink with more GPUs;
+* **activations**: each block's bf16 input kept for recomputation (2 bytes per token per
+  hidden unit per block), one block's recomputed activations (about 34 bytes per token
+  per hidden unit, the estimate of Korthikanti et al. 2022 without attention scores,
+  which fused attention never stores) and fp32 logits, their log-softmax and gradient
+  (12 bytes per token per vocabulary entry). This term is a formula; the script prints it
+  beside the measured activations of the benchmark's shape as a check.
+
+A model fits when the sum is at most 90% of the GPU's memory (the rest: CUDA context,
+allocator fragmentation, NCCL buffers). The figures are estimates from a CPU measurement,
+not GPU runs: ``python -m benchmarks.gpu`` measures ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+GIB = 1 << 30
+USABLE = 0.9  # of a GPU's memory, for the step's peak
+GPU_SIZES_GB = (24, 40, 80)
+GPU_COUNTS = (1, 8, 64)
+SHARDED = ("Sharded Param", "Sharded Grad", "OptState")
+GROUP = ("Unsharded Param", "Unsharded Grad", "Temp", "All Gather", "Reduce Scatter")
+ACTIVATIONS = ("Activation", "Inputs")
+BLOCK_INPUT_BYTES = 2  # per token per hidden unit per block: a bf16 checkpoint
+RECOMPUTED_BLOCK_BYTES = 34  # per token per hidden unit, one block recomputed in backward
+LOGIT_BYTES = 12  # per token per vocabulary entry: fp32 logits, log-softmax, gradient
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama 3 model's shape (Meta's published configs)."""
+
+    name: str
+    hidden: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int = 128_256
+    tied: bool = False
+
+    @property
+    def parameters(self) -> int:
+        head_dim = self.hidden // self.heads
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
+        block = attention + 3 * self.hidden * self.ffn + 2 * self.hidden
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * block + embeddings + self.hidden
+
+    @property
+    def largest_group(self) -> int:
+        """Elements of the largest FSDP2 group ``shard_model`` makes: the embedding (or the
+        untied head, in the root), or a block if that is larger."""
+        head_dim = self.hidden // self.heads
+        block = (2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
+                 + 3 * self.hidden * self.ffn)
+        return max(self.vocab * self.hidden, block)
+
+
+LLAMA3 = (
+    LlamaShape("Llama-3.2-1B", 2048, 16, 8192, 32, 8, tied=True),
+    LlamaShape("Llama-3.2-3B", 3072, 28, 8192, 24, 8, tied=True),
+    LlamaShape("Llama-3.1-8B", 4096, 32, 14336, 32, 8),
+    LlamaShape("Llama-3.1-70B", 8192, 80, 28672, 64, 8),
+    LlamaShape("Llama-3.1-405B", 16384, 126, 53248, 128, 8),
+)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """One recipe's measured costs (see the module docstring)."""
+
+    sharded: float  # bytes per parameter per rank
+    group: float  # bytes per element of the largest group
+
+
+def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int) -> float:
+    """The activation term for ``tokens`` tokens per GPU (see the module docstring)."""
+    return tokens * (hidden * (BLOCK_INPUT_BYTES * layers + RECOMPUTED_BLOCK_BYTES) + LOGIT_BYTES * vocab)
+
+
+def coefficients(measured: dict) -> dict[str, Coefficients]:
+    """Each measured row's coefficients, from ``benchmarks.memory --json``'s file."""
+    share = measured["parameters"] / measured["world_size"]
+    group = measured["largest_group"]
+    found = {}
+    for row, figures in measured["rows"].items():
+        parts = figures["parts"]  # bytes per parameter per rank, by category
+        found[row] = Coefficients(
+            sharded=sum(parts.get(k, 0.0) for k in SHARDED),
+            group=sum(parts.get(k, 0.0) for k in GROUP) * share / group,
+        )
+    return found
+
+
+def peak_bytes(shape: LlamaShape, gpus: int, costs: Coefficients, tokens: int) -> float:
+    return (costs.sharded * shape.parameters / gpus + costs.group * shape.largest_group
+            + activation_bytes(tokens, shape.hidden, shape.layers, shape.vocab))
+
+
+def largest_fitting(gpu_gb: int, gpus: int, costs: Coefficients, tokens: int) -> str:
+    fitting = [s for s in LLAMA3 if peak_bytes(s, gpus, costs, tokens) <= USABLE * gpu_gb * 1e9]
+    if not fitting:
+        return "none"
+    best = fitting[-1]
+    return f"{best.name} ({peak_bytes(best, gpus, costs, tokens) / 1e9:.0f} GB)"
+
+
+def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]:
+    """Print the table; return ``{(GB, GPUs): {row: largest model}}``."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("measured", help="the JSON file of benchmarks.memory --json")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per micro-batch")
+    args = parser.parse_args(argv)
+    with open(args.measured) as handle:
+        measured = json.load(handle)
+    costs = coefficients(measured)
+    shape = measured["shape"]
+    predicted = activation_bytes(measured["tokens_per_rank"], shape["hidden_size"], shape["num_hidden_layers"],
+                                 shape["vocab_size"])
+    share = measured["parameters"] / measured["world_size"]
+    print(f"# from {args.measured}: {measured['machine']}")
+    for row, figures in measured["rows"].items():
+        seen = sum(figures["parts"].get(k, 0.0) for k in ACTIVATIONS) * share
+        print(f"# {row}: sharded {costs[row].sharded:.2f} B/param, largest group {costs[row].group:.2f} B/element; "
+              f"activations measured {seen / 1e6:.1f} MB, formula {predicted / 1e6:.1f} MB")
+    rows = list(costs)
+    print(f"\nLargest Llama 3 model per GPU, {args.tokens} tokens per GPU, activation checkpointing on "
+          f"(estimated peak in brackets)\n")
+    print("| GPU memory | GPUs | " + " | ".join(rows) + " |")
+    print("|---|---:|" + "---|" * len(rows))
+    table = {}
+    for gpu_gb in GPU_SIZES_GB:
+        for gpus in GPU_COUNTS:
+            table[gpu_gb, gpus] = {row: largest_fitting(gpu_gb, gpus, costs[row], args.tokens) for row in rows}
+            print(f"| {gpu_gb} GB | {gpus} | " + " | ".join(table[gpu_gb, gpus].values()) + " |")
+    return table
+
+
+if __name__ == "__main__":
+    main()
