@@ -31,17 +31,10 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
-from fsdp_int8.guard import NonFiniteGradientError, norms_finite
+from fsdp_int8.guard import NonFiniteGradientError, tensor_finite
 
 if TYPE_CHECKING:
     from fsdp_int8.optim._base import FusedInt8Optimizer
-
-
-def _finite(tensor: torch.Tensor) -> bool:
-    """Whether every value of ``tensor`` (a local gradient) is finite: one host sync."""
-    if not tensor.numel() or bool(norms_finite([tensor])):
-        return True
-    return bool(tensor.isfinite().all())  # the norm may only have overflowed
 
 
 class InBackward:
@@ -90,7 +83,7 @@ class InBackward:
                 "gradients after autograd hands them over, so this rank's gradient alone would "
                 "be applied. Shard the model with FSDP2, or use step_in_backward=False."
             )
-        if not _finite(local_shard(param.grad)):
+        if not tensor_finite(local_shard(param.grad)):
             self._skipped.append(id(param))
         else:
             optimizer.update_params([param], self._group_of[id(param)])
