@@ -31,6 +31,14 @@ class Int8MatmulConfig:
             to within 1% of bf16's validation loss with it (docs/performance.md). Turn it
             off to keep the weight gradient, which sums over every token, in the compute
             dtype.
+        save_int8_input: Keep the forward's int8 input (its int8 rows and one fp32 scale
+            per token) for the weight gradient, instead of the input in the compute
+            dtype: about half the saved bytes of a bf16 input, a quarter of an fp32 one.
+            Layers that read the same input (q / k / v, gate / up) share one copy. The
+            weight gradient folds the per-token scales into grad_y, quantizes that per
+            output channel and runs its int8 GEMM on the saved rows, so the input carries
+            no rounding beyond the forward's own. Needs ``output`` and ``grad_weight``.
+            Off by default (docs/memory.md: what it saves and its quality).
 
     On a device without a fast int8 GEMM (CPUs without VNNI or AMX, GPUs before sm_75)
     the first forward warns once per process: weight-only int8 is faster there.
@@ -39,6 +47,14 @@ class Int8MatmulConfig:
     output: bool = True
     grad_input: bool = True
     grad_weight: bool = True
+    save_int8_input: bool = False
+
+    def __post_init__(self) -> None:
+        if self.save_int8_input and not (self.output and self.grad_weight):
+            raise ValueError(
+                "Int8MatmulConfig(save_int8_input=True) keeps the output GEMM's int8 input for the "
+                "weight gradient's int8 GEMM: it needs output=True and grad_weight=True"
+            )
 
 
 @dataclass(frozen=True)

@@ -232,3 +232,78 @@ def test_compiled_passes_run_int8_gemms_and_no_float_gemm(grad_weight):
     assert counts.get("aten::mm", 0) == int(not grad_weight)
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+# ---------------------------------------------------------------- int8 saved inputs
+SAVE_INT8 = Int8MatmulConfig(save_int8_input=True)
+
+
+def test_saving_the_int8_input_changes_only_the_weight_gradient():
+    layer, _ = _linear(SAVE_INT8)
+    standard, _ = _linear(Int8MatmulConfig())
+    weight_only, _ = _linear(None)
+    x = torch.randn(4, 5, 64)
+    outs, grads = [], []
+    for model in (layer, standard, weight_only):
+        xi = x.clone().requires_grad_()
+        y = model(xi)
+        y.backward(torch.ones_like(y) + y.detach())
+        outs.append(y.detach())
+        grads.append((xi.grad, model.weight.grad))
+    # the same quantized input, GEMM and epilogue: the output and grad_input bit for bit
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0][0], grads[1][0])
+    # grad_weight reads x's forward rounding (per token) instead of a per-channel one: both
+    # about one int8 step (~0.5%) from the float weight gradient
+    reference = grads[2][1]
+    for grad_w in (grads[0][1], grads[1][1]):
+        assert (grad_w - reference).norm() / reference.norm() < 2e-2
+    assert not torch.equal(grads[0][1], grads[1][1])
+
+
+def test_grad_weight_of_saved_rows_sums_in_int32_chunks(monkeypatch):
+    monkeypatch.setattr(int8_linear, "_MAX_TOKENS_PER_INT32_SUM", 8)
+    layer, reference = _linear(SAVE_INT8)
+    x = torch.randn(20, 64)
+    with CountIntMM() as counter:
+        layer(x).sum().backward()
+    assert counter.calls == 1 + 3  # output, ceil(20 / 8) weight-gradient chunks (x needs no gradient)
+    reference(x).sum().backward()
+    assert (layer.weight.grad - reference.weight.grad).norm() / reference.weight.grad.norm() < 2e-2
+
+
+def test_layers_reading_one_input_save_one_int8_copy_of_it():
+    """q / k / v on one bf16 input: autograd keeps the input once, as int8 rows (1 byte a
+    value) and per-token fp32 scales, instead of the bf16 input (2 bytes a value)."""
+    def saved_input_bytes(config) -> int:
+        torch.manual_seed(0)
+        qkv = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(3))
+        fsdp_int8.quantize_(qkv, Int8TrainingConfig(int8_matmul=config))
+        x = torch.randn(8, 32, 64, dtype=torch.bfloat16, requires_grad=True).to(torch.bfloat16)
+        x = x * 1  # a non-leaf activation, as inside a model
+        storages: dict[int, int] = {}
+
+        def pack(tensor):
+            if not isinstance(tensor, nn.Parameter) and not isinstance(tensor, Int8Weight):
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for layer in qkv:
+                layer(x)
+        return sum(storages.values())
+
+    tokens = 8 * 32
+    assert saved_input_bytes(Int8MatmulConfig()) == tokens * 64 * 2  # the bf16 input, once
+    assert saved_input_bytes(SAVE_INT8) == tokens * 64 + tokens * 4  # int8 rows + fp32 scales, once
+
+
+def test_saved_int8_input_needs_its_two_gemms_and_pickles():
+    with pytest.raises(ValueError, match="output=True and grad_weight=True"):
+        Int8MatmulConfig(grad_weight=False, save_int8_input=True)
+    layer, _ = _linear(SAVE_INT8)
+    import io
+    buffer = io.BytesIO()
+    torch.save(layer.weight, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True).int8_matmul == SAVE_INT8

@@ -15,9 +15,16 @@ against the stored int8 weight; the scales are applied to the int32 result:
 * grad_weight: ``grad_w[n, k] = sgT[n] * sxT[k] * (qgT @ qxT^T)[n, k]``, ``grad_y`` quantized
   per output channel and ``x`` per input channel, both over the tokens (split into chunks
   so that int32 sums of 127 * 127 products cannot overflow).
+
+With ``save_int8_input`` the forward's ``qx, sx`` are what backward keeps (one copy for
+every layer reading the same input), and the weight gradient reuses them:
+``grad_w[n, k] = sgT[n] * (qgT @ qx)[n, k]`` where ``qgT, sgT`` quantize ``grad_y * sx``
+per output channel over the tokens.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -196,6 +203,50 @@ def _int8_output(x2d: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | Non
     return _dequantize_bias(acc, sx, weight.scale, bias, x2d.dtype)
 
 
+# The last input quantized for a layer that keeps its int8 input: (the input, its version
+# then, its int8 rows and scales). q / k / v (and gate / up) read one input one after the
+# other: the first quantizes it, the others reuse the same tensors, which autograd then
+# saves once. Eager only: under torch.compile each layer quantizes, and inductor merges
+# the identical kernels of one graph.
+_last_quantized_input: tuple[weakref.ref, int, torch.Tensor, torch.Tensor] | None = None
+
+
+def _shared_int8_rows(x: torch.Tensor, x2d: torch.Tensor, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x2d`` (a view of ``x``) quantized per row, reusing the rows of the previous call
+    when it quantized this very ``x``, unchanged since."""
+    global _last_quantized_input
+    if torch.compiler.is_compiling():
+        return _quantize_activations(x2d, compiled=compiled)
+    last = _last_quantized_input
+    if last is not None and last[0]() is x and last[1] == x._version:
+        return last[2], last[3]
+    qx, sx = _quantize_activations(x2d, compiled=compiled)
+    _last_quantized_input = (weakref.ref(x), x._version, qx, sx)
+    return qx, sx
+
+
+def _int8_output_of_rows(qx, sx, weight: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype):
+    """The output GEMM of already quantized input rows, dequantized into ``dtype``."""
+    acc = _int_mm(qx, _weight_columns(weight))
+    if bias is None:
+        return _run(_dequantize, weight.compiled, acc, sx, weight.scale, dtype)
+    return _run(_dequantize_bias, weight.compiled, acc, sx, weight.scale, bias, dtype)
+
+
+def _int8_grad_weight_of_rows(g2d: torch.Tensor, qx: torch.Tensor, sx: torch.Tensor, compiled: bool):
+    """``grad_y^T x`` from the saved int8 rows ``qx`` and per-token scales ``sx`` of x."""
+    tokens = g2d.shape[0]
+    grad = None
+    for start in range(0, tokens, _MAX_TOKENS_PER_INT32_SUM):
+        chunk = slice(start, start + _MAX_TOKENS_PER_INT32_SUM)
+        # x's per-token scale moves onto grad_y, which is then quantized per output channel
+        qg, sg = _run(int8_columns, compiled, g2d[chunk].float() * sx[chunk].unsqueeze(1))
+        dtype = g2d.dtype if tokens <= _MAX_TOKENS_PER_INT32_SUM else torch.float32
+        part = _run(_dequantize_rows, compiled, _int_mm(_transposed(qg), qx[chunk]), sg, dtype)
+        grad = part if grad is None else grad.add_(part)
+    return grad.to(g2d.dtype)
+
+
 def _int8_grad_input(g2d: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     if use_compiled(weight.compiled, g2d):
         return run_compiled(_grad_input_pass, g2d, _weight_rows(weight), weight.scale)
@@ -231,10 +282,16 @@ def _int8_grads(g2d: torch.Tensor, weight: Int8Weight, x2d: torch.Tensor):
 class _Int8WeightLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None):
-        ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         config = weight.int8_matmul
         x2d = x.reshape(-1, x.shape[-1])
+        ctx.int8_input = config is not None and config.save_int8_input and ctx.needs_input_grad[1]
+        if ctx.int8_input:  # backward keeps the int8 rows and scales, not x
+            qx, sx = _shared_int8_rows(x, x2d, weight.compiled)
+            ctx.save_for_backward(qx, sx, weight)
+            out = _int8_output_of_rows(qx, sx, weight, bias, x.dtype)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        ctx.save_for_backward(x, weight)
         if config is not None and config.output:
             out = _int8_output(x2d, weight, bias)
         else:  # a transient weight in the compute dtype, built in one pass and not kept
@@ -245,13 +302,17 @@ class _Int8WeightLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        *saved, weight = ctx.saved_tensors
         config = weight.int8_matmul
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         int8_input = ctx.needs_input_grad[0] and config is not None and config.grad_input
-        int8_weight = ctx.needs_input_grad[1] and config is not None and config.grad_weight
-        x2d = x.reshape(-1, x.shape[-1]).to(g2d.dtype) if ctx.needs_input_grad[1] else None
+        if ctx.int8_input:  # the weight gradient from the forward's int8 rows and scales
+            grad_w = _int8_grad_weight_of_rows(g2d, *saved, weight.compiled)
+            int8_weight, x2d = False, None
+        else:
+            int8_weight = ctx.needs_input_grad[1] and config is not None and config.grad_weight
+            x2d = saved[0].reshape(-1, saved[0].shape[-1]).to(g2d.dtype) if ctx.needs_input_grad[1] else None
         if int8_input and int8_weight:  # both int8 GEMMs: one compiled call where it can be
             grad_x, grad_w = _int8_grads(g2d, weight, x2d)
         else:
@@ -261,7 +322,7 @@ class _Int8WeightLinear(torch.autograd.Function):
                 grad_x = torch.matmul(g2d, _weight_in(weight, g2d.dtype))
             if int8_weight:
                 grad_w = _int8_grad_weight(g2d, x2d, weight.compiled)
-            elif ctx.needs_input_grad[1]:
+            elif x2d is not None:
                 grad_w = g2d.t().matmul(x2d)
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])

@@ -329,7 +329,7 @@ class Int8Weight(torch.Tensor):
             (self.int_data.clone(), self.scale.clone(), self.dtype, self.row_len,
              self.full_rows, self.stochastic_rounding, self.requires_grad,
              getattr(self, "_is_param", False),
-             None if self.int8_matmul is None else dataclasses.astuple(self.int8_matmul),
+             None if self.int8_matmul is None else dataclasses.asdict(self.int8_matmul),
              self.compiled),
         )
 
@@ -379,15 +379,14 @@ def _rebuild_int8_weight(
     int_data, scale, dtype, row_len, full_rows, stochastic, requires_grad, is_param=False,
     int8_matmul=None, compiled=False,
 ):
-    # int8_matmul: Int8MatmulConfig's 3 fields (pickle layout 2, what __reduce_ex__ writes),
-    # or 4 with the compiled-kernel flag last (layout 1)
-    if int8_matmul is not None and len(int8_matmul) == 4:
-        *int8_matmul, compiled = int8_matmul
+    if isinstance(int8_matmul, dict):  # pickle layout 3 (what __reduce_ex__ writes): by name
+        int8_matmul = Int8MatmulConfig(**int8_matmul)
+    elif int8_matmul is not None:  # layout 2: the first 3 fields; layout 1: and the compiled flag
+        *fields, compiled = int8_matmul if len(int8_matmul) == 4 else (*int8_matmul, compiled)
+        int8_matmul = Int8MatmulConfig(*fields)
     weight = Int8Weight(
         int_data, scale, dtype=dtype, row_len=row_len, full_rows=full_rows,
-        stochastic_rounding=stochastic,
-        int8_matmul=None if int8_matmul is None else Int8MatmulConfig(*int8_matmul),
-        compiled=bool(compiled),
+        stochastic_rounding=stochastic, int8_matmul=int8_matmul, compiled=bool(compiled),
     )
     if is_param:  # a pickled module's parameter comes back as a parameter
         return torch.nn.Parameter(weight, requires_grad=requires_grad)
