@@ -100,8 +100,9 @@ def test_grad_weight_sums_in_int32_chunks(monkeypatch):
 
 
 def test_int8_matmul_mode_trains_like_weight_only():
-    """A small MLP regression: int8 matmuls (the default: all three) end within 10% of the
-    weight-only run's loss (per-step errors of ~0.5% average out over the updates)."""
+    """A small MLP regression: int8 matmuls (the default: all three, and with int8 saved
+    inputs) end within 10% of the weight-only run's loss (per-step errors of ~0.5% average
+    out over the updates)."""
     def run(config):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
@@ -119,6 +120,8 @@ def test_int8_matmul_mode_trains_like_weight_only():
 
     weight_only, int8_mm = run(None), run(Int8MatmulConfig())
     assert int8_mm < 1.1 * weight_only, (int8_mm, weight_only)
+    saved_int8 = run(Int8MatmulConfig(save_int8_input=True))  # the weight gradient from int8 inputs
+    assert saved_int8 < 1.1 * weight_only, (saved_int8, weight_only)
 
 
 def test_compiled_quantization_matches_eager():
