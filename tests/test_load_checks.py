@@ -132,6 +132,23 @@ def test_unpaired_or_misshapen_entries_are_refused_before_anything_loads():
     assert torch.equal(model[2].weight.int_data, good["2.weight"].int_data)
 
 
+def test_each_entry_is_checked_once_per_load_and_again_in_the_next_load(monkeypatch):
+    from fsdp_int8._weight import load_checks
+
+    model, state = _mlp(), _reloaded_state_dict(_mlp(seed=1))
+    checked = []
+    real = load_checks.check_entry
+    monkeypatch.setattr(load_checks, "check_entry", lambda sd, prefix, *a, **k: (checked.append(prefix), real(sd, prefix, *a, **k)))
+    model.load_state_dict(state)
+    assert checked == ["0.", "2."]  # by the model's hook, before either layer loads; the layers' hooks skip
+    checked.clear()
+    model[2].load_state_dict({"weight": state["2.weight"], "bias": state["2.bias"]})
+    assert checked == [""]
+    state["2.weight"].scale[0] = float("nan")  # the same dict, edited in place, is checked again
+    with pytest.raises(Int8LoadError, match=r"2\.weight: 1 of 32 row scales"):
+        model.load_state_dict(state)
+
+
 # ------------------------------------------------------------------ dcp folders written elsewhere
 @pytest.mark.parametrize("edit", ["nan_scale", "minus_128"])
 def test_a_dcp_folder_with_bad_int8_values_is_refused_by_load_checkpoint_and_load_state_dict(tmp_path, edit):

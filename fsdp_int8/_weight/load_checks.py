@@ -41,7 +41,6 @@ __all__ = [
 
 SCALE_SUFFIX = "_scale"  # "<module>.weight" + SCALE_SUFFIX holds that weight's row scales (HF layout)
 INT8_MIN_ALLOWED = -127
-_CHECKED = "_fsdp_int8_checked_prefixes"  # attribute of load_state_dict's own copy of the dict
 _trusted_depth = 0  # > 0 while a caller loads entries it has checked itself
 
 
@@ -102,8 +101,9 @@ def check_rows(
     if int_rows.is_meta or int_rows.numel() == 0:
         return
     int_rows, scale = int_rows.detach(), scale.detach().reshape(-1)
-    bad = ~(torch.isfinite(scale) & (scale >= 0))
-    if bool(bad.any()):
+    lowest, highest = torch.aminmax(scale)  # one pass; NaN propagates into both
+    if not (bool(lowest >= 0) and bool(highest < float("inf"))):
+        bad = ~(torch.isfinite(scale) & (scale >= 0))
         first = int(bad.nonzero()[0, 0])
         raise refusal(
             key, source,
@@ -176,21 +176,30 @@ class CheckInt8Entries:
 
     The first hooked module a load reaches (the one ``load_state_dict`` was called on, or
     the quantized model inside a wrapper) checks the entries of every int8 layer below it
-    with :func:`check_entry` before any of them is copied, and marks them checked in
-    ``load_state_dict``'s own copy of the dict, so each entry is read once per load. A
-    picklable object, not a closure: modules holding it still deep-copy and pickle.
+    with :func:`check_entry` before any of them is copied. The hooks below it in the same
+    load skip what it checked: a load is known by its ``error_msgs`` list, which
+    ``load_state_dict`` makes anew for each call and hands to every hook. A picklable
+    object, not a closure: modules holding it still deep-copy and pickle.
     """
 
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    def __call__(
+        self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+        missing_keys: list, unexpected_keys: list, error_msgs: list,
+    ) -> None:
+        global _last_check
         if _trusted_depth:
             return
-        checked = getattr(state_dict, _CHECKED, ())
-        if any(prefix.startswith(done) for done in checked):
+        load, checked = _last_check
+        if load is error_msgs and any(prefix.startswith(done) for done in checked):
             return
         for layer_prefix, weight in _int8_layers(module, prefix):
             check_entry(state_dict, layer_prefix, weight)
-        with contextlib.suppress(AttributeError):  # a plain dict takes no attribute: check again
-            setattr(state_dict, _CHECKED, (*checked, prefix))
+        # holding the list keeps its id from being reused by a later load
+        _last_check = (error_msgs, (*checked, prefix) if load is error_msgs else (prefix,))
+
+
+# (the error_msgs list of the load that checked last, the prefixes it checked)
+_last_check: tuple[list | None, tuple[str, ...]] = (None, ())
 
 
 def add_check_hook(module: nn.Module) -> None:
