@@ -260,3 +260,37 @@ def test_the_safetensors_reader_inverts_the_writer_and_checks_what_it_reads(tmp_
         hfq.state_dict_from_int8_safetensors({k: v for k, v in tensors.items() if k != "2.weight_scale"}, source="f")
     with pytest.raises(Int8LoadError, match=r"2\.weight: the file holds row scales 2\.weight_scale but no int8 rows"):
         hfq.state_dict_from_int8_safetensors({k: v for k, v in tensors.items() if k != "2.weight"})
+
+
+# ------------------------------------------------------------------ a framework loader
+@pytest.fixture
+def accelerate_state():
+    """accelerate's state is process-wide: leave it (and the environment) as found."""
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    environ = dict(os.environ)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def test_accelerate_load_state_of_an_edited_state_refuses_and_changes_nothing(tmp_path, accelerate_state):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(*_trained_mlp())
+    accelerator.save_state(tmp_path / "state", safe_serialization=False)
+    (weights,) = (tmp_path / "state").glob("pytorch_model*.bin")
+    saved = torch.load(weights, weights_only=True)
+    saved["2.weight"].scale[5] = -1.0
+    torch.save(saved, weights)
+    model(torch.randn(4, 32)).pow(2).mean().backward()
+    opt.step()  # the state on disk differs from the model's
+    before = _snapshot(model, opt.optimizer)
+    with pytest.raises(Int8LoadError, match=r"2\.weight: 1 of 32 row scales .*row 5, -1\.0"):
+        accelerator.load_state(tmp_path / "state")
+    _assert_unchanged(before, _snapshot(model, opt.optimizer))
