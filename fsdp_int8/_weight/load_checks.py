@@ -194,7 +194,7 @@ class CheckInt8Entries:
             return
         for layer_prefix, weight in _int8_layers(module, prefix):
             check_entry(state_dict, layer_prefix, weight)
-        # holding the list keeps its id from being reused by a later load
+        # the list itself is held and compared by identity: each later load brings a new one
         _last_check = (error_msgs, (*checked, prefix) if load is error_msgs else (prefix,))
 
 
