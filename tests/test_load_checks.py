@@ -150,7 +150,7 @@ def test_each_entry_is_checked_once_per_load_and_again_in_the_next_load(monkeypa
 
 
 # ------------------------------------------------------------------ dcp folders written elsewhere
-@pytest.mark.parametrize("edit", ["nan_scale", "minus_128"])
+@pytest.mark.parametrize("edit", sorted(VALUE_EDITS))
 def test_a_dcp_folder_with_bad_int8_values_is_refused_by_load_checkpoint_and_load_state_dict(tmp_path, edit):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.utils._pytree import tree_map_only
