@@ -3,7 +3,8 @@ row scales finite and non-negative, int8 values in -127..127, shapes, rows with 
 scales. Each edit of issue 35's table, in a Hugging Face folder (``from_pretrained`` and
 ``load_state_dict`` of its entries), a ``torch.load``ed state dict and a dcp folder, is
 refused at load naming the layer (and the file where there is one), and a refused load
-leaves the model and optimizer as they were. Tiny models; nothing is downloaded.
+leaves the model and optimizer as they were; so do accelerate's ``load_state`` and
+Lightning's ``fit(ckpt_path=...)``. Tiny models; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -294,3 +295,38 @@ def test_accelerate_load_state_of_an_edited_state_refuses_and_changes_nothing(tm
     with pytest.raises(Int8LoadError, match=r"2\.weight: 1 of 32 row scales .*row 5, -1\.0"):
         accelerator.load_state(tmp_path / "state")
     _assert_unchanged(before, _snapshot(model, opt.optimizer))
+
+
+def test_lightning_resume_from_an_edited_checkpoint_refuses_and_changes_nothing(tmp_path):
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch, index):
+            return self.net(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def trainer(steps: int) -> pl.Trainer:
+        return pl.Trainer(
+            max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        )
+
+    data = torch.utils.data.DataLoader(torch.randn(8, 32), batch_size=4)
+    first = trainer(1)
+    first.fit(Module(), data)
+    first.save_checkpoint(tmp_path / "step1.ckpt")
+    checkpoint = torch.load(tmp_path / "step1.ckpt", weights_only=False)
+    checkpoint["state_dict"]["net.2.weight"].int_data[0, 0] = -128
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+
+    module = Module()
+    before = _snapshot(module)
+    with pytest.raises(Int8LoadError, match=r"net\.2\.weight: 1 int8 value\(s\) are -128 \(first in row 0\)"):
+        trainer(2).fit(module, data, ckpt_path=tmp_path / "edited.ckpt")
+    _assert_unchanged(before, _snapshot(module))
