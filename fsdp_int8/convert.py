@@ -15,6 +15,7 @@ from fsdp_int8._dist import is_sharded, local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.conv1d import int8_conv1d_, why_not_convertible
 from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embedding
+from fsdp_int8._weight.load_checks import add_check_hook
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8TrainingConfig, is_conv1d
 
@@ -290,7 +291,9 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         module.register_load_state_dict_post_hook(
             _RequantizeAssigned(config.stochastic_rounding, config.int8_matmul, config.compile)
         )
+        add_check_hook(module)  # int8 entries are checked before load_state_dict copies them
     if swapped:  # a repeated call changes nothing, not even the generator
+        add_check_hook(model)  # ... and all of the model's at once: a refused load changes nothing
         # Not sharded yet: every process holds every row, one shard (mesh=None).
         seed_weight_rounding(config.seed)
         for hook in AFTER_QUANTIZE:

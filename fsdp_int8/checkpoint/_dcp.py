@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map_only
 
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
+from fsdp_int8._weight.load_checks import Int8LoadError, check_weight
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.checkpoint.errors import CheckpointError
 from fsdp_int8.guard import norms_finite
@@ -125,6 +126,20 @@ def non_finite_keys(state: dict[str, Any]) -> list[str]:
         if not bool(norms_finite([values for _, values in entries])):  # rare: only then look closer
             bad += [key for key, values in entries if not bool(values.isfinite().all())]
     return sorted(bad)
+
+
+def refused_int8_entries(model_state: dict[str, Any], keys: set[str], path: Path) -> list[str]:
+    """Why the int8 weights read under ``keys`` (this rank's shards) cannot be loaded:
+    scales not finite or negative, int8 values outside -127..127 (``load_checks``); every
+    rank gets every rank's refusals, so all raise together. Empty: all valid."""
+    problem = None
+    try:
+        for key in int8_keys(model_state):
+            if key in keys:
+                check_weight(key, model_state[key], source=str(path))
+    except Int8LoadError as error:
+        problem = f"rank {_dist.rank()}: {error}" if _dist.world_size() > 1 else str(error)
+    return sorted({p for p in _dist.all_gather(problem) if p})
 
 
 @contextlib.contextmanager

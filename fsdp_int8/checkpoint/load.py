@@ -3,8 +3,9 @@ and fits the model and optimizer, read it into copies, and only then load it int
 (resharding) and restore or reseed the generators.
 
 A load that fails changes nothing: everything that can fail (the manifest, the files'
-checksums, the fit, reading every shard and generator state, the optimizer's own checks of
-its hyperparameters) happens before the model, optimizer or generators are touched.
+checksums, the fit, reading every shard and generator state, the values of the int8
+weights read, the optimizer's own checks of its hyperparameters) happens before the model,
+optimizer or generators are touched.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdp_int8 import _dist
 from fsdp_int8._quant.generators import seed_weight_rounding
+from fsdp_int8._weight.load_checks import trusted
 from fsdp_int8.checkpoint import _dcp, _files, _fit
 from fsdp_int8.checkpoint._generator_states import (
     capture_generators,
@@ -137,7 +139,8 @@ def _optimizer_copy(model: nn.Module, optimizer: torch.optim.Optimizer, model_co
         return _dcp.copy_tensors(get_optimizer_state_dict(model, optimizer))
     finally:
         optimizer.state.clear()
-        _dcp.set_model_state(model, model_copy)
+        with trusted():  # the model's own values
+            _dcp.set_model_state(model, model_copy)
         restore_generators(generators, model)
 
 
@@ -287,9 +290,10 @@ def _commit(
 ) -> bool:
     """Load what was read into place (nothing here is expected to fail); whether the saved
     generator streams continue."""
-    if optimizer is not None:  # first: priming a fresh optimizer may touch the weights
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(strict=strict))
-    _dcp.set_model_state(model, model_copy)
+    with trusted():  # the int8 entries were checked when read: the load_state_dict hooks skip them
+        if optimizer is not None:  # first: priming a fresh optimizer may touch the weights
+            set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(strict=strict))
+        _dcp.set_model_state(model, model_copy)
     if generators is not None and restore_generators(generators, model, saved_layout=saved_layout):
         return True
     # another layout: rows moved between ranks, no stream can continue
@@ -344,7 +348,8 @@ def load_checkpoint(
     Raises:
         CheckpointError: missing, incomplete, truncated or corrupted checkpoints, folders
             without a manifest (unless ``allow_unverified``), checkpoints whose entries or
-            shapes do not fit the model or optimizer, and any failure while reading.
+            shapes do not fit the model or optimizer, int8 weights with NaN, infinite or
+            negative scales or values of -128, and any failure while reading.
         TypeError: ``optimizer`` is no optimizer and forwards to none.
     """
     optimizer = innermost_optimizer(optimizer) if optimizer is not None else None
@@ -362,6 +367,9 @@ def load_checkpoint(
     _refuse(path, fit, strict, "this model" if optimizer is None else "this model and optimizer")
     read = _to_read(copies, prefix, fit, stored)
     generators = _read(path, read, verified=manifest is not None and verify)
+    refused = _dcp.refused_int8_entries(copies["model"], loaded, path)  # scales, -127..127
+    if refused:
+        raise CheckpointError(f"checkpoint {path} holds invalid int8 weights: {listing(refused)}")
     optimizer_state = None
     if optimizer is not None:
         optimizer_state = _optimizer_state(optimizer, copies["optimizer"], read, loaded, fresh, strict, path)

@@ -16,19 +16,20 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8._dist import local_shard
+from fsdp_int8._weight.load_checks import SCALE_SUFFIX, check_rows, refusal
 from fsdp_int8._weight.tensor import Int8Weight
 
 __all__ = [
     "SCALE_SUFFIX",
     "is_int8",
     "int8_safetensors_state_dict",
+    "state_dict_from_int8_safetensors",
     "add_load_hooks",
     "state_dict_given_to_save_pretrained",
     "tied_and_fp32_modules",
     "int8_layers_in_checkpoint",
 ]
 
-SCALE_SUFFIX = "_scale"  # "<module>.weight" + SCALE_SUFFIX holds that weight's row scales
 
 
 def is_int8(module: nn.Module) -> bool:
@@ -64,6 +65,39 @@ def int8_safetensors_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]
             "(or state_dict=torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
             "options=StateDictOptions(full_state_dict=True, cpu_offload=True)))."
         )
+    return out
+
+
+def state_dict_from_int8_safetensors(
+    tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float32, source: str | None = None
+) -> dict[str, Any]:
+    """The inverse of :func:`int8_safetensors_state_dict`: each ``key`` (int8 rows) +
+    ``key + "_scale"`` (fp32 row scales) pair of ``tensors`` becomes one ``Int8Weight``
+    entry ``key`` (outer dtype ``dtype``), which ``load_state_dict`` of a quantized model
+    copies byte for byte. Other entries are kept as they are.
+
+    Every pair is checked first (scales finite and non-negative, int8 values in
+    -127..127, shapes): ``source`` (the file's name) is named in the error.
+
+    Raises:
+        Int8LoadError: an invalid pair, int8 rows without scales, or scales without int8 rows.
+    """
+    rewrite = "Write the file again with int8_safetensors_state_dict"
+    out: dict[str, Any] = {}
+    for key, value in tensors.items():
+        rows_key = key.removesuffix(SCALE_SUFFIX)
+        if rows_key != key and rows_key.rsplit(".", 1)[-1] == "weight":  # row scales: with their rows
+            if rows_key not in tensors:
+                raise refusal(rows_key, source, f"the file holds row scales {key} but no int8 rows", rewrite)
+            continue
+        scale = tensors.get(key + SCALE_SUFFIX)
+        if scale is None:
+            if value.dtype == torch.int8:
+                raise refusal(key, source, f"it holds int8 rows but no row scales {key + SCALE_SUFFIX}", rewrite)
+            out[key] = value
+            continue
+        check_rows(key, value, scale, source=source)
+        out[key] = Int8Weight(value, scale, dtype=dtype, row_len=value.shape[-1])
     return out
 
 
@@ -134,22 +168,48 @@ def tied_and_fp32_modules(model: nn.Module, keep_embeddings: bool = False) -> li
     return sorted(names | set(getattr(model, "_keep_in_fp32_modules", None) or ()))
 
 
-def int8_layers_in_checkpoint(model: nn.Module, files: list[str] | None) -> set[str] | None:
-    """Names of the model's layers the safetensors ``files`` hold scales for (``None``: no
-    safetensors to read, so the config's rule decides). Only the headers are read."""
+def _unpaired_entries(headers: dict[str, tuple[str, list[int], str]]) -> None:
+    """Refuse int8 rows without row scales, row scales without int8 rows, and scales that
+    are not one per row, in the checkpoint's entries (``key -> (safetensors dtype, shape,
+    file)``), naming the layer and the file."""
+    rewrite = "The folder is damaged or was written by another tool: save it again with save_pretrained"
+    for key, (dtype, shape, file) in headers.items():
+        rows_key = key.removesuffix(SCALE_SUFFIX)
+        if rows_key != key and rows_key.endswith(".weight"):
+            rows = headers.get(rows_key)
+            if rows is None or rows[0] != "I8":
+                found = "no entry" if rows is None else f"{rows[0]} values"
+                raise refusal(rows_key, file, f"the checkpoint holds row scales {key} but {found}, not int8 rows", rewrite)
+            if dtype != "F32" or shape != rows[1][:1]:
+                raise refusal(
+                    rows_key, file, f"its int8 rows {rows[1]} need fp32 row scales [{rows[1][0]}], "
+                    f"{key} holds {dtype} {shape}", rewrite,
+                )
+        if dtype == "I8" and key.endswith(".weight") and key + SCALE_SUFFIX not in headers:
+            raise refusal(key, file, f"it holds int8 rows but no row scales ({key + SCALE_SUFFIX} is missing)", rewrite)
+
+
+def int8_layers_in_checkpoint(model: nn.Module, files: list[str] | None) -> dict[str, str] | None:
+    """Names of the model's layers the safetensors ``files`` hold scales for, each with its
+    file (``None``: no safetensors to read, so the config's rule decides). Only the headers
+    are read; int8 rows without scales and scales without int8 rows are refused here."""
     if not files or not all(str(f).endswith(".safetensors") for f in files):
         return None
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
-    keys = []
+    headers: dict[str, tuple[str, list[int], str]] = {}
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            keys += [k for k in handle.keys() if k.endswith(".weight" + SCALE_SUFFIX)]
+            for key in handle.keys():
+                entry = handle.get_slice(key)
+                headers[key] = (entry.get_dtype(), list(entry.get_shape()), str(file))
+    _unpaired_entries(headers)
+    keys = [k for k in headers if k.endswith(".weight" + SCALE_SUFFIX)]
     renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
     expected = model.state_dict()
-    names = set()
+    names: dict[str, str] = {}
     for key in keys:
         weight, _ = rename_source_key(key.removesuffix(SCALE_SUFFIX), renamings, [], model.base_model_prefix, expected)
         if weight not in expected or "." not in weight:
@@ -157,5 +217,5 @@ def int8_layers_in_checkpoint(model: nn.Module, files: list[str] | None) -> set[
                 f"the checkpoint holds int8 rows with scales for {key.removesuffix(SCALE_SUFFIX)}, which is "
                 f"not a layer's weight in {type(model).__name__} (a weight it converts on load?)"
             )
-        names.add(weight.rsplit(".", 1)[0])
+        names[weight.rsplit(".", 1)[0]] = headers[key][2]
     return names

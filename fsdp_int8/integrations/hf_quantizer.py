@@ -37,6 +37,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from fsdp_int8._weight.load_checks import check_rows
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
 from fsdp_int8.convert import quantize_
@@ -46,6 +47,7 @@ from fsdp_int8.integrations._hf_layout import (
     int8_layers_in_checkpoint,
     int8_safetensors_state_dict,
     is_int8,
+    state_dict_from_int8_safetensors,
     state_dict_given_to_save_pretrained,
     tied_and_fp32_modules,
 )
@@ -57,6 +59,7 @@ __all__ = [
     "Int8TrainingHfQuantizer",
     "attach_hf_quantizer",
     "int8_safetensors_state_dict",
+    "state_dict_from_int8_safetensors",
 ]
 
 QUANT_METHOD = "fsdp_int8"
@@ -211,6 +214,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: Int8TrainingHfConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         self._placeholders: dict[str, Int8Weight] = {}  # int8 layer -> its meta weight, while loading
+        self._files: dict[str, str] = {}  # int8 layer -> the safetensors file holding it, while loading
         self._plain_checkpoint = False
 
     @property
@@ -243,6 +247,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
         names = None
         if self.pre_quantized:
             names = int8_layers_in_checkpoint(model, checkpoint_files)
+            self._files = dict(names or {})
             if names is not None:
                 if not names:  # a full-precision export: load what it holds
                     self._plain_checkpoint = True
@@ -286,10 +291,12 @@ class Int8TrainingHfQuantizer(HfQuantizer):
             data = module.weight
             if data.dtype != torch.int8 or scale.is_meta:
                 raise ValueError(f"{name}: the checkpoint has no int8 rows with scales for this layer")
+            # finite, non-negative scales and int8 values in -127..127, before the model is returned
+            check_rows(f"{name}.weight", data, scale, source=self._files.get(name), shape=tuple(placeholder.shape))
             weight = nn.Parameter(placeholder.derive(data.detach().to(scale.device), scale.detach().float()))
             for holder in holders.get(id(data), [module]):
                 holder.weight = weight
-        self._placeholders = {}
+        self._placeholders, self._files = {}, {}
         add_load_hooks(model)
         return model
 
