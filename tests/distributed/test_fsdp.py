@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from _cases import (
 )
 from _nets import MLPNet, tiny_transformer
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_int8
@@ -333,6 +334,20 @@ def _check_errors(rank: int, world: int) -> None:
             assert "found no blocks" in str(error) and "blocks=" in str(error)
         else:
             raise AssertionError("no error")
+    with case("mesh that leaves out ranks training other data (a 'tp' dim without tp_plan)"):
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+        try:
+            fsdp_int8.shard_model(MLPNet(), mesh=mesh["dp"])
+        except ValueError as error:
+            assert f"'tp' (size {world})" in str(error) and "unsynchronised" in str(error), error
+        else:
+            raise AssertionError("no error")
+    with case("a mesh of some ranks that is no slice of a larger mesh: a warning"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+            fsdp_int8.shard_model(MLPNet(), mesh=DeviceMesh.from_group(alone[rank], "cpu"))
+        assert any("not a slice of a larger device mesh" in str(w.message) for w in caught), caught
     with case("mesh that does not hold this rank"):
         try:
             fsdp_int8.shard_model(MLPNet(), mesh=_FakeMesh(world + 1))
