@@ -293,6 +293,10 @@ def _check_training_features(rank: int, world: int) -> None:
             assert torch.isfinite(shard.scale).all() and (shard.scale > 0).all(), name
             std = param.full_tensor().dequantize().std().item()
             assert 0.002 < std < 0.03, (name, std)  # normal_(std=0.02), or /sqrt(2 * n_layers)
+        # every rank's rows are its rows of the single-process init (none repeats another's)
+        alone = fsdp_int8.quantize_(tiny_transformer())  # init_weights(0) of the whole model here
+        for name, param in model.named_parameters():  # before forward: the root is still sharded
+            assert torch.equal(param.full_tensor().cpu(), alone.get_parameter(name)), name  # int8 + scales
         tokens = torch.randint(0, 64, (2, 16))
         loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
         assert abs(loss.item() - torch.log(torch.tensor(64.0)).item()) < 0.2  # near-uniform start
