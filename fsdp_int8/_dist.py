@@ -147,6 +147,11 @@ def is_sharded(model: torch.nn.Module) -> bool:
 PIPELINE_DIM = "pp"  # the mesh dim pipeline parallelism splits on (torchtitan's name)
 
 
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The device mesh ``mesh`` was sliced or flattened from (``mesh`` itself if none)."""
+    return mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+
+
 def idle_mesh_dims(mesh: DeviceMesh) -> list[tuple[str, int]]:
     """``(name, size)`` of each dim of ``mesh``'s root mesh that ``mesh`` leaves out.
 
@@ -156,7 +161,7 @@ def idle_mesh_dims(mesh: DeviceMesh) -> list[tuple[str, int]]:
     ``root[("dp", "cp")]._flatten()`` none of ``dp`` and ``cp``. Dims of size 1 are
     skipped (they hold one rank). A dim without a name is reported as ``"dim <i>"``.
     """
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    root = root_mesh(mesh)
     if root is mesh or root.ndim == 0:
         return []
     coordinate = root.get_coordinate()

@@ -19,6 +19,7 @@ from fsdp_int8._dist import (
     device_type_for,
     idle_mesh_dims,
     is_sharded,
+    root_mesh,
     without_tensor_parallel,
 )
 from fsdp_int8._quant.generators import seed_weight_rounding
@@ -203,7 +204,7 @@ def _check_no_idle_dims(mesh: DeviceMesh) -> None:
         dims = ", ".join(f"{name!r} (size {size})" for name, size in idle)
         raise ValueError(
             f"shard_model got a mesh ({mesh.mesh_dim_names or mesh}) that leaves out the "
-            f"dim(s) {dims} of its device mesh {mesh._get_root_mesh().mesh_dim_names}: the ranks "
+            f"dim(s) {dims} of its device mesh {root_mesh(mesh).mesh_dim_names}: the ranks "
             "along them would each train an unsynchronised copy of the model on their own "
             "data. Pass a mesh that spans them (Lightning: ModelParallelStrategy("
             "data_parallel_size=N, tensor_parallel_size=1) and mesh=self.device_mesh"
@@ -211,7 +212,7 @@ def _check_no_idle_dims(mesh: DeviceMesh) -> None:
             "tp_plan=...). Only a 'pp' dim may be left out (pipeline stages hold other layers)."
         )
     world = dist.get_world_size()
-    if mesh._get_root_mesh() is mesh and mesh.size() < world:
+    if root_mesh(mesh) is mesh and mesh.size() < world:
         warnings.warn(
             f"shard_model got a mesh of {mesh.size()} of the {world} ranks that is not a "
             "slice of a larger device mesh: it cannot tell whether the other ranks hold other "
@@ -299,7 +300,10 @@ def shard_model(
         model: The unsharded model (plain PyTorch).
         mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP), plus a last dim
             named ``"tp"`` with ``tp_plan``. It must hold this rank, not necessarily all
-            ranks (a pipeline stage's mesh). Default: all ranks on the default device type.
+            ranks: a slice of a larger device mesh may leave out its ``"pp"`` dim (a
+            pipeline stage's mesh), and no other dim of more than one rank (those ranks
+            would train unsynchronised copies: ``ValueError``). Default: all ranks on the
+            default device type.
         config: Quantization config (see :class:`Int8TrainingConfig`).
         mp_policy: FSDP2 mixed precision; its ``param_dtype`` is the compute dtype of the
             unsharded weights. The wire format is int8 regardless.
