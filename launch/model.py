@@ -7,8 +7,8 @@ its piece of the single-process init.
 
 from __future__ import annotations
 
+import hashlib
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -267,11 +267,10 @@ INIT_STD = 0.02  # the normal init of the embedding, the linear weights and the 
 def initial_value(seed: int, name: str, shape: torch.Size, std: float) -> torch.Tensor:
     """The whole fp32 ``normal(0, std)`` tensor of parameter ``name``, on the CPU, from a
     generator seeded by ``seed`` and the name alone: the same on every rank and device."""
-    generator = torch.Generator().manual_seed(seed * _SEED_STRIDE + zlib.crc32(name.encode()))
+    # The CPU generator (mt19937) keeps 32 bits of a seed: hash (seed, name) into 32 bits.
+    key = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=4).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(key, "little"))
     return torch.randn(shape, generator=generator) * std
-
-
-_SEED_STRIDE = 2**32  # crc32 values stay below it: no two (seed, name) pairs share a stream
 
 
 def _piece_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

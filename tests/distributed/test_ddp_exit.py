@@ -30,7 +30,7 @@ WORLD = 2
 _alive: list = []  # what a script keeps in its globals past destroy_process_group()
 
 
-def _train_then_exit(rank: int, init_file: str) -> None:
+def _train_then_exit(rank: int, init_file: str, int8_adamw: bool) -> None:
     """One rank of a user's DDP script: train a few steps, destroy the group, fall off the end."""
     import fsdp_int8
     from _nets import MLPNet
@@ -39,7 +39,7 @@ def _train_then_exit(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     model = fsdp_int8.quantize_(MLPNet(hidden=64), fsdp_int8.Int8TrainingConfig(seed=3))
     ddp = DistributedDataParallel(model)
-    optimizer = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-2)
+    optimizer = (fsdp_int8.Int8AdamW if int8_adamw else torch.optim.AdamW)(model.parameters(), lr=1e-2)
     x, y = torch.randn(16, 32), torch.randn(16, 4)
     for _ in range(3):
         F.mse_loss(ddp(x), y).backward()
@@ -52,9 +52,10 @@ def _train_then_exit(rank: int, init_file: str) -> None:
 def test_ddp_of_a_quantized_model_exits_cleanly():
     context = multiprocessing.get_context("spawn")
     exit_codes = []
-    for _ in range(RUNS):
+    for run in range(RUNS):  # torch's AdamW and Int8AdamW (its step all-reduces a verdict) in turn
         with tempfile.TemporaryDirectory() as tmp:
-            ranks = [context.Process(target=_train_then_exit, args=(r, os.path.join(tmp, "rendezvous")))
+            rendezvous = os.path.join(tmp, "rendezvous")
+            ranks = [context.Process(target=_train_then_exit, args=(r, rendezvous, run % 2 == 1))
                      for r in range(WORLD)]
             for process in ranks:
                 process.start()

@@ -297,6 +297,7 @@ def _check_training_features(rank: int, world: int) -> None:
         alone = fsdp_int8.quantize_(tiny_transformer())  # init_weights(0) of the whole model here
         for name, param in model.named_parameters():  # before forward: the root is still sharded
             assert torch.equal(param.full_tensor().cpu(), alone.get_parameter(name)), name  # int8 + scales
+        assert not torch.equal(tiny_transformer(seed=1).output.weight, tiny_transformer().output.weight)  # seeds count
         tokens = torch.randint(0, 64, (2, 16))
         loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
         assert abs(loss.item() - torch.log(torch.tensor(64.0)).item()) < 0.2  # near-uniform start
