@@ -105,7 +105,6 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
 LAUNCHER_PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16")
 AUTO = "auto"
 
-
 COMPUTE_DTYPES = ("bf16", "fp32", "bf16-model")  # of fsdp_int8 precisions; bf16 is the default
 _COMPUTE_POLICY = {"bf16": BF16_POLICY, "fp32": None, "bf16-model": None}  # bf16-model: cast, no policy
 COMPILE_OPTIONS = ("compiled", "eager")
