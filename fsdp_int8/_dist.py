@@ -142,3 +142,39 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
         isinstance(p, DTensor) for p in model.parameters()
     )
+
+
+PIPELINE_DIM = "pp"  # the mesh dim pipeline parallelism splits on (torchtitan's name)
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The device mesh ``mesh`` was sliced or flattened from (``mesh`` itself if none)."""
+    return mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+
+
+def idle_mesh_dims(mesh: DeviceMesh) -> list[tuple[str, int]]:
+    """``(name, size)`` of each dim of ``mesh``'s root mesh that ``mesh`` leaves out.
+
+    A root dim is left out when none of the other ranks on this rank's line along it
+    (the ranks whose root coordinates differ from this rank's in that dim alone) is in
+    ``mesh``: a slice ``root["dp"]`` leaves out every other dim, a flattened
+    ``root[("dp", "cp")]._flatten()`` none of ``dp`` and ``cp``. Dims of size 1 are
+    skipped (they hold one rank). A dim without a name is reported as ``"dim <i>"``.
+    """
+    root = root_mesh(mesh)
+    if root is mesh or root.ndim == 0:
+        return []
+    coordinate = root.get_coordinate()
+    if coordinate is None:
+        return []
+    mine = set(mesh.mesh.flatten().tolist())
+    me = dist.get_rank()
+    names = root.mesh_dim_names or tuple(f"dim {i}" for i in range(root.ndim))
+    idle = []
+    for dim in range(root.ndim):
+        index = list(coordinate)
+        index[dim] = slice(None)
+        line = set(root.mesh[tuple(index)].flatten().tolist()) - {me}
+        if line and not line & mine:
+            idle.append((names[dim], root.size(dim)))
+    return idle

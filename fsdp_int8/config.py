@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 __all__ = ["Int8TrainingConfig", "Int8MatmulConfig", "ModuleFilter"]
@@ -55,6 +56,12 @@ class Int8MatmulConfig:
                 "Int8MatmulConfig(save_int8_input=True) keeps the output GEMM's int8 input for the "
                 "weight gradient's int8 GEMM: it needs output=True and grad_weight=True"
             )
+
+
+# Quantized layers keep their Int8MatmulConfig (in their weights and load hooks): a whole
+# model saved with torch.save loads under torch.load(weights_only=True) with it allow-listed
+# (plain data: three bools).
+torch.serialization.add_safe_globals([Int8MatmulConfig])
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,11 @@ class _RequantizeAssigned:
         module.weight = nn.Parameter(int8, requires_grad=weight.requires_grad)
 
 
+# A whole quantized model pickles this hook with its layers: torch.load(weights_only=True)
+# needs it allow-listed (building it runs nothing; it acts only inside load_state_dict).
+torch.serialization.add_safe_globals([_RequantizeAssigned])
+
+
 def int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Parameter:
     """``weight`` quantized (round to nearest) into a new parameter with ``config``'s
     rounding, matmuls and kernels, keeping ``requires_grad``."""

@@ -13,7 +13,15 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from fsdp_int8._dist import TENSOR_PARALLEL_DIM, device_type_for, is_sharded, without_tensor_parallel
+from fsdp_int8._dist import (
+    PIPELINE_DIM,
+    TENSOR_PARALLEL_DIM,
+    device_type_for,
+    idle_mesh_dims,
+    is_sharded,
+    root_mesh,
+    without_tensor_parallel,
+)
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.all_gather import TENSOR_PARALLEL_UNSUPPORTED
 from fsdp_int8.config import Int8TrainingConfig
@@ -182,6 +190,38 @@ def _resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
     return mesh
 
 
+def _check_no_idle_dims(mesh: DeviceMesh) -> None:
+    """Refuse a mesh that leaves out ranks which would train unsynchronised copies.
+
+    Ranks outside the mesh but on its root mesh's ``"pp"`` dim hold other pipeline stages
+    (other layers): that is what a stage's mesh is for. Any other left-out dim of the root
+    (Lightning's ``tensor_parallel`` with no tensor parallelism applied, a ``"tp"`` dim
+    without ``tp_plan``) holds ranks that see other data and hold a copy of the same
+    layers that no collective of FSDP2 keeps equal to this one.
+    """
+    idle = [(name, size) for name, size in idle_mesh_dims(mesh) if name != PIPELINE_DIM]
+    if idle:
+        dims = ", ".join(f"{name!r} (size {size})" for name, size in idle)
+        raise ValueError(
+            f"shard_model got a mesh ({mesh.mesh_dim_names or mesh}) that leaves out the "
+            f"dim(s) {dims} of its device mesh {root_mesh(mesh).mesh_dim_names}: the ranks "
+            "along them would each train an unsynchronised copy of the model on their own "
+            "data. Pass a mesh that spans them (Lightning: ModelParallelStrategy("
+            "data_parallel_size=N, tensor_parallel_size=1) and mesh=self.device_mesh"
+            "['data_parallel']; tensor parallelism: mesh=world_mesh[('dp', 'tp')] with "
+            "tp_plan=...). Only a 'pp' dim may be left out (pipeline stages hold other layers)."
+        )
+    world = dist.get_world_size()
+    if root_mesh(mesh) is mesh and mesh.size() < world:
+        warnings.warn(
+            f"shard_model got a mesh of {mesh.size()} of the {world} ranks that is not a "
+            "slice of a larger device mesh: it cannot tell whether the other ranks hold other "
+            "pipeline stages or unsynchronised copies of this model. Build it as a slice of "
+            "init_device_mesh(..., mesh_dim_names=('pp', 'dp')), e.g. world_mesh['dp'].",
+            stacklevel=3,
+        )
+
+
 def _split_mesh(mesh: DeviceMesh, tp_plan: dict | None) -> tuple[DeviceMesh, DeviceMesh | None]:
     """``(data-parallel mesh, tensor-parallel mesh or None)`` of the mesh shard_model got."""
     names = mesh.mesh_dim_names
@@ -260,7 +300,10 @@ def shard_model(
         model: The unsharded model (plain PyTorch).
         mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP), plus a last dim
             named ``"tp"`` with ``tp_plan``. It must hold this rank, not necessarily all
-            ranks (a pipeline stage's mesh). Default: all ranks on the default device type.
+            ranks: a slice of a larger device mesh may leave out its ``"pp"`` dim (a
+            pipeline stage's mesh), and no other dim of more than one rank (those ranks
+            would train unsynchronised copies: ``ValueError``). Default: all ranks on the
+            default device type.
         config: Quantization config (see :class:`Int8TrainingConfig`).
         mp_policy: FSDP2 mixed precision; its ``param_dtype`` is the compute dtype of the
             unsharded weights. The wire format is int8 regardless.
@@ -281,7 +324,9 @@ def shard_model(
         param.device.type if param is not None and param.device.type != "meta"
         else device_type_for()
     )
-    dp_mesh, tp_mesh = _split_mesh(_resolve_mesh(mesh, device_type), tp_plan)
+    mesh = _resolve_mesh(mesh, device_type)
+    dp_mesh, tp_mesh = _split_mesh(mesh, tp_plan)
+    _check_no_idle_dims(mesh)  # after _split_mesh: its errors about 'tp' are the more precise
     found = find_blocks(model, blocks)  # before quantizing: a refused model stays as it was
     if not found:
         raise ValueError(

@@ -1,16 +1,20 @@
-"""A small Llama-style decoder (RoPE, RMSNorm, SwiGLU): plain PyTorch, no distributed code.
+"""A small Llama-style decoder (RoPE, RMSNorm, SwiGLU): plain PyTorch.
 
-Parallelism and quantization are applied from outside (``fsdp_int8.shard_model``).
+Parallelism and quantization are applied from outside (``fsdp_int8.shard_model``);
+``init_weights`` works on the sharded parameters they leave (DTensors), giving each rank
+its piece of the single-process init.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -240,19 +244,52 @@ class Transformer(nn.Module):
         return self.output(x) if self.output is not None else x
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialise every parameter in place (also after ``to_empty`` on a meta model)."""
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter in place (also after ``to_empty`` on a meta model).
+
+        Each parameter is drawn whole, on the CPU, from a generator of its own seeded by
+        ``seed`` and its name (:func:`initial_value`), and each rank keeps its piece of it:
+        a model sharded by FSDP2, tensor parallelism or pipeline stages (whose parameters keep
+        the whole model's names) gets bit for bit the weights a single process gets, on
+        every device. (DTensor's own random ops cannot promise that: on a CPU mesh every
+        rank draws the same numbers for its own shard.)
+        """
         head_dim = self.args.dim // self.args.n_heads
         self.freqs = rope_frequencies(head_dim, self.args.max_seq_len, self.args.rope_theta).to(
             self.freqs.device
         )
-        std = 0.02
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
-        # GPT-2's scaled init of the residual projections keeps early activations small.
-        for block in self.blocks():
-            for proj in (block.attention.wo, block.feed_forward.w2):
-                nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.args.n_layers))
+        residual = {f"{name}.weight" for name, module in self.named_modules()
+                    if name.endswith(("attention.wo", "feed_forward.w2"))}
+        norms = {f"{name}.weight" for name, module in self.named_modules() if isinstance(module, RMSNorm)}
+        for name, param in self.named_parameters():
+            if name in norms:
+                full = torch.ones(param.shape)
+            else:
+                # GPT-2's scaled init of the residual projections keeps early activations small.
+                std = INIT_STD / math.sqrt(2 * self.args.n_layers) if name in residual else INIT_STD
+                full = initial_value(seed, name, param.shape, std)
+            param.copy_(_piece_like(full, param))
+
+
+INIT_STD = 0.02  # the normal init of the embedding, the linear weights and the head
+
+
+def initial_value(seed: int, name: str, shape: torch.Size, std: float) -> torch.Tensor:
+    """The whole fp32 ``normal(0, std)`` tensor of parameter ``name``, on the CPU, from a
+    generator seeded by ``seed`` and the name alone: the same on every rank and device."""
+    # The CPU generator (mt19937) keeps 32 bits of a seed: hash (seed, name) into 32 bits.
+    key = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=4).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(key, "little"))
+    return torch.randn(shape, generator=generator) * std
+
+
+def _piece_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` placed as ``param`` is: on its device and, for a DTensor, as a DTensor of this
+    rank's piece (a replicated DTensor redistributed to ``param``'s placements: slicing,
+    no communication)."""
+    full = full.to(param.device)
+    if not isinstance(param, DTensor):
+        return full
+    mesh = param.device_mesh
+    replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, param.placements)

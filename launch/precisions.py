@@ -28,7 +28,6 @@ and ``--compile``; benchmark rows spell them ``NAME[:OPTION...]``::
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -105,8 +104,6 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
 # all-bf16, int8-grads, int8-mm-grads and torchao are rows the benchmarks compare with.
 LAUNCHER_PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16")
 AUTO = "auto"
-
-STAGE_SEED_STRIDE = 7_919  # build_model: pipeline stage i's initial weights draw from seed + i * this
 
 COMPUTE_DTYPES = ("bf16", "fp32", "bf16-model")  # of fsdp_int8 precisions; bf16 is the default
 _COMPUTE_POLICY = {"bf16": BF16_POLICY, "fp32": None, "bf16-model": None}  # bf16-model: cast, no policy
@@ -272,12 +269,12 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
                 activation_checkpointing: bool = False) -> Transformer:
     """The launcher's Transformer of shape ``args``, sharded over all ranks for ``recipe``.
 
-    Weights come from ``torch.manual_seed(seed)`` (fsdp_int8's stochastic rounding from
-    ``seed`` too). By default the model is built on the meta device, sharded, allocated on
-    ``device`` and initialised shard by shard: no rank ever holds the whole model, which
-    large models need. ``full_init=True`` initialises the whole model on ``device`` first
-    and then shards it: every rank and every recipe starts from the same weights, which
-    benchmarks that compare recipes need (``torchao`` is built this way only).
+    Weights come from ``Transformer.init_weights(seed)`` (fsdp_int8's stochastic rounding
+    from ``seed`` too). By default the model is built on the meta device, sharded,
+    allocated on ``device`` and initialised shard by shard: no rank holds more than one
+    whole parameter at a time, which large models need. ``full_init=True`` initialises the
+    whole model on ``device`` first and then shards it (``torchao`` is built this way only).
+    Both give every rank, layout and recipe bit for bit the single-process weights.
 
     Args:
         recipe: What to build (see :class:`Recipe`).
@@ -293,9 +290,7 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
             parallelism: this stage's mesh (:func:`launch.parallel.stage_mesh`, no ``"pp"`` dim).
         stage: ``(index, count)``: build pipeline stage ``index`` of ``count`` only
             (:meth:`launch.model.Transformer.keep_stage`; its parameters keep the whole
-            model's names). On the meta device each stage initialises from its own seed
-            (``seed`` + ``index`` x :data:`STAGE_SEED_STRIDE`), so no two stages' blocks
-            start alike; with ``full_init`` the whole model is initialised, then cut.
+            model's names, so a stage's weights are the whole model's).
         quantize_embeddings: An int8 precision's token embedding is int8 too
             (``Int8TrainingConfig.quantize_embeddings``).
         activation_checkpointing: Each block recomputes its activations in backward
@@ -315,10 +310,9 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         check_tp(args, mesh["tp"].size())
     index, count = stage
     if full_init:
-        torch.manual_seed(seed)
         with torch.device(device):
             model = Transformer(args)
-        model.init_weights()
+        model.init_weights(seed)
     else:
         with torch.device("meta"):
             model = Transformer(args)
@@ -346,10 +340,7 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         _fully_shard(model, mesh, precision.policy)
     if not full_init:
         model.to_empty(device=device)
-        torch.manual_seed(seed + index * STAGE_SEED_STRIDE)
-        with warnings.catch_warnings():  # DTensor's CPU random-op notice; see docs/limits.md
-            warnings.filterwarnings("ignore", message="DTensor random operators")
-            model.init_weights()
+        model.init_weights(seed)  # each rank's piece of the whole model's init (any mesh, any device)
     return model
 
 

@@ -47,7 +47,7 @@ from launch.model import PRESETS, Transformer, check_pp, check_tp, model_args
 from launch.precisions import (AUTO, COMPILE_MODES, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, blocks_wanted,
                                build_model, compile_wanted, resolve_auto)
 
-# Everything random derives from --seed: the initial weights (torch.manual_seed), the
+# Everything random derives from --seed: the initial weights (Transformer.init_weights), the
 # stochastic rounding of int8 updates (Int8TrainingConfig.seed) and the batches:
 BATCH_SEED_STRIDE = 1_000_003  # a prime above any rank or step count: (seed, rank, step) give distinct seeds
 VALIDATION_SEED = 10_000  # data-parallel index r's validation batches: from VALIDATION_SEED + r at every evaluation

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _quant import quantize_rowwise
 
+import fsdp_int8
 from fsdp_int8 import Int8TrainingConfig, Int8Weight, quantize_
 from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 
@@ -352,3 +353,34 @@ def test_no_hidden_precision():
     # Gradients and optimizer states are full precision and separate (by design), but
     # they are not hung off the weight.
     assert type(model[0].weight.grad) is torch.Tensor
+
+
+class _PickledBlock(nn.Module):
+    """A model class of a user's, for a whole-model ``torch.save``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("int8_matmul", [None, fsdp_int8.Int8MatmulConfig()], ids=["weight-only", "int8-matmul"])
+def test_a_whole_quantized_model_loads_with_weights_only(tmp_path, int8_matmul):
+    """torch.load(weights_only=True) of a whole model needs the model's own classes and
+    torch.nn's allow-listed; fsdp_int8 registers its own (Int8Weight, the load hook, the
+    matmul config)."""
+    torch.manual_seed(0)
+    model = quantize_(_PickledBlock(), Int8TrainingConfig(int8_matmul=int8_matmul, min_features=1))
+    torch.save(model, tmp_path / "model.pt")
+    with torch.serialization.safe_globals([_PickledBlock, nn.ModuleList, nn.Linear]):
+        loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    for (name, saved), again in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert type(saved) is type(again) and torch.equal(saved, again), name
+    x = torch.randn(4, 16)
+    assert torch.equal(loaded(x), model(x))
+    loaded.load_state_dict(model.state_dict(), assign=True)  # the loaded hook still keeps int8
+    assert isinstance(loaded.layers[0].weight, Int8Weight)

@@ -25,7 +25,7 @@ def _tied_llama(seed: int = 0) -> Transformer:
     ``tie_word_embeddings``)."""
     torch.manual_seed(seed)
     model = Transformer(ModelArgs(vocab_size=40, dim=32, n_layers=2, n_heads=2, max_seq_len=16))
-    model.init_weights()
+    model.init_weights(seed)
     model.output.weight = model.tok_embeddings.weight
     return model
 

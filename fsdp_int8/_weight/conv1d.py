@@ -102,6 +102,10 @@ class Int8Conv1D(nn.Linear):
         )
 
 
+# A whole quantized GPT-2 pickles this module class: torch.load(weights_only=True) allows it.
+torch.serialization.add_safe_globals([Int8Conv1D])
+
+
 def int8_conv1d_(module: nn.Module, weight: nn.Parameter) -> Int8Conv1D:
     """Turn the Conv1D ``module`` into an :class:`Int8Conv1D` with ``weight`` (``[nf, nx]``),
     in place: the same object, so every reference, hook and parent still holds it."""

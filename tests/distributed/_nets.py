@@ -33,9 +33,8 @@ class MLPNet(nn.Module):
 
 
 def tiny_transformer(seed: int = 0, **overrides) -> Transformer:
-    torch.manual_seed(seed)
     args = dict(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=32)
     args.update(overrides)
     model = Transformer(ModelArgs(**args))
-    model.init_weights()
+    model.init_weights(seed)
     return model

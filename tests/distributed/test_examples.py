@@ -48,7 +48,27 @@ def _run_examples(rank: int, world_size: int) -> dict:
     # runs eager's kernels through AOTAutograd (inductor: examples/README.md)
     if FULL_MATRIX:
         results["torchtitan compiled"] = torchtitan_debug.main(["--steps", str(STEPS), "--compile", "aot_eager"])
+    results["lightning default strategy"] = _lightning_default_strategy(lightning_model_parallel)  # last: a failed fit
     return results
+
+
+def _lightning_default_strategy(example) -> str:
+    """``fit`` of the Lightning example's module under ``ModelParallelStrategy()`` (every
+    rank on ``tensor_parallel``, a data-parallel mesh of 1 rank): the error ``shard_model``
+    raises, or ``""`` if the run trained unsynchronised copies instead."""
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.utils.data import DataLoader
+
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))  # the caller's process group
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    try:
+        trainer.fit(example.TinyLM(), DataLoader(example.dataset(16), batch_size=8))
+    except ValueError as error:
+        return str(error)
+    return ""
 
 
 def _assert_trained(losses: list[float], steps: int, what: str) -> None:
@@ -140,8 +160,15 @@ def _check_torchtitan(results: list[dict]) -> None:
         assert gathered < 0.4 * summary["fp32_param_bytes"]
 
 
+def _check_lightning_default_refused(runs: list[dict]) -> None:
+    for rank, run in enumerate(runs):
+        error = run["lightning default strategy"]
+        assert "'tensor_parallel' (size 2)" in error and "data_parallel_size=N" in error, (rank, error)
+
+
 def test_every_example_on_two_ranks():
     runs = run_distributed(_run_examples, 2, timeout=480)
+    _check_lightning_default_refused(runs)
     _check_plain_and_lightning(runs)
     _check_hf(runs)
     _check_torchtitan(runs)

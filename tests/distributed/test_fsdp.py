@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from _cases import (
 )
 from _nets import MLPNet, tiny_transformer
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_int8
@@ -292,6 +293,11 @@ def _check_training_features(rank: int, world: int) -> None:
             assert torch.isfinite(shard.scale).all() and (shard.scale > 0).all(), name
             std = param.full_tensor().dequantize().std().item()
             assert 0.002 < std < 0.03, (name, std)  # normal_(std=0.02), or /sqrt(2 * n_layers)
+        # every rank's rows are its rows of the single-process init (none repeats another's)
+        alone = fsdp_int8.quantize_(tiny_transformer())  # init_weights(0) of the whole model here
+        for name, param in model.named_parameters():  # before forward: the root is still sharded
+            assert torch.equal(param.full_tensor().cpu(), alone.get_parameter(name)), name  # int8 + scales
+        assert not torch.equal(tiny_transformer(seed=1).output.weight, tiny_transformer().output.weight)  # seeds count
         tokens = torch.randint(0, 64, (2, 16))
         loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
         assert abs(loss.item() - torch.log(torch.tensor(64.0)).item()) < 0.2  # near-uniform start
@@ -333,6 +339,20 @@ def _check_errors(rank: int, world: int) -> None:
             assert "found no blocks" in str(error) and "blocks=" in str(error)
         else:
             raise AssertionError("no error")
+    with case("mesh that leaves out ranks training other data (a 'tp' dim without tp_plan)"):
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+        try:
+            fsdp_int8.shard_model(MLPNet(), mesh=mesh["dp"])
+        except ValueError as error:
+            assert f"'tp' (size {world})" in str(error) and "unsynchronised" in str(error), error
+        else:
+            raise AssertionError("no error")
+    with case("a mesh of some ranks that is no slice of a larger mesh: a warning"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+            fsdp_int8.shard_model(MLPNet(), mesh=DeviceMesh.from_group(alone[rank], "cpu"))
+        assert any("not a slice of a larger device mesh" in str(w.message) for w in caught), caught
     with case("mesh that does not hold this rank"):
         try:
             fsdp_int8.shard_model(MLPNet(), mesh=_FakeMesh(world + 1))

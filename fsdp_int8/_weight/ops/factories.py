@@ -19,6 +19,16 @@ aten = torch.ops.aten
 _implements = _op_table.implements
 
 
+# A 0-dim tensor "like" a weight is how torch.distributed.checkpoint's StateDictStager
+# (dcp.async_save's default) copies a storage: new_empty([]) on the CPU, then set_().
+_STAGING_HINT = (
+    ". torch.distributed.checkpoint.async_save stages tensors that way (its default "
+    "StateDictStager: new_empty([]), then set_ to a copy of the storage), which an int8 "
+    "weight cannot follow: save with dcp.save(...) or fsdp_int8.save_checkpoint(...) "
+    "instead (synchronous; docs/limits.md)"
+)
+
+
 def zeros_in_rows(weight: Int8Weight, size: Sequence[int], dtype, device) -> Int8Weight:
     size = list(size)
     numel = torch.Size(size).numel()
@@ -28,6 +38,7 @@ def zeros_in_rows(weight: Int8Weight, size: Sequence[int], dtype, device) -> Int
         raise NotImplementedError(
             f"cannot make an Int8Weight of shape {size}: it must hold whole rows of "
             f"{weight.row_len} elements ([rows, {weight.row_len}] or flat)"
+            + (_STAGING_HINT if not size else "")
         )
     device = device or weight.device
     int_data = torch.zeros(size, dtype=torch.int8, device=device)
