@@ -202,6 +202,11 @@ class CheckInt8Entries:
 _last_check: tuple[list | None, tuple[str, ...]] = (None, ())
 
 
+# A pickled quantized model holds this hook, in the _WrappedHook torch wraps every
+# load_state_dict pre-hook in: torch.load(weights_only=True) may rebuild both.
+torch.serialization.add_safe_globals([CheckInt8Entries, torch.nn.modules.module._WrappedHook])
+
+
 def add_check_hook(module: nn.Module) -> None:
     """Give ``module`` the :class:`CheckInt8Entries` pre-hook, once."""
     hooks = [getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()]

@@ -126,6 +126,10 @@ class _LoadInt8Entries:
         state_dict[prefix + "weight"] = local.derive(data.to(local.device), scale.to(local.device))
 
 
+# a pickled transformers model with int8 layers holds this hook: weights_only loads rebuild it
+torch.serialization.add_safe_globals([_LoadInt8Entries])
+
+
 def add_load_hooks(model: nn.Module) -> None:
     """Give every int8 layer of ``model`` the pre-hook that loads a ``weight`` +
     ``weight_scale`` pair (once: a repeated call adds it only to new int8 layers)."""
