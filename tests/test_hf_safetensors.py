@@ -98,8 +98,9 @@ def test_save_pretrained_writes_int8_rows_and_scales_and_from_pretrained_restore
 
     saved = load_file(tmp_path / "int8" / "model.safetensors")
     for name, weight in _int8(model).items():
-        assert saved[name].dtype == torch.int8 and saved[name].shape == weight.shape, name
-        assert torch.equal(saved[name], weight.int_data), name
+        # the rows flat (format version 2): a loader without the method refuses the shape
+        assert saved[name].dtype == torch.int8 and saved[name].shape == (weight.numel(),), name
+        assert torch.equal(saved[name], weight.int_data.reshape(-1)), name
         scale = saved[name + "_scale"]
         assert scale.dtype == torch.float32 and scale.shape == (weight.shape[0],), name
         assert torch.equal(scale, weight.scale), name
@@ -107,7 +108,7 @@ def test_save_pretrained_writes_int8_rows_and_scales_and_from_pretrained_restore
     assert all(v.is_floating_point() for k, v in saved.items() if k not in int8_keys)
     recorded = json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]
     assert recorded == {
-        "quant_method": "fsdp_int8", "format_version": 1, "stochastic_rounding": True, "seed": 0,
+        "quant_method": "fsdp_int8", "format_version": 2, "stochastic_rounding": True, "seed": 0,
         "skip_names": ["lm_head", "output", "head"], "min_features": 16, "modules_to_not_convert": None,
         "int8_matmul": None, "compile": False, "quantize_embeddings": False,
     }
@@ -195,6 +196,42 @@ def test_a_model_quantized_by_quantize_saves_the_same_way_once_attached(tmp_path
     _assert_same_model(again, model)
 
 
+def test_a_loader_without_the_method_refuses_the_folder_and_version_1_folders_still_load(tmp_path):
+    import subprocess
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = hfq.attach_hf_quantizer(fsdp_int8.quantize_(tiny_llama()))
+    _train(model)
+    model.save_pretrained(tmp_path / "int8")
+    # A fresh process with transformers alone: the method is unknown (transformers skips
+    # it), and the flat int8 rows fail the plain model's shape check, loudly.
+    plain = subprocess.run(
+        [sys.executable, "-c", "import sys; from transformers import AutoModelForCausalLM; "
+         "AutoModelForCausalLM.from_pretrained(sys.argv[1]); print('loaded')", str(tmp_path / "int8")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert plain.returncode != 0 and "loaded" not in plain.stdout, plain.stdout + plain.stderr
+    assert "mismatch" in plain.stderr.lower(), plain.stderr[-2000:]
+    # A folder of format version 1 ([out, in] rows) loads exactly, and saves as version 2.
+    old = tmp_path / "version1"
+    old.mkdir()
+    config = json.loads((tmp_path / "int8" / "config.json").read_text())
+    config["quantization_config"]["format_version"] = 1
+    (old / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "int8" / "model.safetensors")
+    int8 = _int8(model)
+    save_file({k: v.view(int8[k].shape) if k in int8 else v for k, v in tensors.items()},
+              old / "model.safetensors", metadata={"format": "pt"})
+    reloaded = AutoModelForCausalLM.from_pretrained(old)
+    _assert_same_model(reloaded, model)
+    reloaded.save_pretrained(tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
+    assert again["format_version"] == 2
+    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "again"), model)
+
+
 def test_int8_embeddings_and_their_tied_head_save_and_load_exactly(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -205,7 +242,7 @@ def test_int8_embeddings_and_their_tied_head_save_and_load_exactly(tmp_path):
     _train(model)
     model.save_pretrained(tmp_path / "int8")
     saved = load_file(tmp_path / "int8" / "model.safetensors")
-    assert torch.equal(saved["model.embed_tokens.weight"], embedding.int_data)
+    assert torch.equal(saved["model.embed_tokens.weight"], embedding.int_data.reshape(-1))
     assert torch.equal(saved["model.embed_tokens.weight_scale"], embedding.scale)
     assert not any(k.startswith("lm_head") for k in saved)  # the tie is written once
     recorded = json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]
@@ -261,7 +298,7 @@ def test_configs_round_trip_and_wrong_uses_are_refused():
     assert hf_config.to_training_config() == config
     assert hfq.Int8TrainingHfConfig.from_dict(hf_config.to_dict()).to_dict() == hf_config.to_dict()
     with pytest.raises(ValueError, match="format_version"):
-        hfq.Int8TrainingHfConfig(format_version=2)
+        hfq.Int8TrainingHfConfig(format_version=3)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         hfq.attach_hf_quantizer(fsdp_int8.quantize_(nn.Sequential(nn.Linear(32, 32))))
     with pytest.raises(ValueError, match="no int8 weights"):

@@ -200,7 +200,8 @@ def _edited_folder(source: Path, target: Path, change) -> Path:
 
 
 def _value_edit(edit):
-    return lambda t: VALUE_EDITS[edit][0](t[LAYER], t[LAYER + "_scale"])
+    # the folder's int8 rows are flat (format version 2): edit them as rows, through a view
+    return lambda t: VALUE_EDITS[edit][0](t[LAYER].view(len(t[LAYER + "_scale"]), -1), t[LAYER + "_scale"])
 
 
 HF_EDITS = {

@@ -35,7 +35,7 @@ from fsdp_int8._dist import local_shard
 from fsdp_int8._weight.tensor import Int8Weight
 
 __all__ = [
-    "Int8LoadError", "SCALE_SUFFIX", "check_rows", "check_weight", "check_entry", "CheckInt8Entries",
+    "Int8LoadError", "SCALE_SUFFIX", "as_rows", "check_rows", "check_weight", "check_entry", "CheckInt8Entries",
     "add_check_hook", "refusal", "trusted",
 ]
 
@@ -125,6 +125,16 @@ def check_rows(
         )
 
 
+def as_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's int8 entry as ``[rows, in]``: flat rows (format version 2) viewed as
+    one row per scale; ``[rows, in]`` rows (version 1) and anything that does not divide
+    into the scales' rows (refused by the checks after this) as they are."""
+    rows = scale.numel()
+    if data.dim() == 1 and rows and data.numel() % rows == 0:
+        return data.view(rows, data.numel() // rows)
+    return data
+
+
 def check_weight(key: str, value: torch.Tensor, *, source: str | None = None,
                  shape: tuple[int, ...] | None = None) -> None:
     """:func:`check_rows` of an ``Int8Weight`` or of this rank's shard of one (a DTensor)."""
@@ -155,7 +165,7 @@ def check_entry(state_dict: dict[str, Any], prefix: str, weight: torch.Tensor, s
             raise refusal(
                 key, source, f"it holds int8 rows but no row scales ({key + SCALE_SUFFIX} is missing)", _DAMAGED
             )
-        check_rows(key, value, scale, source=source, shape=tuple(weight.shape))
+        check_rows(key, as_rows(value, scale), scale, source=source, shape=tuple(weight.shape))
     elif scale is not None:
         raise refusal(
             key, source, f"it holds {value.dtype} values beside row scales {key + SCALE_SUFFIX}, which belong "

@@ -1,8 +1,12 @@
 """The safetensors layout of fsdp_int8's transformers quantizer, and reading it back.
 
 An ``Int8Weight`` entry ``<module>.weight`` of a state dict is written as two tensors:
-``<module>.weight`` (``int8``, ``[out, in]``) and ``<module>.weight_scale`` (``float32``,
-``[out]``), with ``weight = int8 * scale[:, None]``. Internal: the public side is
+``<module>.weight`` (``int8``, its ``[out, in]`` rows flattened to ``[out * in]``) and
+``<module>.weight_scale`` (``float32``, ``[out]``), with
+``weight = int8.view(out, in) * scale[:, None]``. The rows are flat (format version 2) so
+that a loader that does not know fsdp_int8's method refuses them at its shape check
+instead of loading int8 values as floats; version 1 folders (``[out, in]`` rows) still
+read. Internal: the public side is
 :mod:`fsdp_int8.integrations.hf_quantizer`.
 """
 
@@ -16,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8._dist import local_shard
-from fsdp_int8._weight.load_checks import SCALE_SUFFIX, check_rows, refusal
+from fsdp_int8._weight.load_checks import SCALE_SUFFIX, as_rows, check_rows, refusal
 from fsdp_int8._weight.tensor import Int8Weight
 
 __all__ = [
@@ -40,7 +44,8 @@ def is_int8(module: nn.Module) -> bool:
 
 def int8_safetensors_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` with each ``Int8Weight`` entry ``key`` split into ``key`` (its int8
-    rows, ``[out, in]``) and ``key + "_scale"`` (fp32, ``[out]``): what safetensors can write.
+    rows ``[out, in]``, flattened to ``[out * in]``) and ``key + "_scale"`` (fp32,
+    ``[out]``): what safetensors can write.
 
     Other entries are kept as they are. The int8 rows and scales are views of the weight's
     own storage (no copy). Raises ``RuntimeError`` for a sharded (DTensor) int8 weight: a
@@ -53,7 +58,7 @@ def int8_safetensors_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]
             sharded.append(key)
         elif isinstance(value, Int8Weight):
             int_rows, scale = value.read_rows()
-            out[key] = int_rows.view(value.shape) if value.dim() == 2 else int_rows
+            out[key] = int_rows.reshape(-1)
             out[key + SCALE_SUFFIX] = scale
         else:
             out[key] = value
@@ -96,6 +101,7 @@ def state_dict_from_int8_safetensors(
                 raise refusal(key, source, f"it holds int8 rows but no row scales {key + SCALE_SUFFIX}", rewrite)
             out[key] = value
             continue
+        value = as_rows(value, scale)
         check_rows(key, value, scale, source=source)
         out[key] = Int8Weight(value, scale, dtype=dtype, row_len=value.shape[-1])
     return out
@@ -117,6 +123,7 @@ class _LoadInt8Entries:
         local = local_shard(weight)
         if not isinstance(local, Int8Weight) or isinstance(weight, DTensor):
             return  # not this hook's layout: load_state_dict reports the keys as it would
+        data = as_rows(data, scale)
         if data.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != data.shape[:1]:
             raise ValueError(
                 f"{prefix}weight: an int8 checkpoint entry needs int8 rows and fp32 row scales, "
@@ -184,9 +191,10 @@ def _unpaired_entries(headers: dict[str, tuple[str, list[int], str]]) -> None:
             if rows is None or rows[0] != "I8":
                 found = "no entry" if rows is None else f"{rows[0]} values"
                 raise refusal(rows_key, file, f"the checkpoint holds row scales {key} but {found}, not int8 rows", rewrite)
-            if dtype != "F32" or shape != rows[1][:1]:
+            flat = len(rows[1]) == 1 and len(shape) == 1 and shape[0] and rows[1][0] % shape[0] == 0
+            if dtype != "F32" or (shape != rows[1][:1] and not flat):
                 raise refusal(
-                    rows_key, file, f"its int8 rows {rows[1]} need fp32 row scales [{rows[1][0]}], "
+                    rows_key, file, f"its int8 rows {rows[1]} need fp32 row scales, one per row, "
                     f"{key} holds {dtype} {shape}", rewrite,
                 )
         if dtype == "I8" and key.endswith(".weight") and key + SCALE_SUFFIX not in headers:

@@ -37,7 +37,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from fsdp_int8._weight.load_checks import check_rows
+from fsdp_int8._weight.load_checks import as_rows, check_rows
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
 from fsdp_int8.convert import quantize_
@@ -63,7 +63,8 @@ __all__ = [
 ]
 
 QUANT_METHOD = "fsdp_int8"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # written; 1 ([out, in] int8 rows) is still read
+_READ_VERSIONS = (1, 2)
 _loading = False  # True while the quantizer runs quantize_ on a model transformers is loading
 
 
@@ -79,8 +80,10 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
             has no JSON form: :meth:`from_training_config` lists here the layers it left out.
         int8_matmul: The fields of :class:`fsdp_int8.Int8MatmulConfig` as a dict
             (``{"output": True, ...}``), or ``None`` for weight-only int8.
-        format_version: Version of the safetensors layout (``1``: ``weight`` int8
-            ``[out, in]`` and ``weight_scale`` fp32 ``[out]``).
+        format_version: Version of the safetensors layout (``2``, written: ``weight`` int8
+            ``[out * in]``, the rows flattened so that loaders without this method refuse
+            them, and ``weight_scale`` fp32 ``[out]``; ``1``, still read: ``weight`` int8
+            ``[out, in]``).
 
     Loading a folder saved with int8 weights needs no config: ``config.json`` has it.
     """
@@ -101,10 +104,10 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         kwargs.pop("quant_method", None)  # from_dict of a config.json passes it back in
         if kwargs:
             raise TypeError(f"Int8TrainingHfConfig got unknown fields {sorted(kwargs)}")
-        if format_version != _FORMAT_VERSION:
+        if format_version not in _READ_VERSIONS:
             raise ValueError(
-                f"this fsdp_int8 reads format_version {_FORMAT_VERSION} of int8 checkpoints, the "
-                f"checkpoint has {format_version}: upgrade fsdp_int8"
+                f"this fsdp_int8 reads format_version {' and '.join(map(str, _READ_VERSIONS))} of int8 "
+                f"checkpoints, the checkpoint has {format_version}: upgrade fsdp_int8"
             )
         self.quant_method = QUANT_METHOD
         self.format_version = format_version
@@ -270,6 +273,9 @@ class Int8TrainingHfQuantizer(HfQuantizer):
                     self._placeholders[name] = module.weight
                     scale = torch.empty(module.weight.shape[0], dtype=torch.float32, device="meta")
                     module.register_parameter("weight" + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+                    if self.quantization_config.format_version >= 2:  # flat int8 rows on disk
+                        rows = torch.empty(module.weight.numel(), dtype=torch.int8, device="meta")
+                        module.weight = nn.Parameter(rows, requires_grad=False)
 
     def postprocess_model(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
         if self._plain_checkpoint:
@@ -291,12 +297,14 @@ class Int8TrainingHfQuantizer(HfQuantizer):
             data = module.weight
             if data.dtype != torch.int8 or scale.is_meta:
                 raise ValueError(f"{name}: the checkpoint has no int8 rows with scales for this layer")
+            rows = as_rows(data.detach(), scale)
             # finite, non-negative scales and int8 values in -127..127, before the model is returned
-            check_rows(f"{name}.weight", data, scale, source=self._files.get(name), shape=tuple(placeholder.shape))
-            weight = nn.Parameter(placeholder.derive(data.detach().to(scale.device), scale.detach().float()))
+            check_rows(f"{name}.weight", rows, scale, source=self._files.get(name), shape=tuple(placeholder.shape))
+            weight = nn.Parameter(placeholder.derive(rows.to(scale.device), scale.detach().float()))
             for holder in holders.get(id(data), [module]):
                 holder.weight = weight
         self._placeholders, self._files = {}, {}
+        self.quantization_config.format_version = _FORMAT_VERSION  # what its next save writes
         add_load_hooks(model)
         return model
 

@@ -124,7 +124,8 @@ def _saved_int8(path: str) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in saved.items():
         if key.endswith(".weight_scale"):
-            out[key.removesuffix("_scale") + ".int_data"] = saved[key.removesuffix("_scale")]
+            rows = saved[key.removesuffix("_scale")]  # flat on disk: one row per scale
+            out[key.removesuffix("_scale") + ".int_data"] = rows.view(value.numel(), -1)
             out[key.removesuffix("_scale") + ".scale"] = value
     return out
 
