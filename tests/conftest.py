@@ -51,3 +51,16 @@ def _deterministic_rngs(request):
         torch.manual_seed(0)
         WEIGHT_ROUNDING.manual_seed(0, 0)
     yield
+
+
+@pytest.fixture
+def accelerate_state():
+    """accelerate's state is process-wide: leave it (and the environment) as found."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    environ = dict(os.environ)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.clear()
+    os.environ.update(environ)

@@ -438,19 +438,6 @@ class _Forwarding:
         raise AssertionError("the wrapper's step ran")
 
 
-@pytest.fixture
-def accelerate_state():
-    """accelerate's state is process-wide: leave it (and the environment) as found."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    environ = dict(os.environ)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    os.environ.clear()
-    os.environ.update(environ)
-
-
 def _wrapped(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer):
     if kind == "accelerate":
         from accelerate import Accelerator

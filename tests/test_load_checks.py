@@ -265,21 +265,6 @@ def test_the_safetensors_reader_inverts_the_writer_and_checks_what_it_reads(tmp_
 
 
 # ------------------------------------------------------------------ a framework loader
-@pytest.fixture
-def accelerate_state():
-    """accelerate's state is process-wide: leave it (and the environment) as found."""
-    import os
-
-    from accelerate.state import AcceleratorState, GradientState
-
-    environ = dict(os.environ)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    os.environ.clear()
-    os.environ.update(environ)
-
-
 def test_accelerate_load_state_of_an_edited_state_refuses_and_changes_nothing(tmp_path, accelerate_state):
     from accelerate import Accelerator
 
