@@ -23,7 +23,10 @@ Parts:
   and once with every transformer block compiled whole (``bf16:blocks``,
   ``int8-mm:blocks``, ``int8:blocks``: what FSDP2 users run on GPUs, each compared with
   ``bf16:blocks``), FSDP2 world size 1, the launcher's ``1b`` preset, rows interleaved step
-  by step: tokens/s, peak memory, loss after the same steps.
+  by step: tokens/s, peak memory, loss after the same steps. Then bf16 FSDP2 and the
+  lean recipe (``--lean``: int8 embeddings, ``Int8AdamW(state_bits=8,
+  step_in_backward=True)``), each built alone with activation checkpointing:
+  ``torch.cuda.max_memory_allocated`` per parameter of the second step, and the ratio.
 
 Writes a dated section into docs/gpu.md (``--out``) and its JSON next to it (with the
 hardware line); ``--dry-run`` writes nothing unless ``--out`` is given.
@@ -263,11 +266,57 @@ def _train_body(rank: int, world: int, settings: dict) -> dict:
     return result
 
 
+# the peak-memory comparison (docs/memory.md): each row built alone, activation
+# checkpointing on, torch.cuda.max_memory_allocated of its second step
+MEMORY_ROWS = ("bf16", "lean")
+
+
+def _build_for_memory(row: str, args, device: torch.device):
+    """bf16 FSDP2 + torch AdamW, or the lean recipe (the launcher's ``--lean``)."""
+    if row == "bf16":
+        model = build_model(Recipe.of("bf16"), args, device, full_init=True, activation_checkpointing=True)
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    model = build_model(Recipe.of("int8"), args, device, full_init=True, quantize_embeddings=True,
+                        activation_checkpointing=True)
+    return model, fsdp_int8.Int8AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, state_bits=8,
+                                      step_in_backward=True)
+
+
+def _memory_body(rank: int, world: int, settings: dict) -> dict:
+    """Bytes per parameter at each row's peak (``None`` off CUDA), one row at a time."""
+    import gc
+
+    args = ratios.shape(settings)
+    device = torch.device(device_type_for(world))
+    cuda = device.type == "cuda"
+    data = torch.Generator().manual_seed(rank)
+    peaks = {}
+    for row in MEMORY_ROWS:
+        model, optimizer = _build_for_memory(row, args, device)
+        parameters = sum(p.numel() for p in model.parameters())
+        for _ in range(2):  # the second step is the steady state (optimizer states exist)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            tokens = torch.randint(0, args.vocab_size, (settings["batch_size"], settings["seq_len"] + 1),
+                                   generator=data).to(device)
+            next_token_loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        peaks[row] = torch.cuda.max_memory_allocated() / parameters if cuda else None
+        del model, optimizer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return peaks
+
+
 def run_train(dry_run: bool) -> dict:
     settings = (dict(preset="tiny", batch_size=2, seq_len=32, steps=2, warmup=1) if dry_run
                 else dict(preset="1b", batch_size=4, seq_len=2048, steps=10, warmup=3))
     settings.update(threads=1, rows=list(TRAIN_ROWS))
-    return dict(settings=settings, rows=run_distributed(_train_body, 1, settings, timeout=3600)[0])
+    return dict(settings=settings, rows=run_distributed(_train_body, 1, settings, timeout=3600)[0],
+                memory=run_distributed(_memory_body, 1, settings, timeout=3600)[0])
 
 
 # ---------------------------------------------------------------- report
@@ -297,6 +346,17 @@ def _lines(machine: str, results: dict) -> list[str]:
             peak = "n/a (CPU)" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
             lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['ratio']:.2f}x | {peak} | {r['loss']:.4f} |")
         lines.append("")
+        memory = results["train"].get("memory", {})
+        if memory:
+            lines += ["Peak memory, each row alone, activation checkpointing on, second step "
+                      "(torch.cuda.max_memory_allocated per parameter; docs/memory.md):", "",
+                      "| row | bytes/param | vs bf16 |", "|---|---:|---:|"]
+            for name, per_param in memory.items():
+                if per_param is None:
+                    lines.append(f"| {name} | n/a (CPU) | - |")
+                else:
+                    lines.append(f"| {name} | {per_param:.2f} | {per_param / memory['bf16']:.2f}x |")
+            lines.append("")
     return lines
 
 

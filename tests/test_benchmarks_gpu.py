@@ -20,7 +20,10 @@ def test_dry_run_checks_gemms_and_training_and_writes_its_report(tmp_path):
     assert set(trained) == set(gpu.TRAIN_ROWS)
     assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in trained.values()), trained
     assert trained["bf16"]["ratio"] == 1.0 and trained["bf16:blocks"]["ratio"] == 1.0  # baselines against themselves
+    # the lean recipe and bf16 each built and stepped alone (peaks are CUDA-only)
+    assert results["train"]["memory"] == {row: None for row in gpu.MEMORY_ROWS}
     text = out.read_text()
     assert text.startswith("# fsdp_int8 on GPUs") and "| check | result |" in text and "Goals" in text
+    assert "| lean | n/a (CPU) | - |" in text
     (run,) = json.loads(out.with_suffix(".json").read_text())
     assert run["hardware"].startswith("CPU ") and run["argv"][0] == "--dry-run"
