@@ -196,11 +196,7 @@ def _int8_output(x2d: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | Non
         if bias is None:
             return run_compiled(_output_pass, x2d, _weight_columns(weight), weight.scale)
         return run_compiled(_output_bias_pass, x2d, _weight_columns(weight), weight.scale, bias)
-    qx, sx = _rows_eager(x2d)
-    acc = _int_mm(qx, _weight_columns(weight))
-    if bias is None:
-        return _dequantize(acc, sx, weight.scale, x2d.dtype)
-    return _dequantize_bias(acc, sx, weight.scale, bias, x2d.dtype)
+    return _int8_output_of_rows(*_rows_eager(x2d), weight, bias, x2d.dtype)
 
 
 # The last input quantized for a layer that keeps its int8 input: (the input, its version
@@ -235,16 +231,13 @@ def _int8_output_of_rows(qx, sx, weight: Int8Weight, bias: torch.Tensor | None, 
 
 def _int8_grad_weight_of_rows(g2d: torch.Tensor, qx: torch.Tensor, sx: torch.Tensor, compiled: bool):
     """``grad_y^T x`` from the saved int8 rows ``qx`` and per-token scales ``sx`` of x."""
-    tokens = g2d.shape[0]
-    grad = None
-    for start in range(0, tokens, _MAX_TOKENS_PER_INT32_SUM):
-        chunk = slice(start, start + _MAX_TOKENS_PER_INT32_SUM)
+
+    def part(chunk: slice, dtype: torch.dtype) -> torch.Tensor:
         # x's per-token scale moves onto grad_y, which is then quantized per output channel
         qg, sg = _run(int8_columns, compiled, g2d[chunk].float() * sx[chunk].unsqueeze(1))
-        dtype = g2d.dtype if tokens <= _MAX_TOKENS_PER_INT32_SUM else torch.float32
-        part = _run(_dequantize_rows, compiled, _int_mm(_transposed(qg), qx[chunk]), sg, dtype)
-        grad = part if grad is None else grad.add_(part)
-    return grad.to(g2d.dtype)
+        return _run(_dequantize_rows, compiled, _int_mm(_transposed(qg), qx[chunk]), sg, dtype)
+
+    return _summed_over_token_chunks(g2d, part)
 
 
 def _int8_grad_input(g2d: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
@@ -254,21 +247,31 @@ def _int8_grad_input(g2d: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     return _dequantize_rows(_int_mm(qg, _weight_rows(weight)), sg, g2d.dtype)
 
 
+def _summed_over_token_chunks(g2d: torch.Tensor, part) -> torch.Tensor:
+    """``sum(part(chunk, dtype))`` over chunks of ``g2d``'s tokens, each short enough that
+    int32 sums of 127 * 127 products cannot overflow: one chunk straight in ``g2d``'s
+    dtype, several summed in fp32 first; the sum in ``g2d``'s dtype."""
+    tokens = g2d.shape[0]
+    dtype = g2d.dtype if tokens <= _MAX_TOKENS_PER_INT32_SUM else torch.float32
+    grad = None
+    for start in range(0, tokens, _MAX_TOKENS_PER_INT32_SUM):
+        piece = part(slice(start, start + _MAX_TOKENS_PER_INT32_SUM), dtype)
+        grad = piece if grad is None else grad.add_(piece)
+    return grad.to(g2d.dtype)
+
+
 def _int8_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, compiled: bool) -> torch.Tensor:
     tokens = g2d.shape[0]
     if tokens <= _MAX_TOKENS_PER_INT32_SUM and use_compiled(compiled, g2d) and x2d.numel() > 0:
         return run_compiled(_grad_weight_pass, g2d, x2d)
-    grad = None
-    for start in range(0, tokens, _MAX_TOKENS_PER_INT32_SUM):
-        chunk = slice(start, start + _MAX_TOKENS_PER_INT32_SUM)
+
+    def part(chunk: slice, dtype: torch.dtype) -> torch.Tensor:
         # scales per output channel of grad_y and per input channel of x, over the tokens
         qg, sg = _run(int8_columns, compiled, g2d[chunk])
         qx, sx = _run(int8_columns, compiled, x2d[chunk])
-        # one chunk: straight to the compute dtype; several: summed in fp32 first
-        dtype = g2d.dtype if tokens <= _MAX_TOKENS_PER_INT32_SUM else torch.float32
-        part = _run(_dequantize, compiled, _int_mm(_transposed(qg), qx), sg, sx, dtype)
-        grad = part if grad is None else grad.add_(part)
-    return grad.to(g2d.dtype)
+        return _run(_dequantize, compiled, _int_mm(_transposed(qg), qx), sg, sx, dtype)
+
+    return _summed_over_token_chunks(g2d, part)
 
 
 def _int8_grads(g2d: torch.Tensor, weight: Int8Weight, x2d: torch.Tensor):
