@@ -40,7 +40,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from fsdp_int8._weight.load_checks import as_rows, check_rows
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
-from fsdp_int8.convert import quantize_
+from fsdp_int8.convert import parameter_owners, quantize_
 from fsdp_int8.integrations._hf_layout import (
     SCALE_SUFFIX,
     add_load_hooks,
@@ -286,11 +286,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
         # transformers has tied the weights by now: every holder of a loaded int8 tensor (an
         # output head tied to an int8 embedding) gets the Int8Weight made of it
-        holders: dict[int, list[nn.Module]] = {}
-        for holder in model.modules():
-            loaded = holder._parameters.get("weight")
-            if loaded is not None:
-                holders.setdefault(id(loaded), []).append(holder)
+        owners = parameter_owners(model)
         for name, placeholder in self._placeholders.items():
             module = model.get_submodule(name)
             scale = module._parameters.pop("weight" + SCALE_SUFFIX)
@@ -301,8 +297,8 @@ class Int8TrainingHfQuantizer(HfQuantizer):
             # finite, non-negative scales and int8 values in -127..127, before the model is returned
             check_rows(f"{name}.weight", rows, scale, source=self._files.get(name), shape=tuple(placeholder.shape))
             weight = nn.Parameter(placeholder.derive(rows.to(scale.device), scale.detach().float()))
-            for holder in holders.get(id(data), [module]):
-                holder.weight = weight
+            for owner in owners.get(id(data), [name]):
+                model.get_submodule(owner).weight = weight
         self._placeholders, self._files = {}, {}
         self.quantization_config.format_version = _FORMAT_VERSION  # what its next save writes
         add_load_hooks(model)
