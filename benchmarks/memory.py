@@ -176,9 +176,13 @@ def _write_json(args: argparse.Namespace, capability, results: dict[tuple[str, b
     """The figures, with what ``benchmarks.what_fits`` needs to scale them."""
     import json
 
+    from benchmarks.what_fits import LlamaShape
+
     shape = SHAPES[args.shape]
-    hidden, kv_dim = shape["hidden_size"], shape["num_key_value_heads"] * shape["hidden_size"] // shape["num_attention_heads"]
-    block = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * shape["intermediate_size"]
+    measured = LlamaShape(
+        args.shape, shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"],
+        shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"], shape["tie_word_embeddings"],
+    )
     by_mode = {mode: {row: {k: v for k, v in figures.items() if k != "parameters"}
                       for (row, checkpointing), figures in results.items() if checkpointing == (mode == "on")}
                for mode in ("on", "off")}
@@ -187,7 +191,7 @@ def _write_json(args: argparse.Namespace, capability, results: dict[tuple[str, b
                 f"torch {torch.__version__}",
         shape=shape, world_size=args.world_size, tokens_per_rank=args.batch_size * args.seq_len,
         parameters=next(iter(results.values()))["parameters"],
-        largest_group=max(shape["vocab_size"] * hidden, block),
+        largest_group=measured.largest_group,
         rows=by_mode["on"], rows_checkpointing_off=by_mode["off"],
     )
     with open(args.json, "w") as handle:
