@@ -22,11 +22,13 @@ process group before the interpreter shuts down.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import multiprocessing
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -41,6 +43,7 @@ __all__ = ["device_type_for", "run_distributed", "DistributedTestCase"]
 
 DEFAULT_TIMEOUT_S = 300.0
 _POLL_S = 0.5  # how often a silent wait checks for ranks that died without reporting
+_CRASH_LOG_LINES = 80  # how much of a crashed rank's stderr its failure message quotes
 
 
 def _init_process_group(rank: int, world_size: int, init_file: str) -> str:
@@ -65,8 +68,21 @@ def _teardown() -> None:
         dist.destroy_process_group()
 
 
-def _worker(rank, world_size, init_file, body, args, results) -> None:
+def _send_stderr_to(log_path: str) -> None:
+    """Point this process's stderr (file descriptor 2, so C++ messages too) at ``log_path``
+    and have Python dump every thread's stack there on a fatal signal: a rank that aborts
+    in native code (``terminate called ...``, SIGABRT, SIGSEGV) then leaves its last words
+    and where it stood, which the parent quotes in the failure."""
+    sys.stderr.flush()
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _worker(rank, world_size, init_file, body, args, results, log_path) -> None:
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    _send_stderr_to(log_path)
     try:
         _init_process_group(rank, world_size, init_file)
         # Plain pickle bytes: a queue would pass tensors as shared-memory handles that die
@@ -88,6 +104,9 @@ def run_distributed(
     """Run ``body(rank, world_size, *args)`` in ``world_size`` fresh processes.
 
     The process group is initialised before ``body`` runs and destroyed after it returns.
+    Each rank's stderr is collected and copied to this process's stderr when the ranks end;
+    a rank that dies without reporting (a native crash: SIGABRT, SIGSEGV) has the end of
+    it, with Python's stacks at the crash (``faulthandler``), quoted in the error.
 
     Returns:
         Each rank's return value (they must be picklable), indexed by rank.
@@ -100,8 +119,9 @@ def run_distributed(
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        logs = [os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, body, args, results))
+            ctx.Process(target=_worker, args=(r, world_size, init_file, body, args, results, logs[r]))
             for r in range(world_size)
         ]
         for p in procs:
@@ -119,7 +139,7 @@ def run_distributed(
                     ]
                     if dead and results.empty():  # died without a word (crash, OOM kill, ...)
                         for r in dead:
-                            outcomes[r] = (False, f"exited with code {procs[r].exitcode} before reporting\n")
+                            outcomes[r] = (False, _crash_report(procs[r].exitcode, logs[r]))
                         break
                     if time.monotonic() > deadline:
                         missing = sorted(set(range(world_size)) - set(outcomes))
@@ -132,16 +152,43 @@ def run_distributed(
                 if not ok:  # a failed rank may leave the others blocked in a collective
                     break
         finally:
-            for p in procs:
+            for rank, p in enumerate(procs):
                 p.join(timeout=5 if len(outcomes) == world_size else 1)
-                if p.is_alive():
+                if p.is_alive():  # blocked behind a failed rank: ended here, no report of its own
                     p.kill()
                     p.join()
+                elif rank not in outcomes and p.exitcode != 0:  # it crashed while another reported
+                    outcomes[rank] = (False, _crash_report(p.exitcode, logs[rank]))
+            _echo_stderr(logs)
     failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
     if failures:
         details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+def _tail(path: str, lines: int) -> str:
+    try:
+        with open(path, errors="replace") as log:
+            return "".join(log.readlines()[-lines:])
+    except FileNotFoundError:  # the rank died before it opened its log
+        return ""
+
+
+def _crash_report(exitcode: int | None, log_path: str) -> str:
+    """What a rank that died without reporting left: its exit code (negative: the signal)
+    and the end of its stderr, where a native abort's message and faulthandler's stacks are."""
+    tail = _tail(log_path, _CRASH_LOG_LINES)
+    return f"exited with code {exitcode} before reporting; the end of its stderr:\n{tail or '(empty)'}\n"
+
+
+def _echo_stderr(logs: list[str]) -> None:
+    """Copy each rank's stderr to this process's, so pytest shows it beside the failure."""
+    for rank, path in enumerate(logs):
+        text = _tail(path, 10**6)
+        if text:
+            sys.stderr.write(f"--- stderr of rank {rank} ---\n{text}")
+    sys.stderr.flush()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,11 +1,12 @@
 """The reusable multi-process test base, used the way a downstream project would use it.
 
-Four spawns in all (each costs a few seconds of ``import torch`` per rank):
+Five spawns in all (each costs a few seconds of ``import torch`` per rank):
 
 * one ``DistributedTestCase`` subclass with ONE test method (every method spawns its ranks);
 * ``run_distributed`` returning per-rank values;
 * ``run_distributed`` with a failing rank: AssertionError with its traceback, no hang;
-* ``run_distributed`` with ranks that die before reporting: a prompt error, not a hang.
+* ``run_distributed`` with ranks that die before reporting: a prompt error, not a hang;
+* ``run_distributed`` with a rank that aborts in native code: its stderr quoted.
 
 Bodies and models are module-level: the spawned ranks unpickle them by name.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import time
 
 import pytest
@@ -188,3 +190,24 @@ def test_run_distributed_notices_ranks_that_die_before_reporting():
     with pytest.raises(AssertionError, match=r"exited with code 1 before reporting"):
         run_distributed(_values_body, 2, _FailsToUnpickle(), timeout=120)
     assert time.monotonic() - started < 60
+
+
+def _rank1_aborts_body(rank: int, world_size: int) -> int:
+    dist.barrier()  # both ranks are up
+    if rank == 1:
+        os.abort()  # a native crash: no Python exception, no report, exit code -SIGABRT
+    dist.barrier()  # rank 0 waits here until gloo notices the peer is gone
+    return rank
+
+
+def test_run_distributed_quotes_the_stderr_of_a_rank_that_crashed():
+    # A rank killed by a signal leaves no traceback of its own; what it printed to stderr
+    # (a native "terminate called ..." line, faulthandler's stacks) is all there is.
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_rank1_aborts_body, 2, timeout=120)
+    message = str(info.value)
+    assert "--- rank 1 ---" in message, message
+    rank1 = message[message.index("--- rank 1 ---"):]
+    assert f"exited with code {-signal.SIGABRT}" in rank1, message
+    assert "Fatal Python error: Aborted" in rank1, message
+    assert "_rank1_aborts_body" in rank1, message  # faulthandler's stack names the body
