@@ -196,7 +196,7 @@ def test_a_model_quantized_by_quantize_saves_the_same_way_once_attached(tmp_path
     _assert_same_model(again, model)
 
 
-def test_a_loader_without_the_method_refuses_the_folder_and_version_1_folders_still_load(tmp_path):
+def test_a_loader_without_the_method_refuses_the_folder_import_fsdp_int8_suffices_and_version_1_folders_still_load(tmp_path):
     import subprocess
 
     from safetensors.torch import load_file, save_file
@@ -214,6 +214,27 @@ def test_a_loader_without_the_method_refuses_the_folder_and_version_1_folders_st
     )
     assert plain.returncode != 0 and "loaded" not in plain.stdout, plain.stdout + plain.stderr
     assert "mismatch" in plain.stderr.lower(), plain.stderr[-2000:]
+    # A fresh process that imports fsdp_int8 (before or after transformers) loads it exactly;
+    # the adapter module is imported by transformers' first use of the method, not before.
+    load = (
+        "import sys, torch; {first}; {second}; "
+        "assert 'fsdp_int8.integrations.hf_quantizer' not in sys.modules; "
+        "from transformers import AutoModelForCausalLM; "
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+        "torch.save({{n: (p.int_data, p.scale) for n, p in model.named_parameters() "
+        "if type(p).__name__ == 'Int8Weight'}}, sys.argv[2])"
+    )
+    for order in (("import fsdp_int8", "import transformers"), ("import transformers", "import fsdp_int8")):
+        loaded = tmp_path / "loaded.pt"
+        fresh = subprocess.run(
+            [sys.executable, "-c", load.format(first=order[0], second=order[1]), str(tmp_path / "int8"), str(loaded)],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert fresh.returncode == 0, fresh.stderr[-3000:]
+        rows = torch.load(loaded, weights_only=True)
+        assert rows.keys() == _int8(model).keys(), order
+        for name, weight in _int8(model).items():
+            assert torch.equal(rows[name][0], weight.int_data) and torch.equal(rows[name][1], weight.scale), name
     # A folder of format version 1 ([out, in] rows) loads exactly, and saves as version 2.
     old = tmp_path / "version1"
     old.mkdir()

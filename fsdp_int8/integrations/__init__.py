@@ -9,8 +9,10 @@ Each submodule imports its framework, so none is imported from here (nor by
 One adapter acts without being imported: a transformers model that
 :func:`fsdp_int8.quantize_` (or ``shard_model``) quantizes gets fsdp_int8's Hugging Face
 quantizer (:mod:`fsdp_int8.integrations.hf_quantizer`), so that ``save_pretrained``,
-``Trainer`` checkpoints and ``from_pretrained`` keep the int8 rows and scales. Only a
-model of a transformers class triggers the import of transformers.
+``Trainer`` checkpoints and ``from_pretrained`` keep the int8 rows and scales; and
+``from_pretrained`` of an int8 folder finds the ``fsdp_int8`` method after ``import
+fsdp_int8`` alone (:mod:`fsdp_int8.integrations._hf_method`). Only a model of a
+transformers class, or transformers loading a folder of ours, imports the adapter.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn as nn
 
 from fsdp_int8 import convert
 from fsdp_int8.config import Int8TrainingConfig
+from fsdp_int8.integrations import _hf_method
 
 __all__: list[str] = []  # the adapters are the submodules hf, hf_quantizer, lightning, torchtitan
 
@@ -37,3 +40,5 @@ def _after_quantize(model: nn.Module, config: Int8TrainingConfig) -> None:
 
 if _after_quantize not in convert.AFTER_QUANTIZE:
     convert.AFTER_QUANTIZE.append(_after_quantize)
+
+_hf_method.register_on_import()

@@ -51,6 +51,7 @@ from fsdp_int8.integrations._hf_layout import (
     state_dict_given_to_save_pretrained,
     tied_and_fp32_modules,
 )
+from fsdp_int8.integrations._hf_method import QUANT_METHOD, PendingClass
 
 __all__ = [
     "QUANT_METHOD",
@@ -62,7 +63,6 @@ __all__ = [
     "state_dict_from_int8_safetensors",
 ]
 
-QUANT_METHOD = "fsdp_int8"
 _FORMAT_VERSION = 2  # written; 1 ([out, in] int8 rows) is still read
 _READ_VERSIONS = (1, 2)
 _loading = False  # True while the quantizer runs quantize_ on a model transformers is loading
@@ -370,6 +370,8 @@ def _register() -> None:
         known = mapping.get(QUANT_METHOD)
         if known is None:
             register(QUANT_METHOD)(cls)
+        elif isinstance(known, PendingClass):  # import fsdp_int8's placeholder: the class itself now
+            mapping[QUANT_METHOD] = cls
         elif known.__qualname__ == cls.__qualname__ and known.__module__ == cls.__module__:
             mapping[QUANT_METHOD] = cls
         elif known is not cls:
