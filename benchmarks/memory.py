@@ -26,6 +26,10 @@ Rows (each a recipe users run):
 * ``lean``: that, with int8 embeddings (``Int8TrainingConfig(quantize_embeddings=True)``;
   the tied head follows): the launcher's ``--lean``.
 
+``--where N`` also prints, under each row, the N largest snapshots the tracker took at
+module boundaries (each FSDP module's peak in forward and backward, before and after its
+hooks): where in the step the bytes are.
+
 Columns: ``peak`` (bytes/param at the peak, all categories), ``vs bf16`` (over the bf16
 row with the same checkpointing, measured in this run), the largest categories at the
 peak, and ``after step`` (bytes/param live after ``zero_grad``: what the model keeps
@@ -56,6 +60,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=512, tie_word_embeddings=True),
 }
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EIGHT_BIT_BLOCK = 128  # values per scale of 8-bit Adam states (at most half a row)
 
 
@@ -68,8 +73,11 @@ def llama(shape: dict, seed: int = 0) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def build(row: str, shape: dict, checkpointing: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model of ``row``, sharded on the default process group, and its optimizer."""
+def build(
+    row: str, shape: dict, checkpointing: bool, reduce_dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model of ``row``, sharded on the default process group, and its optimizer;
+    gradients are reduced in ``reduce_dtype`` (the fp32 row always reduces in fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import fsdp_int8
@@ -79,7 +87,7 @@ def build(row: str, shape: dict, checkpointing: bool) -> tuple[torch.nn.Module, 
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if row in ("bf16", "fp32"):
-        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if row == "bf16" else MixedPrecisionPolicy()
+        policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype) if row == "bf16" else MixedPrecisionPolicy()
         for block in find_blocks(model):
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
@@ -87,21 +95,46 @@ def build(row: str, shape: dict, checkpointing: bool) -> tuple[torch.nn.Module, 
     config_options, optimizer_options = INT8_ROWS[row]
     fsdp_int8.shard_model(
         model, config=fsdp_int8.Int8TrainingConfig(**config_options),
-        mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+        mp_policy=MixedPrecisionPolicy(torch.bfloat16, reduce_dtype),
     )
     block = min(EIGHT_BIT_BLOCK, shape["hidden_size"] // 2)  # rows shorter than a block keep fp32 states
     return model, fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, block_size=block,
                                       **optimizer_options)
 
 
-def _measure(rank: int, world: int, row: str, checkpointing: bool, shape: dict, batch: int, seq_len: int) -> dict:
+def _by_category(snapshot: dict, share: float) -> dict[str, float]:
+    """One device's snapshot of the tracker, in bytes per parameter by category name."""
+    device_key = next(iter(snapshot))
+    return {str(k.value if hasattr(k, "value") else k): v / share for k, v in snapshot[device_key].items()}
+
+
+def _module_peaks(tracker, share: float, count: int) -> list[dict]:
+    """The ``count`` largest snapshots the tracker took at module boundaries (its peak in
+    each module's forward and backward, and before and after each hook): where in the step
+    the memory is, by module and phase."""
+    largest: dict[tuple[str, str], dict[str, float]] = {}
+    for stats in tracker.memory_tracking.values():
+        for phase, snapshots in stats.snapshots.items():
+            key = (stats.mod_fqn, str(getattr(phase, "value", phase)))
+            for snapshot in snapshots:
+                figures = _by_category(snapshot, share)
+                if figures.get("Total", 0.0) > largest.get(key, {}).get("Total", -1.0):
+                    largest[key] = figures
+    ranked = sorted(largest.items(), key=lambda item: -item[1].get("Total", 0.0))[:count]
+    return [dict(module=module, phase=phase, figures=figures) for (module, phase), figures in ranked]
+
+
+def _measure(
+    rank: int, world: int, row: str, checkpointing: bool, shape: dict, batch: int, seq_len: int, where: int = 0,
+    reduce_dtype: str = "fp32",
+) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from fsdp_int8.hardware import device_type_for
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     device = device_type_for(world)
-    model, optimizer = build(row, shape, checkpointing)
+    model, optimizer = build(row, shape, checkpointing, REDUCE_DTYPES[reduce_dtype])
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     data = torch.Generator().manual_seed(rank)
 
@@ -117,15 +150,12 @@ def _measure(rank: int, world: int, row: str, checkpointing: bool, shape: dict, 
         torch.cuda.reset_peak_memory_stats()
     with tracker:
         step()
-    device_key = next(iter(tracker.get_tracker_snapshot("peak")))
-    peak = {str(k.value if hasattr(k, "value") else k): v
-            for k, v in tracker.get_tracker_snapshot("peak")[device_key].items()}
-    current = {str(k.value if hasattr(k, "value") else k): v
-               for k, v in tracker.get_tracker_snapshot("current")[device_key].items()}
     cuda_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     share = params / world
-    return dict(peak={k: v / share for k, v in peak.items()}, after={k: v / share for k, v in current.items()},
-                cuda_peak=cuda_peak / share if cuda_peak else None, parameters=params)
+    return dict(peak=_by_category(tracker.get_tracker_snapshot("peak"), share),
+                after=_by_category(tracker.get_tracker_snapshot("current"), share),
+                cuda_peak=cuda_peak / share if cuda_peak else None, parameters=params,
+                where=_module_peaks(tracker, share, where))
 
 
 def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
@@ -141,12 +171,16 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--shape", choices=list(SHAPES), default="llama-1b-scaled")
     parser.add_argument("--json", help="also write the figures here (what benchmarks.what_fits reads)")
+    parser.add_argument("--reduce-dtype", choices=list(REDUCE_DTYPES), default="fp32",
+                        help="gradient reduce-scatter dtype of every row but fp32 (default fp32: the baseline's)")
+    parser.add_argument("--where", type=int, default=0, metavar="N",
+                        help="also print each row's N largest snapshots by module and phase (where the peak is)")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     capability = hardware.capability(torch.device("cpu"))
     print(f"# {capability.name}, {', '.join(capability.features) or 'no avx512_vnni/avx512_bf16/amx'}; "
           f"torch {torch.__version__}; {args.world_size} ranks, batch {args.batch_size} x {args.seq_len} per rank, "
-          f"shape {args.shape}", flush=True)
+          f"shape {args.shape}, gradients reduced in {args.reduce_dtype}", flush=True)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]
     results: dict[tuple[str, bool], dict] = {}
     for checkpointing in modes:
@@ -154,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
         baseline = None
         for row in args.rows:
             result = run_distributed(_measure, args.world_size, row, checkpointing, shape,
-                                     args.batch_size, args.seq_len, timeout=1800)[0]
+                                     args.batch_size, args.seq_len, args.where, args.reduce_dtype,
+                                     timeout=1800)[0]
             peak, after = result["peak"], result["after"]
             total = peak.pop("Total", sum(peak.values()))
             after_total = after.pop("Total", sum(after.values()))
@@ -165,8 +200,14 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
             cuda = f"  cuda max allocated {result['cuda_peak']:.2f}" if result["cuda_peak"] else ""
             print(f"{row:22s} peak {total:6.2f} ({ratio} bf16)  after step {after_total:5.2f}{cuda}  | {parts}",
                   flush=True)
+            for place in result["where"]:
+                figures = dict(place["figures"])
+                place_total = figures.pop("Total", sum(figures.values()))
+                place_parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(figures.items(), key=lambda kv: -kv[1])
+                                        if v >= 0.05)
+                print(f"    {place_total:6.2f}  {place['module'] or '<root>'} {place['phase']}  | {place_parts}")
             results[(row, checkpointing)] = dict(peak=total, after=after_total, parts=peak,
-                                                 parameters=result["parameters"])
+                                                 parameters=result["parameters"], where=result["where"])
     if args.json:
         _write_json(args, capability, results)
     return results
@@ -183,7 +224,7 @@ def _write_json(args: argparse.Namespace, capability, results: dict[tuple[str, b
         args.shape, shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"],
         shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"], shape["tie_word_embeddings"],
     )
-    by_mode = {mode: {row: {k: v for k, v in figures.items() if k != "parameters"}
+    by_mode = {mode: {row: {k: v for k, v in figures.items() if k not in ("parameters", "where")}
                       for (row, checkpointing), figures in results.items() if checkpointing == (mode == "on")}
                for mode in ("on", "off")}
     record = dict(

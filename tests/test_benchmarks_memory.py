@@ -10,7 +10,7 @@ from benchmarks import memory, what_fits
 def test_tracker_measures_bf16_fsdp2_and_the_lean_recipe_and_what_fits_scales_them(capsys, tmp_path):
     figures = tmp_path / "memory.json"
     results = memory.main(["--rows", "bf16", "lean", "--checkpointing", "on", "--shape", "tiny",
-                           "--json", str(figures)])
+                           "--json", str(figures), "--where", "2"])
     bf16, lean = results[("bf16", True)], results[("lean", True)]
     # Between steps bf16 FSDP2 keeps fp32 parameters (4 bytes) and AdamW's two fp32
     # moments (8), nothing else: 12 bytes per parameter up to buffers and the tracker's
@@ -23,6 +23,11 @@ def test_tracker_measures_bf16_fsdp2_and_the_lean_recipe_and_what_fits_scales_th
     # bytes/param for both rows); what is left is smaller with int8
     assert lean["peak"] < bf16["peak"], (lean, bf16)
     assert "lean" in capsys.readouterr().out
+    # where the bytes are: module boundaries inside the step, none above the step's peak;
+    # with the update inside backward, the lean peak is in a backward
+    for row in (bf16, lean):
+        assert len(row["where"]) == 2 and all(p["figures"]["Total"] <= row["peak"] + 1e-9 for p in row["where"])
+    assert "Backward" in lean["where"][0]["phase"], lean["where"]
 
     table = what_fits.main([str(figures)])
     assert set(table) == {(gb, n) for gb in what_fits.GPU_SIZES_GB for n in what_fits.GPU_COUNTS}
