@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -44,6 +45,8 @@ __all__ = ["device_type_for", "run_distributed", "DistributedTestCase"]
 DEFAULT_TIMEOUT_S = 300.0
 _POLL_S = 0.5  # how often a silent wait checks for ranks that died without reporting
 _CRASH_LOG_LINES = 80  # how much of a crashed rank's stderr its failure message quotes
+_STACKS_SIGNAL = getattr(signal, "SIGUSR1", None)  # dumps a rank's Python stacks (not on Windows)
+_STACKS_WAIT_S = 2.0  # time for the ranks to write them
 
 
 def _init_process_group(rank: int, world_size: int, init_file: str) -> str:
@@ -78,6 +81,8 @@ def _send_stderr_to(log_path: str) -> None:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    if _STACKS_SIGNAL is not None:  # the parent asks a rank that overstays where it is
+        faulthandler.register(_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
 
 def _worker(rank, world_size, init_file, body, args, results, log_path) -> None:
@@ -106,7 +111,9 @@ def run_distributed(
     The process group is initialised before ``body`` runs and destroyed after it returns.
     Each rank's stderr is collected and copied to this process's stderr when the ranks end;
     a rank that dies without reporting (a native crash: SIGABRT, SIGSEGV) has the end of
-    it, with Python's stacks at the crash (``faulthandler``), quoted in the error.
+    it, with Python's stacks at the crash (``faulthandler``), quoted in the error, and
+    ranks that overstay ``timeout`` are asked for their stacks (SIGUSR1) before they are
+    ended, which the ``TimeoutError`` quotes.
 
     Returns:
         Each rank's return value (they must be picklable), indexed by rank.
@@ -146,6 +153,7 @@ def run_distributed(
                         raise TimeoutError(
                             f"ranks {missing} of {world_size} did not finish in {timeout:.0f} s "
                             "(a hang: a collective that not every rank reached?)"
+                            + _where_they_are([procs[r] for r in missing], [logs[r] for r in missing], missing)
                         ) from None
                     continue
                 outcomes[rank] = (ok, value)
@@ -180,6 +188,27 @@ def _crash_report(exitcode: int | None, log_path: str) -> str:
     and the end of its stderr, where a native abort's message and faulthandler's stacks are."""
     tail = _tail(log_path, _CRASH_LOG_LINES)
     return f"exited with code {exitcode} before reporting; the end of its stderr:\n{tail or '(empty)'}\n"
+
+
+def _where_they_are(procs: list, logs: list[str], ranks: list[int]) -> str:
+    """Ask the ranks still running for their Python stacks; what they wrote."""
+    if _STACKS_SIGNAL is None:
+        return ""
+    sizes = [os.path.getsize(log) if os.path.exists(log) else 0 for log in logs]
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, _STACKS_SIGNAL)
+    time.sleep(_STACKS_WAIT_S)
+    reports = []
+    for rank, log, size in zip(ranks, logs, sizes):
+        try:
+            with open(log, errors="replace") as handle:
+                handle.seek(size)
+                stacks = handle.read()
+        except FileNotFoundError:
+            stacks = ""
+        reports.append(f"--- rank {rank}, where it waits ---\n{stacks or '(no answer)'}")
+    return "\n" + "\n".join(reports)
 
 
 def _echo_stderr(logs: list[str]) -> None:

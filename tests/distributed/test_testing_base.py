@@ -1,12 +1,13 @@
 """The reusable multi-process test base, used the way a downstream project would use it.
 
-Five spawns in all (each costs a few seconds of ``import torch`` per rank):
+Six spawns in all (each costs a few seconds of ``import torch`` per rank):
 
 * one ``DistributedTestCase`` subclass with ONE test method (every method spawns its ranks);
 * ``run_distributed`` returning per-rank values;
 * ``run_distributed`` with a failing rank: AssertionError with its traceback, no hang;
 * ``run_distributed`` with ranks that die before reporting: a prompt error, not a hang;
-* ``run_distributed`` with a rank that aborts in native code: its stderr quoted.
+* ``run_distributed`` with a rank that aborts in native code: its stderr quoted;
+* ``run_distributed`` with a rank that hangs: where it waits, quoted.
 
 Bodies and models are module-level: the spawned ranks unpickle them by name.
 """
@@ -211,3 +212,20 @@ def test_run_distributed_quotes_the_stderr_of_a_rank_that_crashed():
     assert f"exited with code {-signal.SIGABRT}" in rank1, message
     assert "Fatal Python error: Aborted" in rank1, message
     assert "_rank1_aborts_body" in rank1, message  # faulthandler's stack names the body
+
+
+def _rank1_hangs_body(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(600)  # a rank stuck outside any collective
+    return rank
+
+
+def test_run_distributed_quotes_where_a_hung_rank_waits():
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        run_distributed(_rank1_hangs_body, 2, timeout=20)
+    message = str(info.value)
+    assert "did not finish in 20 s" in message and "--- rank 1, where it waits ---" in message, message
+    rank1 = message[message.index("--- rank 1, where it waits ---"):]
+    assert "_rank1_hangs_body" in rank1, message  # faulthandler's stack, asked for by SIGUSR1
+    assert time.monotonic() - started < 60
