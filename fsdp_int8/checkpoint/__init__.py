@@ -20,7 +20,8 @@ A load checks and reads everything into copies before it changes the model, opti
 or generators: one that fails changes nothing.
 
 Modules: :mod:`.save` and :mod:`.load` (the public functions), :mod:`.export` (plain
-full-precision state dicts), :mod:`.errors`; privately ``_files`` (the layout, atomic
+full-precision state dicts), :mod:`.dcp_checks` (int8 entries of a dcp folder checked
+before an in-place load), :mod:`.errors`; privately ``_files`` (the layout, atomic
 writes, the manifest, pruning by write order), ``_dcp`` (what goes through
 torch.distributed.checkpoint), ``_fit`` (does a checkpoint fit the model and optimizer)
 and ``_generator_states`` (the noise generators saved per rank and the layout rule for
@@ -31,6 +32,7 @@ integration's checkpoints use too).
 from fsdp_int8.checkpoint.errors import CheckpointError
 from fsdp_int8.checkpoint._generator_states import capture_generators, restore_generators
 from fsdp_int8.checkpoint.export import export_full_state_dict, load_full_state_dict
+from fsdp_int8.checkpoint.dcp_checks import check_int8_entries
 from fsdp_int8.checkpoint.load import CheckpointInfo, latest_checkpoint, load_checkpoint
 from fsdp_int8.checkpoint.save import save_checkpoint
 
@@ -40,6 +42,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "check_int8_entries",
     "export_full_state_dict",
     "load_full_state_dict",
     "capture_generators",

@@ -24,6 +24,7 @@ from fsdp_int8._weight.load_checks import SCALE_SUFFIX, as_rows, check_rows, ref
 from fsdp_int8._weight.tensor import Int8Weight
 
 __all__ = [
+    "QUANT_METHOD",
     "SCALE_SUFFIX",
     "is_int8",
     "int8_safetensors_state_dict",
@@ -33,6 +34,8 @@ __all__ = [
     "tied_and_fp32_modules",
     "int8_layers_in_checkpoint",
 ]
+
+QUANT_METHOD = "fsdp_int8"  # config.json's quantization_config.quant_method of these folders
 
 
 

@@ -20,7 +20,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
-QUANT_METHOD = "fsdp_int8"  # the name in config.json's quantization_config.quant_method
+from fsdp_int8.integrations._hf_layout import QUANT_METHOD
+
 _AUTO = "transformers.quantizers.auto"
 # map in transformers.quantizers.auto -> the class of hf_quantizer it holds for the method
 _ENTRIES = {
@@ -32,6 +33,10 @@ _ENTRIES = {
 class PendingClass:
     """Holds a class of :mod:`fsdp_int8.integrations.hf_quantizer` in a transformers map
     until transformers first uses it; then imports the module and passes the call on."""
+
+    # hf_quantizer replaces an entry of this class by its own (a class attribute, so that
+    # reading it resolves nothing)
+    stands_in_for_fsdp_int8 = True
 
     def __init__(self, class_name: str) -> None:
         self._class_name = class_name

@@ -42,6 +42,7 @@ from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
 from fsdp_int8.convert import parameter_owners, quantize_
 from fsdp_int8.integrations._hf_layout import (
+    QUANT_METHOD,
     SCALE_SUFFIX,
     add_load_hooks,
     int8_layers_in_checkpoint,
@@ -51,7 +52,6 @@ from fsdp_int8.integrations._hf_layout import (
     state_dict_given_to_save_pretrained,
     tied_and_fp32_modules,
 )
-from fsdp_int8.integrations._hf_method import QUANT_METHOD, PendingClass
 
 __all__ = [
     "QUANT_METHOD",
@@ -370,7 +370,7 @@ def _register() -> None:
         known = mapping.get(QUANT_METHOD)
         if known is None:
             register(QUANT_METHOD)(cls)
-        elif isinstance(known, PendingClass):  # import fsdp_int8's placeholder: the class itself now
+        elif getattr(type(known), "stands_in_for_fsdp_int8", False):  # import fsdp_int8's placeholder
             mapping[QUANT_METHOD] = cls
         elif known.__qualname__ == cls.__qualname__ and known.__module__ == cls.__module__:
             mapping[QUANT_METHOD] = cls

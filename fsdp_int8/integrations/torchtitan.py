@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -47,9 +46,8 @@ from torchtitan.models.common.linear import Linear
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
-from fsdp_int8._weight.load_checks import Int8LoadError
 from fsdp_int8._weight.tensor import Int8Weight
-from fsdp_int8.checkpoint import _dcp, capture_generators, export_full_state_dict, restore_generators
+from fsdp_int8.checkpoint import capture_generators, check_int8_entries, export_full_state_dict, restore_generators
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import int8_census, int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
@@ -276,12 +274,7 @@ class Int8CheckpointManager(CheckpointManager):
                 NaN, infinite or negative scale or a value of -128; nothing is loaded.
         """
         if not from_hf:
-            refused = _dcp.refused_int8_entries_in(Path(checkpoint_id), state_dict)
-            if refused:
-                raise Int8LoadError(
-                    f"checkpoint {checkpoint_id} holds invalid int8 weights, nothing was loaded: "
-                    + "; ".join(refused)
-                )
+            check_int8_entries(checkpoint_id, state_dict)
         streams = state_dict.get(ROUNDING_STATES)
         if streams is not None and not _holds_rounding_states(checkpoint_id, from_hf, streams.key()):
             logger.info("fsdp_int8: %s holds no rounding generators for %s; the rounding keeps "
