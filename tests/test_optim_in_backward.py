@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight, quantize_
 from fsdp_int8.guard import NonFiniteGradientError
 
@@ -187,3 +188,65 @@ def test_large_parameters_update_in_pieces_of_rows(name, monkeypatch):
     inside = run(40, stochastic=True, in_backward=True)
     _same_tensors(inside[0], after[0])
     _same_tensors(inside[1], after[1])
+
+
+def _trained_with(step_elements, step_in_backward: bool):
+    """Two int8 layers (rows of 512 values) and a bias, 8-bit AdamW, 3 steps."""
+    torch.manual_seed(0)
+    model = fsdp_int8.quantize_(nn.Sequential(nn.Linear(512, 256), nn.Linear(256, 512, bias=False)),
+                                fsdp_int8.Int8TrainingConfig(seed=5))
+    opt = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-2, state_bits=8, block_size=64,
+                              step_in_backward=step_in_backward, step_elements=step_elements)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        model(torch.randn(8, 512, generator=data)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    weights = [(p.int_data.clone(), p.scale.clone()) if isinstance(p, Int8Weight) else p.detach().clone()
+               for p in model.parameters()]
+    states = [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return weights, states
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_step_elements_in_pieces_of_whole_vectors_changes_no_bit(step_in_backward):
+    # The rounding noise is drawn per row in row order, 4 values to a 64-bit draw, so
+    # pieces of whole rows of 512 values draw the stream of one whole-parameter piece; and
+    # pieces of 4,096 values fill every vector of torch's fused kernel as the whole does.
+    # (One-row pieces, and one element of the bias at a time, put values in the kernel's
+    # scalar tail, which may round the last bit differently.)
+    want = _trained_with(None, step_in_backward)
+    got = _trained_with(4096, step_in_backward)  # 8 rows a piece
+    for a, b in zip(want[0] + want[1], got[0] + got[1]):
+        assert all(map(torch.equal, a, b)) if isinstance(a, tuple) else torch.equal(a, b)
+
+
+def test_step_elements_bounds_the_step_temporaries():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def step_peak(step_elements) -> int:
+        torch.manual_seed(0)
+        model = fsdp_int8.quantize_(nn.Sequential(nn.Linear(1024, 1024, bias=False)))
+        opt = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3, state_bits=8, step_elements=step_elements)
+        for _ in range(2):  # the second step's states exist before it starts
+            model(torch.randn(4, 1024)).sum().backward()
+            if opt.state:
+                tracker = MemTracker()
+                tracker.track_external(model, opt)
+                with tracker:
+                    opt.step()
+                snapshot = tracker.get_tracker_snapshot("peak")
+                peak = snapshot[next(iter(snapshot))]["Total"]
+            else:
+                opt.step()
+            opt.zero_grad()
+        return peak
+
+    # default on CPU: the 1 M-element weight in one piece, ~21 bytes of fp32 temporaries
+    # per element; 4,096 elements (4 rows) a piece: ~86 KB of them
+    saved = step_peak(None) - step_peak(4096)
+    assert saved > 15 * 2**20, saved
+    with pytest.raises(ValueError, match="step_elements"):
+        fsdp_int8.Int8AdamW(nn.Linear(4, 4).parameters(), step_elements=0)
+    with pytest.raises(ValueError, match="step_elements"):
+        fsdp_int8.Int8SGD(nn.Linear(4, 4).parameters(), lr=0.1, step_elements=True)

@@ -157,9 +157,17 @@ class Slot:
 class FusedInt8Optimizer(Optimizer):
     """Parameter handling shared by :class:`~fsdp_int8.Int8AdamW` and :class:`~fsdp_int8.Int8SGD`."""
 
-    def __init__(self, params: Any, defaults: dict[str, Any], *, step_in_backward: bool = False) -> None:
+    def __init__(
+        self, params: Any, defaults: dict[str, Any], *, step_in_backward: bool = False,
+        step_elements: int | None = None,
+    ) -> None:
         if not isinstance(step_in_backward, bool):
             raise TypeError(f"step_in_backward must be a bool, got {step_in_backward!r}")
+        if step_elements is not None and (
+            isinstance(step_elements, bool) or not isinstance(step_elements, int) or step_elements < 1
+        ):
+            raise ValueError(f"step_elements must be a positive int or None, got {step_elements!r}")
+        self._step_elements = step_elements
         self._in_backward = InBackward(self) if step_in_backward else None
         self._seeds: dict[int, int] | None = None  # id(param) -> its update's rounding seed
         self._streams: dict[int, torch.Generator] = {}  # id(param) -> its seeded generator
@@ -213,9 +221,10 @@ class FusedInt8Optimizer(Optimizer):
             by_device[local_shard(param).device].append(param)
         for device, on_device in by_device.items():
             cpu = device.type == "cpu"
-            piece_limit = _PIECE_ELEMENTS_CPU if cpu else _PIECE_ELEMENTS
+            piece_limit = self._step_elements or (_PIECE_ELEMENTS_CPU if cpu else _PIECE_ELEMENTS)
+            chunk_limit = self._step_elements or (_CHUNK_ELEMENTS_CPU if cpu else _CHUNK_ELEMENTS)
             pieces = [piece for param in on_device for piece in self._pieces(param, group, piece_limit)]
-            for chunk in _chunks(pieces, _CHUNK_ELEMENTS_CPU if cpu else _CHUNK_ELEMENTS):
+            for chunk in _chunks(pieces, chunk_limit):
                 slots = [self._slot(piece) for piece in chunk]
                 self._update(slots, group)
                 self._write_back(slots, skip_int8=float(group["lr"]) == 0.0)

@@ -150,10 +150,18 @@ class Int8AdamW(FusedInt8Optimizer):
             accumulation needs FSDP2's ``set_requires_gradient_sync(False)``; a
             non-finite gradient leaves its parameter unchanged and ``step()`` raises.
             docs/memory.md says what it saves and what it refuses.
+        step_elements: The most parameter elements one update works on at once (whole
+            rows, one row at least): its fp32 temporaries, about 21 bytes per element with
+            8-bit states, never exceed that many elements' worth. ``None`` (default): 2^24
+            on accelerators (about 350 MB with 8-bit states), one parameter at a time in
+            pieces of 2^20 on the CPU. Smaller bounds cost more, smaller kernels. The
+            rounding noise is drawn per row in row order (the same stream for any bound
+            when rows hold a multiple of 4 values), but a piece too small to fill the
+            fused kernel's vectors may round its last bit differently.
 
     Raises:
         ValueError: a hyperparameter out of range, ``state_bits`` not 8 or 32,
-            ``block_size < 1``, or a complex or non-floating parameter.
+            ``block_size < 1``, ``step_elements < 1``, or a complex or non-floating parameter.
         TypeError: a hyperparameter of the wrong type.
     """
 
@@ -169,13 +177,14 @@ class Int8AdamW(FusedInt8Optimizer):
         block_size: int = 64,
         fused: bool | None = None,
         step_in_backward: bool = False,
+        step_elements: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
             weight_decay=weight_decay, state_bits=state_bits, block_size=block_size, fused=fused,
         )
         self._check_group(defaults)
-        super().__init__(params, defaults, step_in_backward=step_in_backward)
+        super().__init__(params, defaults, step_in_backward=step_in_backward, step_elements=step_elements)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("lr", group["lr"], 0.0)

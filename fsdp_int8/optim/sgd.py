@@ -39,10 +39,12 @@ class Int8SGD(FusedInt8Optimizer):
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         step_in_backward: Update each parameter inside backward and free its gradient
             at once (see :class:`~fsdp_int8.Int8AdamW`).
+        step_elements: The most parameter elements one update works on at once (see
+            :class:`~fsdp_int8.Int8AdamW`).
 
     Raises:
-        ValueError: a hyperparameter out of range, ``nesterov`` without momentum, or a
-            complex or non-floating parameter.
+        ValueError: a hyperparameter out of range, ``nesterov`` without momentum,
+            ``step_elements < 1``, or a complex or non-floating parameter.
         TypeError: a hyperparameter of the wrong type (``nesterov`` not a bool).
     """
 
@@ -55,10 +57,11 @@ class Int8SGD(FusedInt8Optimizer):
         nesterov: bool = False,
         *,
         step_in_backward: bool = False,
+        step_elements: int | None = None,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         self._check_group(defaults)
-        super().__init__(params, defaults, step_in_backward=step_in_backward)
+        super().__init__(params, defaults, step_in_backward=step_in_backward, step_elements=step_elements)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("lr", group["lr"], 0.0)
