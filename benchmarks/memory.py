@@ -158,6 +158,11 @@ def _measure(
                 where=_module_peaks(tracker, share, where))
 
 
+def _largest_parts(figures: dict[str, float]) -> str:
+    """The categories of ``figures`` (bytes/param) from the largest, those of 0.05 or more."""
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(figures.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+
+
 def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
     """Print the table; return each ``(row, checkpointing)``'s figures (bytes/param)."""
     from fsdp_int8 import hardware
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
             after_total = after.pop("Total", sum(after.values()))
             if row == "bf16":
                 baseline = total
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(peak.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+            parts = _largest_parts(peak)
             ratio = f"{total / baseline:.2f}x" if baseline else "-"
             cuda = f"  cuda max allocated {result['cuda_peak']:.2f}" if result["cuda_peak"] else ""
             print(f"{row:22s} peak {total:6.2f} ({ratio} bf16)  after step {after_total:5.2f}{cuda}  | {parts}",
@@ -203,9 +208,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
             for place in result["where"]:
                 figures = dict(place["figures"])
                 place_total = figures.pop("Total", sum(figures.values()))
-                place_parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(figures.items(), key=lambda kv: -kv[1])
-                                        if v >= 0.05)
-                print(f"    {place_total:6.2f}  {place['module'] or '<root>'} {place['phase']}  | {place_parts}")
+                print(f"    {place_total:6.2f}  {place['module'] or '<root>'} {place['phase']}  | "
+                      f"{_largest_parts(figures)}")
             results[(row, checkpointing)] = dict(peak=total, after=after_total, parts=peak,
                                                  parameters=result["parameters"], where=result["where"])
     if args.json:

@@ -144,10 +144,10 @@ def refused_int8_entries(model_state: dict[str, Any], keys: set[str], path: Path
 
 def refused_int8_entries_in(path: Path, model_state: dict[str, Any]) -> list[str]:
     """Why the int8 weights of ``model_state`` (nested as given to ``dcp.load``) that
-    folder ``path`` holds cannot be loaded,
-    found before anything is loaded: they are read into copies (this rank's shards, once
-    more than the load itself reads them) and checked as :func:`refused_int8_entries`
-    does. Collective: every rank calls it with the same keys, and gets every refusal."""
+    folder ``path`` holds cannot be loaded, found before anything is loaded: they are
+    read into copies (this rank's shards, once more than the load itself reads them) and
+    checked as :func:`refused_int8_entries` does. Collective: every rank calls it with the
+    same keys, and gets every refusal."""
     stored = stored_entries(path)
     flat, _ = flatten(model_state)  # the keys dcp stores entries under ("model.<fqn>" when nested)
     keys = [key for key in int8_keys(flat) if key in stored]

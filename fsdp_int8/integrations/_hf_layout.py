@@ -38,7 +38,6 @@ __all__ = [
 QUANT_METHOD = "fsdp_int8"  # config.json's quantization_config.quant_method of these folders
 
 
-
 def is_int8(module: nn.Module) -> bool:
     """Whether ``module``'s own ``weight`` is an ``Int8Weight`` (or a shard of one)."""
     weight = module._parameters.get("weight")

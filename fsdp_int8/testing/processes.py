@@ -153,7 +153,7 @@ def run_distributed(
                         raise TimeoutError(
                             f"ranks {missing} of {world_size} did not finish in {timeout:.0f} s "
                             "(a hang: a collective that not every rank reached?)"
-                            + _where_they_are([procs[r] for r in missing], [logs[r] for r in missing], missing)
+                            + _where_they_are(procs, logs, missing)
                         ) from None
                     continue
                 outcomes[rank] = (ok, value)
@@ -175,46 +175,42 @@ def run_distributed(
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-def _tail(path: str, lines: int) -> str:
+def _read_log(path: str, start: int = 0) -> str:
+    """A rank's stderr from byte ``start`` on ("" if the rank died before it opened it)."""
     try:
         with open(path, errors="replace") as log:
-            return "".join(log.readlines()[-lines:])
-    except FileNotFoundError:  # the rank died before it opened its log
+            log.seek(start)
+            return log.read()
+    except FileNotFoundError:
         return ""
 
 
 def _crash_report(exitcode: int | None, log_path: str) -> str:
     """What a rank that died without reporting left: its exit code (negative: the signal)
     and the end of its stderr, where a native abort's message and faulthandler's stacks are."""
-    tail = _tail(log_path, _CRASH_LOG_LINES)
+    tail = "".join(_read_log(log_path).splitlines(keepends=True)[-_CRASH_LOG_LINES:])
     return f"exited with code {exitcode} before reporting; the end of its stderr:\n{tail or '(empty)'}\n"
 
 
 def _where_they_are(procs: list, logs: list[str], ranks: list[int]) -> str:
-    """Ask the ranks still running for their Python stacks; what they wrote."""
+    """Ask ``ranks`` (still running) for their Python stacks; what they wrote."""
     if _STACKS_SIGNAL is None:
         return ""
-    sizes = [os.path.getsize(log) if os.path.exists(log) else 0 for log in logs]
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, _STACKS_SIGNAL)
+    sizes = {rank: os.path.getsize(logs[rank]) if os.path.exists(logs[rank]) else 0 for rank in ranks}
+    for rank in ranks:
+        if procs[rank].is_alive():
+            os.kill(procs[rank].pid, _STACKS_SIGNAL)
     time.sleep(_STACKS_WAIT_S)
-    reports = []
-    for rank, log, size in zip(ranks, logs, sizes):
-        try:
-            with open(log, errors="replace") as handle:
-                handle.seek(size)
-                stacks = handle.read()
-        except FileNotFoundError:
-            stacks = ""
-        reports.append(f"--- rank {rank}, where it waits ---\n{stacks or '(no answer)'}")
-    return "\n" + "\n".join(reports)
+    return "".join(
+        f"\n--- rank {rank}, where it waits ---\n{_read_log(logs[rank], sizes[rank]) or '(no answer)'}"
+        for rank in ranks
+    )
 
 
 def _echo_stderr(logs: list[str]) -> None:
     """Copy each rank's stderr to this process's, so pytest shows it beside the failure."""
     for rank, path in enumerate(logs):
-        text = _tail(path, 10**6)
+        text = _read_log(path)
         if text:
             sys.stderr.write(f"--- stderr of rank {rank} ---\n{text}")
     sys.stderr.flush()
