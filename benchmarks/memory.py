@@ -21,6 +21,8 @@ Rows (each a recipe users run):
 * ``fp32``: the same without mixed precision;
 * ``int8``: ``shard_model`` (int8 linear weights) + ``Int8AdamW``;
 * ``int8-8bit``: the same with ``Int8AdamW(state_bits=8)``;
+* ``int8-8bit-bf16-grads``: that, with gradients kept in bf16 until the step
+  (``Int8AdamW(state_bits=8, grad_dtype=torch.bfloat16)``);
 * ``int8-8bit-in-backward``: ``Int8AdamW(state_bits=8, step_in_backward=True)``: each
   parameter is updated as soon as FSDP2 hands it its reduced gradient;
 * ``lean``: that, with int8 embeddings (``Int8TrainingConfig(quantize_embeddings=True)``;
@@ -48,6 +50,7 @@ import torch
 INT8_ROWS: dict[str, tuple[dict, dict]] = {
     "int8": ({}, {}),
     "int8-8bit": ({}, {"state_bits": 8}),
+    "int8-8bit-bf16-grads": ({}, {"state_bits": 8, "grad_dtype": torch.bfloat16}),
     "int8-8bit-in-backward": ({}, {"state_bits": 8, "step_in_backward": True}),
     "lean": ({"quantize_embeddings": True}, {"state_bits": 8, "step_in_backward": True}),
 }

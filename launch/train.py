@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="with --optimizer int8-adamw or int8-adamw-8bit: update each parameter inside "
                        "backward as soon as its gradient is reduced, and free the gradient (gradients never "
                        "all live at once; no global gradient clipping; not with --pp)")
+    train.add_argument("--bf16-grads", action="store_true",
+                       help="with --optimizer int8-adamw or int8-adamw-8bit: keep gradients in bf16 from their "
+                       "reduce-scatter to the step (half their memory; not with --step-in-backward)")
     train.add_argument("--quantize-embeddings", action="store_true",
                        help="int8 precisions: int8 token embedding too (one scale per token row)")
     train.add_argument("--activation-checkpointing", action="store_true",
@@ -248,7 +251,8 @@ def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     state_bits = 8 if args.optimizer.endswith("8bit") else 32
     return fsdp_int8.Int8AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                               state_bits=state_bits, step_in_backward=args.step_in_backward)
+                               state_bits=state_bits, step_in_backward=args.step_in_backward,
+                               grad_dtype=torch.bfloat16 if args.bf16_grads else None)
 
 
 def lean_error(args: argparse.Namespace) -> str | None:
@@ -259,6 +263,10 @@ def lean_error(args: argparse.Namespace) -> str | None:
         args.optimizer = args.optimizer or "int8-adamw-8bit"
         args.step_in_backward = args.quantize_embeddings = args.activation_checkpointing = True
     args.optimizer = args.optimizer or "adamw"
+    if args.bf16_grads and args.optimizer == "adamw":
+        return "--bf16-grads needs fsdp_int8's optimizer: --optimizer int8-adamw or int8-adamw-8bit"
+    if args.bf16_grads and args.step_in_backward:
+        return "--bf16-grads keeps gradients until the step, --step-in-backward keeps none: drop one"
     if args.quantize_embeddings and args.precision in LAUNCHER_PRECISIONS and not PRECISIONS[args.precision].int8:
         return f"--quantize-embeddings needs an int8 precision, not --precision {args.precision}"
     return None

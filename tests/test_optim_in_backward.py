@@ -250,3 +250,28 @@ def test_step_elements_bounds_the_step_temporaries():
         fsdp_int8.Int8AdamW(nn.Linear(4, 4).parameters(), step_elements=0)
     with pytest.raises(ValueError, match="step_elements"):
         fsdp_int8.Int8SGD(nn.Linear(4, 4).parameters(), lr=0.1, step_elements=True)
+
+
+@pytest.mark.parametrize("options", [dict(step_in_backward=True), dict(grad_dtype=torch.bfloat16)], ids=str)
+def test_a_dropped_optimizer_leaves_no_hook_behind(options):
+    """The hooks hold their optimizer weakly: dropping it frees it (states included) at
+    once and its hooks stop, so a fresh optimizer on the same model works alone."""
+    import weakref
+
+    model = _model()
+    # torch imports torch._dynamo in the first optimizer a process makes, and that import
+    # keeps the constructor's frames (and so that one optimizer) alive: not this test's subject
+    Int8AdamW(model.parameters())
+    opt = Int8AdamW(model.parameters(), lr=1e-2, **options)
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    dropped = weakref.ref(opt)
+    del opt
+    assert dropped() is None  # no gc.collect(): nothing but the user held it
+    assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+    fresh = Int8AdamW(model.parameters(), lr=1e-2)
+    F.mse_loss(model(x), y).backward()  # would raise "a second gradient" or cast to bf16 otherwise
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    fresh.step()

@@ -25,6 +25,7 @@ from fsdp_int8._weight.ops.views import contiguous_strides
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.guard import check_finite_gradients
 from fsdp_int8.optim._checks import check_floating
+from fsdp_int8.optim._grad_dtype import GradientCast, check_grad_dtype
 from fsdp_int8.optim._in_backward import InBackward
 
 # The update of a chunk of parameters runs on fp32 copies (dequantized weights, moments,
@@ -159,7 +160,7 @@ class FusedInt8Optimizer(Optimizer):
 
     def __init__(
         self, params: Any, defaults: dict[str, Any], *, step_in_backward: bool = False,
-        step_elements: int | None = None,
+        step_elements: int | None = None, grad_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(step_in_backward, bool):
             raise TypeError(f"step_in_backward must be a bool, got {step_in_backward!r}")
@@ -167,8 +168,10 @@ class FusedInt8Optimizer(Optimizer):
             isinstance(step_elements, bool) or not isinstance(step_elements, int) or step_elements < 1
         ):
             raise ValueError(f"step_elements must be a positive int or None, got {step_elements!r}")
+        check_grad_dtype(grad_dtype, step_in_backward)
         self._step_elements = step_elements
         self._in_backward = InBackward(self) if step_in_backward else None
+        self._grad_cast = GradientCast(type(self).__name__, grad_dtype) if grad_dtype is not None else None
         self._seeds: dict[int, int] | None = None  # id(param) -> its update's rounding seed
         self._streams: dict[int, torch.Generator] = {}  # id(param) -> its seeded generator
         super().__init__(params, defaults)
@@ -182,6 +185,8 @@ class FusedInt8Optimizer(Optimizer):
         self._check_group(group)
         if self._in_backward is not None:
             self._in_backward.watch(group)
+        if self._grad_cast is not None:
+            self._grad_cast.watch(group["params"], len(self.param_groups) - 1)
 
     def _check_group(self, group: dict[str, Any]) -> None:  # pragma: no cover - overridden
         """Raise if a parameter group's hyperparameters are invalid."""

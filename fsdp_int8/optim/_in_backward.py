@@ -23,6 +23,7 @@ rank, saying that the other parameters were already updated.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,31 +33,53 @@ from torch.distributed.tensor import DTensor
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
 from fsdp_int8.guard import NonFiniteGradientError, tensor_finite
+from fsdp_int8.optim._hooks import register_while_alive
 
 if TYPE_CHECKING:
     from fsdp_int8.optim._base import FusedInt8Optimizer
+
+
+def check_hook_sees_reduced_gradient(param: torch.Tensor, who: str, name: str, way_out: str) -> None:
+    """Raise if a post-accumulate-grad hook of ``param`` (``name``, watched by ``who``) runs
+    before its gradient is reduced: a plain (non-DTensor) parameter in a multi-process run."""
+    if isinstance(param, DTensor) or not _dist.is_distributed() or dist.get_world_size() <= 1:
+        return
+    raise RuntimeError(
+        f"{who} got the gradient of a plain (non-DTensor) {name} in a "
+        f"{dist.get_world_size()}-process run. Only FSDP2 (fully_shard / fsdp_int8.shard_model) "
+        "and tensor parallelism hand a parameter its final gradient inside backward; DDP and "
+        "similar wrappers reduce gradients after autograd hands them over, so the hook would act "
+        f"on this rank's gradient alone. Shard the model with FSDP2, or {way_out}."
+    )
 
 
 class InBackward:
     """The in-backward state of one optimizer: hooks, who was updated, who was skipped."""
 
     def __init__(self, optimizer: FusedInt8Optimizer) -> None:
-        self._optimizer = optimizer
+        self._optimizer_ref = weakref.ref(optimizer)  # the optimizer owns this, not the reverse
         self._group_of: dict[int, dict[str, Any]] = {}  # id(param) -> its group
         self._names: dict[int, str] = {}
         self._updated: set[int] = set()
         self._skipped: list[int] = []
-        self._handles: list[Any] = []
+
+    @property
+    def _optimizer(self) -> FusedInt8Optimizer:
+        optimizer = self._optimizer_ref()
+        assert optimizer is not None, "an optimizer's in-backward state outlived it"
+        return optimizer
 
     def watch(self, group: dict[str, Any]) -> None:
         """Update ``group``'s parameters from their post-accumulate-grad hooks."""
         start = len(self._group_of)
+        new = []
         for index, param in enumerate(group["params"]):
             if id(param) in self._group_of:
                 continue
             self._group_of[id(param)] = group
             self._names[id(param)] = f"parameter {start + index} of group {len(self._optimizer.param_groups) - 1}"
-            self._handles.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+            new.append(param)
+        register_while_alive(self, new, InBackward._on_gradient)
 
     def name(self, param: torch.Tensor) -> str:
         return self._names[id(param)]
@@ -74,15 +97,10 @@ class InBackward:
                 "after the last one); pipeline schedules, and accumulation without FSDP2, need "
                 "step_in_backward=False."
             )
-        if not isinstance(param, DTensor) and _dist.is_distributed() and dist.get_world_size() > 1:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}(step_in_backward=True) got the gradient of a plain "
-                f"(non-DTensor) {self.name(param)} in a {dist.get_world_size()}-process run. Only "
-                "FSDP2 (fully_shard / fsdp_int8.shard_model) and tensor parallelism hand a "
-                "parameter its final gradient inside backward; DDP and similar wrappers reduce "
-                "gradients after autograd hands them over, so this rank's gradient alone would "
-                "be applied. Shard the model with FSDP2, or use step_in_backward=False."
-            )
+        check_hook_sees_reduced_gradient(
+            param, f"{type(optimizer).__name__}(step_in_backward=True)", self.name(param),
+            "use step_in_backward=False",
+        )
         if not tensor_finite(local_shard(param.grad)):
             self._skipped.append(id(param))
         else:

@@ -158,10 +158,23 @@ class Int8AdamW(FusedInt8Optimizer):
             rounding noise is drawn per row in row order (the same stream for any bound
             when rows hold a multiple of 4 values), but a piece too small to fill the
             fused kernel's vectors may round its last bit differently.
+        grad_dtype: Keep each gradient in this dtype from the moment it is final
+            (FSDP2: right after its reduce-scatter) until ``step()``: ``torch.bfloat16``
+            halves the gradients' memory, the largest part of the peak when stepping after
+            backward (docs/memory.md). ``None`` (default) keeps the parameter's dtype. The
+            update reads the gradient into fp32, so it equals the update from the fp32
+            gradient rounded to ``grad_dtype``; gradient accumulation across backwards
+            with gradient sync adds in ``grad_dtype`` (FSDP2's
+            ``set_requires_gradient_sync(False)`` accumulates in its reduce dtype and rounds
+            once). Sets each parameter's ``grad_dtype`` attribute to ``None``. Not with
+            ``step_in_backward`` (it keeps no gradient), nor with plain parameters in a
+            multi-process run (DDP: refused at the first backward).
 
     Raises:
         ValueError: a hyperparameter out of range, ``state_bits`` not 8 or 32,
-            ``block_size < 1``, ``step_elements < 1``, or a complex or non-floating parameter.
+            ``block_size < 1``, ``step_elements < 1``, ``grad_dtype`` not a floating dtype of
+            at most 32 bits or given with ``step_in_backward``, or a complex or
+            non-floating parameter.
         TypeError: a hyperparameter of the wrong type.
     """
 
@@ -178,13 +191,15 @@ class Int8AdamW(FusedInt8Optimizer):
         fused: bool | None = None,
         step_in_backward: bool = False,
         step_elements: int | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
             weight_decay=weight_decay, state_bits=state_bits, block_size=block_size, fused=fused,
         )
         self._check_group(defaults)
-        super().__init__(params, defaults, step_in_backward=step_in_backward, step_elements=step_elements)
+        super().__init__(params, defaults, step_in_backward=step_in_backward, step_elements=step_elements,
+                         grad_dtype=grad_dtype)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("lr", group["lr"], 0.0)

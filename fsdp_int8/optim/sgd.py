@@ -41,10 +41,13 @@ class Int8SGD(FusedInt8Optimizer):
             at once (see :class:`~fsdp_int8.Int8AdamW`).
         step_elements: The most parameter elements one update works on at once (see
             :class:`~fsdp_int8.Int8AdamW`).
+        grad_dtype: Keep gradients in this dtype until ``step()`` (see
+            :class:`~fsdp_int8.Int8AdamW`).
 
     Raises:
         ValueError: a hyperparameter out of range, ``nesterov`` without momentum,
-            ``step_elements < 1``, or a complex or non-floating parameter.
+            ``step_elements < 1``, an invalid ``grad_dtype`` (see
+            :class:`~fsdp_int8.Int8AdamW`), or a complex or non-floating parameter.
         TypeError: a hyperparameter of the wrong type (``nesterov`` not a bool).
     """
 
@@ -58,10 +61,12 @@ class Int8SGD(FusedInt8Optimizer):
         *,
         step_in_backward: bool = False,
         step_elements: int | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         self._check_group(defaults)
-        super().__init__(params, defaults, step_in_backward=step_in_backward, step_elements=step_elements)
+        super().__init__(params, defaults, step_in_backward=step_in_backward, step_elements=step_elements,
+                         grad_dtype=grad_dtype)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("lr", group["lr"], 0.0)

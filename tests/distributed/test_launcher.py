@@ -206,6 +206,13 @@ def test_the_lean_recipe_trains_and_resumes(one_process, tmp_path):
     assert read_metrics(tmp_path / "lean" / "metrics.jsonl")[-1]["step"] == 3
 
 
+def test_bf16_gradients_train(one_process, tmp_path):
+    out = tmp_path / "bf16-grads"
+    assert one_process(*SHORT, "--optimizer", "int8-adamw-8bit", "--bf16-grads", "--out", str(out)) == 0
+    last = read_metrics(out / "metrics.jsonl")[-1]
+    assert last["step"] == 2 and math.isfinite(last["val_loss"])
+
+
 def test_block_activation_checkpointing_gives_the_same_gradients():
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"])
@@ -287,7 +294,10 @@ def test_step_in_backward_flags(capsys):
     assert lean.optimizer == "int8-adamw-8bit" and lean.step_in_backward and lean.grad_clip == 0.0
     assert lean.quantize_embeddings and lean.activation_checkpointing
     assert train.parse_args(["--lean", "--optimizer", "int8-adamw"]).optimizer == "int8-adamw"
+    assert train.parse_args(["--optimizer", "int8-adamw-8bit", "--bf16-grads"]).bf16_grads
     refused = {
+        ("--bf16-grads",): "--optimizer int8-adamw",
+        ("--lean", "--bf16-grads"): "drop one",
         ("--step-in-backward",): "--optimizer int8-adamw",
         ("--optimizer", "int8-adamw", "--step-in-backward", "--grad-clip", "1"): "--grad-clip 0",
         ("--optimizer", "int8-adamw", "--step-in-backward", "--pp", "2"): "--pp",

@@ -2,7 +2,9 @@
 tensor parallelism, the int8 gradient reduce-scatter and gradient accumulation (gradient
 sync off on all micro-batches but the last) each give the weights and optimizer states of
 stepping after backward, bit for bit, with stochastic rounding and 8-bit states; a plain
-parameter in a multi-process run (DDP's case) is refused."""
+parameter in a multi-process run (DDP's case) is refused. ``Int8AdamW(grad_dtype=bf16)``
+(gradients kept in bf16 until the step) equals rounding the fp32 gradients by hand, and
+torch's ``clip_grad_norm_`` works on its gradients."""
 
 from __future__ import annotations
 
@@ -39,11 +41,15 @@ def _build(mesh_kind: str, world: int):
 
 
 def _train(rank: int, world: int, mesh_kind: str, in_backward: bool, *, int8_gradients: bool = False,
-           accumulate: bool = False) -> tuple[dict, dict]:
+           accumulate: bool = False, grad_dtype: torch.dtype | None = None,
+           round_grads_to: torch.dtype | None = None) -> tuple[dict, dict]:
+    """Weights and states after ``STEPS`` steps; ``round_grads_to`` rounds each final fp32
+    gradient to that dtype by hand before the step (the reference of ``grad_dtype``)."""
     model = _build(mesh_kind, world)
     if int8_gradients:
         enable_quantized_reduce_scatter(model)
-    opt = Int8AdamW(model.parameters(), lr=1e-2, state_bits=8, block_size=16, step_in_backward=in_backward)
+    opt = Int8AdamW(model.parameters(), lr=1e-2, state_bits=8, block_size=16, step_in_backward=in_backward,
+                    grad_dtype=grad_dtype)
     data = torch.Generator().manual_seed(rank if mesh_kind != "tp" else 0)  # tp ranks share a batch
     for _ in range(STEPS):
         micro = MICRO_BATCHES if accumulate else 1
@@ -56,6 +62,11 @@ def _train(rank: int, world: int, mesh_kind: str, in_backward: bool, *, int8_gra
                 assert all(p.grad is None for p in model.parameters())
         if in_backward:
             assert all(p.grad is None for p in model.parameters())
+        if grad_dtype is not None:
+            assert {local_of(p.grad).dtype for p in model.parameters()} == {grad_dtype}
+        if round_grads_to is not None:
+            for p in model.parameters():
+                local_of(p.grad).copy_(local_of(p.grad).to(round_grads_to))
         opt.step()
         opt.zero_grad()
     weights = {n: local_of(p).detach().clone() for n, p in model.named_parameters()}
@@ -90,11 +101,40 @@ def _in_backward_equals_after(rank: int, world: int) -> None:
             inside = _train(rank, world, in_backward=True, **options)
             _assert_same(inside[0], after[0], "weights")
             _assert_same(inside[1], after[1], "optimizer state")
+    for name, options in {
+        "FSDP": dict(mesh_kind="fsdp"),
+        "FSDP, 2 micro-batches, gradient sync off on the first": dict(mesh_kind="fsdp", accumulate=True),
+    }.items():
+        with case(f"{name}: grad_dtype=bf16 equals fp32 gradients rounded to bf16 before the step"):
+            kept = _train(rank, world, in_backward=False, grad_dtype=torch.bfloat16, **options)
+            rounded = _train(rank, world, in_backward=False, round_grads_to=torch.bfloat16, **options)
+            _assert_same(kept[0], rounded[0], "weights")
+            _assert_same(kept[1], rounded[1], "optimizer state")
+    with case("grad_dtype=bf16: torch's clip_grad_norm_ sees every gradient, and scales them"):
+        model = _build("fsdp", world)
+        opt = Int8AdamW(model.parameters(), lr=1e-2, grad_dtype=torch.bfloat16)
+        x = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(rank))
+        F.mse_loss(model(x), torch.tanh(x[..., :4])).backward()
+        grads = [local_of(p.grad).float() for p in model.parameters()]
+        local_sq = torch.stack([g.square().sum() for g in grads]).sum()
+        torch.distributed.all_reduce(local_sq)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3).full_tensor()
+        # the norm of bf16 values, summed in fp32 by two routes: equal to a few fp32 ulps
+        torch.testing.assert_close(norm.float(), local_sq.sqrt(), rtol=1e-2, atol=0)
+        clipped = [local_of(p.grad).float() for p in model.parameters()]
+        ratio = float(clipped[0].norm() / grads[0].norm())
+        assert abs(ratio - 1e-3 / float(norm)) < 1e-2 * ratio, (ratio, float(norm))
+        opt.step()
     with case("a plain parameter in a 2-process run (DDP's case) is refused"):
         torch.manual_seed(0)
         model = fsdp_int8.quantize_(MLPNet(dim=32, hidden=64), Int8TrainingConfig(min_features=1))
         opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
         with pytest.raises(RuntimeError, match="plain \\(non-DTensor\\).*DDP"):
+            model(torch.randn(2, 3, 32)).square().mean().backward()
+        del opt
+        model = fsdp_int8.quantize_(MLPNet(dim=32, hidden=64), Int8TrainingConfig(min_features=1))
+        opt = Int8AdamW(model.parameters(), lr=1e-2, grad_dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="grad_dtype=torch.bfloat16.*plain \\(non-DTensor\\).*DDP"):
             model(torch.randn(2, 3, 32)).square().mean().backward()
         del opt
 
