@@ -23,9 +23,10 @@ Parts:
   and once with every transformer block compiled whole (``bf16:blocks``,
   ``int8-mm:blocks``, ``int8:blocks``: what FSDP2 users run on GPUs, each compared with
   ``bf16:blocks``), FSDP2 world size 1, the launcher's ``1b`` preset, rows interleaved step
-  by step: tokens/s, peak memory, loss after the same steps. Then bf16 FSDP2 and the
-  lean recipe (``--lean``: int8 embeddings, ``Int8AdamW(state_bits=8,
-  step_in_backward=True)``), each built alone with activation checkpointing:
+  by step: tokens/s, peak memory, loss after the same steps. Then bf16 FSDP2, int8 with
+  ``Int8AdamW(state_bits=8, grad_dtype=torch.bfloat16)`` and the lean recipe
+  (``--lean``: int8 embeddings, ``Int8AdamW(state_bits=8, step_in_backward=True)``),
+  each built alone with activation checkpointing:
   ``torch.cuda.max_memory_allocated`` per parameter of the second step, and the ratio.
 
 Writes a dated section into docs/gpu.md (``--out``) and its JSON next to it (with the
@@ -268,18 +269,20 @@ def _train_body(rank: int, world: int, settings: dict) -> dict:
 
 # the peak-memory comparison (docs/memory.md): each row built alone, activation
 # checkpointing on, torch.cuda.max_memory_allocated of its second step
-MEMORY_ROWS = ("bf16", "lean")
+MEMORY_ROWS = ("bf16", "int8-8bit-bf16-grads", "lean")
 
 
 def _build_for_memory(row: str, args, device: torch.device):
-    """bf16 FSDP2 + torch AdamW, or the lean recipe (the launcher's ``--lean``)."""
+    """bf16 FSDP2 + torch AdamW; int8 + 8-bit AdamW keeping bf16 gradients until the step;
+    or the lean recipe (the launcher's ``--lean``)."""
     if row == "bf16":
         model = build_model(Recipe.of("bf16"), args, device, full_init=True, activation_checkpointing=True)
         return model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    model = build_model(Recipe.of("int8"), args, device, full_init=True, quantize_embeddings=True,
+    lean = row == "lean"
+    model = build_model(Recipe.of("int8"), args, device, full_init=True, quantize_embeddings=lean,
                         activation_checkpointing=True)
     return model, fsdp_int8.Int8AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, state_bits=8,
-                                      step_in_backward=True)
+                                      step_in_backward=lean, grad_dtype=None if lean else torch.bfloat16)
 
 
 def _memory_body(rank: int, world: int, settings: dict) -> dict:
