@@ -53,6 +53,8 @@ INT8_ROWS: dict[str, tuple[dict, dict]] = {
     "int8-8bit-bf16-grads": ({}, {"state_bits": 8, "grad_dtype": torch.bfloat16}),
     "int8-8bit-in-backward": ({}, {"state_bits": 8, "step_in_backward": True}),
     "lean": ({"quantize_embeddings": True}, {"state_bits": 8, "step_in_backward": True}),
+    "lean-int8-unsharded": ({"quantize_embeddings": True, "int8_matmul": "int8-unsharded"},
+                            {"state_bits": 8, "step_in_backward": True}),
 }
 ROWS = ("bf16", "fp32", *INT8_ROWS)
 SHAPES = {
@@ -95,7 +97,9 @@ def build(
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    config_options, optimizer_options = INT8_ROWS[row]
+    config_options, optimizer_options = dict(INT8_ROWS[row][0]), INT8_ROWS[row][1]
+    if config_options.get("int8_matmul") == "int8-unsharded":
+        config_options["int8_matmul"] = fsdp_int8.Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
     fsdp_int8.shard_model(
         model, config=fsdp_int8.Int8TrainingConfig(**config_options),
         mp_policy=MixedPrecisionPolicy(torch.bfloat16, reduce_dtype),

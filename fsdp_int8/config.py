@@ -41,14 +41,27 @@ class Int8MatmulConfig:
             no rounding beyond the forward's own. Needs ``output`` and ``grad_weight``.
             Off by default (docs/memory.md: what it saves and its quality).
 
+    With all three off (``Int8MatmulConfig(output=False, grad_input=False,
+    grad_weight=False)``) no GEMM is int8, but the weight still reaches the matmul as int8:
+    FSDP2's all-gathered (unsharded) weight stays int8 rows and scales, and each matmul
+    and lookup dequantizes a transient copy in the compute dtype. That gives the values of
+    weight-only int8 (``int8_matmul=None``, whose all-gather dequantizes the whole weight
+    once per unshard) with half the bytes for the gathered weights (docs/memory.md).
+
     On a device without a fast int8 GEMM (CPUs without VNNI or AMX, GPUs before sm_75)
-    the first forward warns once per process: weight-only int8 is faster there.
+    the first forward with an int8 GEMM warns once per process: weight-only int8 is
+    faster there.
     """
 
     output: bool = True
     grad_input: bool = True
     grad_weight: bool = True
     save_int8_input: bool = False
+
+    @property
+    def any_gemm(self) -> bool:
+        """Whether any of the three matmuls runs as an int8 GEMM."""
+        return self.output or self.grad_input or self.grad_weight
 
     def __post_init__(self) -> None:
         if self.save_int8_input and not (self.output and self.grad_weight):

@@ -266,7 +266,7 @@ def resolve_auto(precision: str, compute_dtype: str, device: torch.device) -> tu
 def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, seed: int = 0,
                 replicas: int = 1, full_init: bool = False, mesh: DeviceMesh | None = None,
                 stage: tuple[int, int] = (0, 1), quantize_embeddings: bool = False,
-                activation_checkpointing: bool = False) -> Transformer:
+                activation_checkpointing: bool = False, int8_gathered_weights: bool = False) -> Transformer:
     """The launcher's Transformer of shape ``args``, sharded over all ranks for ``recipe``.
 
     Weights come from ``Transformer.init_weights(seed)`` (fsdp_int8's stochastic rounding
@@ -295,11 +295,17 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
             (``Int8TrainingConfig.quantize_embeddings``).
         activation_checkpointing: Each block recomputes its activations in backward
             (:attr:`launch.model.Transformer.checkpoint_blocks`).
+        int8_gathered_weights: A weight-only int8 precision keeps FSDP2's gathered weights
+            int8 and dequantizes a transient copy per matmul (``Int8MatmulConfig`` with no
+            int8 GEMM): the same values, half the gathered bytes. Int8-matmul precisions
+            gather int8 anyway.
     """
     device = torch.device(device)
     precision = recipe.precision
     if quantize_embeddings and not precision.int8:
         raise ValueError(f"quantize_embeddings needs an int8 precision, not {precision.name}")
+    if int8_gathered_weights and not precision.int8:
+        raise ValueError(f"int8_gathered_weights needs an int8 precision, not {precision.name}")
     if precision.family == "torchao" and not full_init:
         raise ValueError("torchao's int8 weights are built from initialised weights: pass full_init=True")
     mesh = mesh or parallel.device_mesh(device.type, replicas=replicas)
@@ -325,7 +331,10 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         for block in model.blocks():
             block.compile(fullgraph=True)
     if precision.int8:
-        config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=precision.int8_matmul, compile=recipe.compile,
+        int8_matmul = precision.int8_matmul
+        if int8_matmul is None and int8_gathered_weights:
+            int8_matmul = fsdp_int8.Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+        config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=int8_matmul, compile=recipe.compile,
                                               quantize_embeddings=quantize_embeddings)
         fsdp_int8.shard_model(model, mesh=mesh, config=config, mp_policy=_COMPUTE_POLICY[recipe.compute_dtype],
                               tp_plan=tp_plan() if tensor_parallel else None)

@@ -98,11 +98,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        "reduce-scatter to the step (half their memory; not with --step-in-backward)")
     train.add_argument("--quantize-embeddings", action="store_true",
                        help="int8 precisions: int8 token embedding too (one scale per token row)")
+    train.add_argument("--int8-gathered-weights", action="store_true",
+                       help="int8 precisions: keep FSDP2's gathered weights int8 and dequantize a transient "
+                       "copy per matmul (the values of weight-only int8, half the gathered bytes)")
     train.add_argument("--activation-checkpointing", action="store_true",
                        help="recompute each block's activations in backward instead of keeping them")
     train.add_argument("--lean", action="store_true",
                        help="the lean-memory recipe in one word: --optimizer int8-adamw-8bit --step-in-backward "
-                       "--quantize-embeddings --activation-checkpointing (no gradient clipping; docs/memory.md)")
+                       "--quantize-embeddings --int8-gathered-weights --activation-checkpointing (no gradient "
+                       "clipping; docs/memory.md)")
     train.add_argument("--replicas", type=int, default=1,
                        help="HSDP: replicate the sharded model over this many groups of ranks")
     train.add_argument("--tp", type=int, default=1,
@@ -175,7 +179,8 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
     model = build_model(recipe, args.model, device, seed=args.seed, mesh=parallel.stage_mesh(mesh),
                         stage=parallel.pipeline_stage(mesh),  # with --pp: this rank's stage of the model
                         quantize_embeddings=args.quantize_embeddings,
-                        activation_checkpointing=args.activation_checkpointing)
+                        activation_checkpointing=args.activation_checkpointing,
+                        int8_gathered_weights=args.int8_gathered_weights)
     run = pipeline.runner(model, mesh, device, microbatches=args.microbatches, schedule=args.pp_schedule)
     optimizer = make_optimizer(args, model)
     # a stage holds its part of the checkpoint's keys: the other stages' are no error
@@ -262,13 +267,16 @@ def lean_error(args: argparse.Namespace) -> str | None:
             return "--lean trains with fsdp_int8's optimizer: drop --optimizer adamw (or --lean)"
         args.optimizer = args.optimizer or "int8-adamw-8bit"
         args.step_in_backward = args.quantize_embeddings = args.activation_checkpointing = True
+        args.int8_gathered_weights = True
     args.optimizer = args.optimizer or "adamw"
     if args.bf16_grads and args.optimizer == "adamw":
         return "--bf16-grads needs fsdp_int8's optimizer: --optimizer int8-adamw or int8-adamw-8bit"
     if args.bf16_grads and args.step_in_backward:
         return "--bf16-grads keeps gradients until the step, --step-in-backward keeps none: drop one"
-    if args.quantize_embeddings and args.precision in LAUNCHER_PRECISIONS and not PRECISIONS[args.precision].int8:
-        return f"--quantize-embeddings needs an int8 precision, not --precision {args.precision}"
+    for flag, wanted in (("--quantize-embeddings", args.quantize_embeddings),
+                         ("--int8-gathered-weights", args.int8_gathered_weights)):
+        if wanted and args.precision in LAUNCHER_PRECISIONS and not PRECISIONS[args.precision].int8:
+            return f"{flag} needs an int8 precision, not --precision {args.precision}"
     return None
 
 

@@ -348,13 +348,12 @@ def _int8_weight_linear(
             f"F.linear: input of shape {tuple(input.shape)} cannot multiply an Int8Weight of "
             f"shape {tuple(weight.shape)}"
         )
-    if weight.int8_matmul is not None and input.device.type == "cuda" and (
-        weight.shape[0] % 8 or weight.shape[1] % 8
-    ):
+    int8_gemm = weight.int8_matmul is not None and weight.int8_matmul.any_gemm
+    if int8_gemm and input.device.type == "cuda" and (weight.shape[0] % 8 or weight.shape[1] % 8):
         raise ValueError(
             f"int8 matmuls on CUDA need in and out features divisible by 8, got a weight of "
             f"shape {tuple(weight.shape)}: exclude this layer with Int8TrainingConfig.module_filter"
         )
     if not torch.compiler.is_compiling():
-        hardware.warn_if_slow(input.device, input.dtype, int8_matmul=weight.int8_matmul is not None)
+        hardware.warn_if_slow(input.device, input.dtype, int8_matmul=int8_gemm)
     return _Int8WeightLinear.apply(input, weight, bias)

@@ -296,7 +296,8 @@ class Int8Weight(torch.Tensor):
 
     def __repr__(self) -> str:  # never dispatches: safe inside error messages
         rounding = "stochastic" if self.stochastic_rounding else "nearest"
-        matmul = ("" if self.int8_matmul is None else ", int8 matmuls") + (", compiled" if self.compiled else "")
+        matmul = {None: "", True: ", int8 matmuls", False: ", int8 at the matmul (no int8 GEMM)"}[
+            self.int8_matmul and self.int8_matmul.any_gemm] + (", compiled" if self.compiled else "")
         return (
             f"Int8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
             f"int8 rows of {self.row_len} + fp32 scales, rounding={rounding}{matmul}"

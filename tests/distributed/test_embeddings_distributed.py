@@ -1,15 +1,18 @@
 """Int8 embeddings under FSDP2, 2 gloo ranks, one spawn: the launcher's Llama with its head
 tied to an int8 embedding, sharded by ``shard_model``, trains like the same model in one
-process; the step inside backward equals the step after it bit for bit; a sharded
-checkpoint loads back bit for bit and the export is the dequantized weight."""
+process; the step inside backward equals the step after it bit for bit; weights kept int8
+when gathered (``Int8MatmulConfig`` with no int8 GEMM) train like weight-only int8 bit for
+bit; a sharded checkpoint loads back bit for bit and the export is the dequantized weight."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 import fsdp_int8
-from fsdp_int8 import Int8AdamW, Int8TrainingConfig, Int8Weight
+from fsdp_int8 import Int8AdamW, Int8MatmulConfig, Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import run_distributed
 from launch.model import ModelArgs, Transformer, next_token_loss
 
@@ -74,6 +77,25 @@ def _body(rank: int, world: int, directory: str) -> None:
             _train(model, opt, _batch(rank), [], world)
             rows.append(_embedding_rows(model))
         assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
+
+    with case("int8 at the matmul (no int8 GEMM): the gathered weights stay int8, training is weight-only's bit for bit"):
+        no_gemm = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+        trained = {}
+        for name, config in (("weight-only", stochastic), ("int8 gathered", replace(stochastic, int8_matmul=no_gemm))):
+            kept = _tied_llama(config, world)
+            int8_at_matmul = set()
+            for module in (kept.output, kept.layers[0].attention.wq):
+                module.register_forward_pre_hook(lambda m, args: int8_at_matmul.add(isinstance(m.weight, Int8Weight)))
+            opt_kept = Int8AdamW(kept.parameters(), lr=1e-2, state_bits=8, block_size=16)
+            _train(kept, opt_kept, _batch(rank), [], world)
+            assert int8_at_matmul == {name != "weight-only"}, (name, int8_at_matmul)  # an Int8Weight at the matmul
+            trained[name] = {key: local_of(p) for key, p in kept.named_parameters()}
+        for key, weight in trained["weight-only"].items():
+            other = trained["int8 gathered"][key]
+            if isinstance(weight, Int8Weight):
+                assert torch.equal(weight.int_data, other.int_data) and torch.equal(weight.scale, other.scale), key
+            else:
+                assert torch.equal(weight, other), key
 
     with case("a sharded checkpoint loads back bit for bit; the export is dequantized"):
         fsdp_int8.save_checkpoint(directory, model, opt, step=STEPS)

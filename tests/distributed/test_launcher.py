@@ -289,10 +289,11 @@ def test_step_in_backward_flags(capsys):
     assert args.step_in_backward and args.grad_clip == 0.0  # no clipping by default with it
     assert train.parse_args([]).grad_clip == 1.0
     plain = train.parse_args([])
-    assert plain.optimizer == "adamw" and not (plain.quantize_embeddings or plain.activation_checkpointing)
+    assert plain.optimizer == "adamw" and not (plain.quantize_embeddings or plain.activation_checkpointing
+                                               or plain.int8_gathered_weights)
     lean = train.parse_args(["--lean"])  # one word for the whole lean-memory recipe
     assert lean.optimizer == "int8-adamw-8bit" and lean.step_in_backward and lean.grad_clip == 0.0
-    assert lean.quantize_embeddings and lean.activation_checkpointing
+    assert lean.quantize_embeddings and lean.activation_checkpointing and lean.int8_gathered_weights
     assert train.parse_args(["--lean", "--optimizer", "int8-adamw"]).optimizer == "int8-adamw"
     assert train.parse_args(["--optimizer", "int8-adamw-8bit", "--bf16-grads"]).bf16_grads
     refused = {
@@ -304,6 +305,7 @@ def test_step_in_backward_flags(capsys):
         ("--lean", "--optimizer", "adamw"): "drop --optimizer adamw",
         ("--lean", "--grad-clip", "1"): "--grad-clip 0",
         ("--quantize-embeddings", "--precision", "bf16"): "needs an int8 precision",
+        ("--int8-gathered-weights", "--precision", "bf16"): "--int8-gathered-weights needs an int8 precision",
     }
     for argv, message in refused.items():
         with pytest.raises(SystemExit):

@@ -103,6 +103,9 @@ def _in_backward_equals_after(rank: int, world: int) -> None:
             _assert_same(inside[1], after[1], "optimizer state")
     for name, options in {
         "FSDP": dict(mesh_kind="fsdp"),
+        "HSDP (2 replicas x 1 shard)": dict(mesh_kind="hsdp"),
+        "tensor parallel": dict(mesh_kind="tp"),
+        "FSDP + int8 gradient reduce-scatter": dict(mesh_kind="fsdp", int8_gradients=True),
         "FSDP, 2 micro-batches, gradient sync off on the first": dict(mesh_kind="fsdp", accumulate=True),
     }.items():
         with case(f"{name}: grad_dtype=bf16 equals fp32 gradients rounded to bf16 before the step"):
