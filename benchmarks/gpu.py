@@ -25,7 +25,8 @@ Parts:
   ``bf16:blocks``), FSDP2 world size 1, the launcher's ``1b`` preset, rows interleaved step
   by step: tokens/s, peak memory, loss after the same steps. Then bf16 FSDP2, int8 with
   ``Int8AdamW(state_bits=8, grad_dtype=torch.bfloat16)`` and the lean recipe
-  (``--lean``: int8 embeddings, ``Int8AdamW(state_bits=8, step_in_backward=True)``),
+  (``--lean``: int8 embeddings, int8 gathered weights, ``Int8AdamW(state_bits=8,
+  step_in_backward=True)``),
   each built alone with activation checkpointing:
   ``torch.cuda.max_memory_allocated`` per parameter of the second step, and the ratio.
 
@@ -280,7 +281,7 @@ def _build_for_memory(row: str, args, device: torch.device):
         return model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     lean = row == "lean"
     model = build_model(Recipe.of("int8"), args, device, full_init=True, quantize_embeddings=lean,
-                        activation_checkpointing=True)
+                        int8_gathered_weights=lean, activation_checkpointing=True)
     return model, fsdp_int8.Int8AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, state_bits=8,
                                       step_in_backward=lean, grad_dtype=None if lean else torch.bfloat16)
 

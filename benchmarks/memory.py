@@ -26,7 +26,14 @@ Rows (each a recipe users run):
 * ``int8-8bit-in-backward``: ``Int8AdamW(state_bits=8, step_in_backward=True)``: each
   parameter is updated as soon as FSDP2 hands it its reduced gradient;
 * ``lean``: that, with int8 embeddings (``Int8TrainingConfig(quantize_embeddings=True)``;
-  the tied head follows): the launcher's ``--lean``.
+  the tied head follows) and FSDP2's gathered weights kept int8 (``Int8MatmulConfig``
+  with no int8 GEMM: each matmul dequantizes a transient copy): the launcher's ``--lean``;
+* ``lean-bf16-gathered``: the same with the gathered weights dequantized to bf16 once
+  per unshard (weight-only int8's default; the same values).
+
+``--loss chunked`` computes every row's loss with
+:func:`fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss` (no fp32 logits of the whole batch)
+instead of transformers' own.
 
 ``--where N`` also prints, under each row, the N largest snapshots the tracker took at
 module boundaries (each FSDP module's peak in forward and backward, before and after its
@@ -46,15 +53,18 @@ import os
 
 import torch
 
+from fsdp_int8.config import Int8MatmulConfig
+
+# int8 weights at the matmul without an int8 GEMM: FSDP2's gathered weights stay int8
+NO_INT8_GEMM = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
 # row -> (Int8TrainingConfig options, Int8AdamW options); bf16 and fp32 are plain FSDP2
 INT8_ROWS: dict[str, tuple[dict, dict]] = {
     "int8": ({}, {}),
     "int8-8bit": ({}, {"state_bits": 8}),
     "int8-8bit-bf16-grads": ({}, {"state_bits": 8, "grad_dtype": torch.bfloat16}),
     "int8-8bit-in-backward": ({}, {"state_bits": 8, "step_in_backward": True}),
-    "lean": ({"quantize_embeddings": True}, {"state_bits": 8, "step_in_backward": True}),
-    "lean-int8-unsharded": ({"quantize_embeddings": True, "int8_matmul": "int8-unsharded"},
-                            {"state_bits": 8, "step_in_backward": True}),
+    "lean": ({"quantize_embeddings": True, "int8_matmul": NO_INT8_GEMM}, {"state_bits": 8, "step_in_backward": True}),
+    "lean-bf16-gathered": ({"quantize_embeddings": True}, {"state_bits": 8, "step_in_backward": True}),
 }
 ROWS = ("bf16", "fp32", *INT8_ROWS)
 SHAPES = {
@@ -97,9 +107,7 @@ def build(
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    config_options, optimizer_options = dict(INT8_ROWS[row][0]), INT8_ROWS[row][1]
-    if config_options.get("int8_matmul") == "int8-unsharded":
-        config_options["int8_matmul"] = fsdp_int8.Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+    config_options, optimizer_options = INT8_ROWS[row]
     fsdp_int8.shard_model(
         model, config=fsdp_int8.Int8TrainingConfig(**config_options),
         mp_policy=MixedPrecisionPolicy(torch.bfloat16, reduce_dtype),
@@ -133,7 +141,7 @@ def _module_peaks(tracker, share: float, count: int) -> list[dict]:
 
 def _measure(
     rank: int, world: int, row: str, checkpointing: bool, shape: dict, batch: int, seq_len: int, where: int = 0,
-    reduce_dtype: str = "fp32",
+    reduce_dtype: str = "fp32", loss: str = "transformers",
 ) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -142,6 +150,10 @@ def _measure(
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     device = device_type_for(world)
     model, optimizer = build(row, shape, checkpointing, REDUCE_DTYPES[reduce_dtype])
+    if loss == "chunked":
+        from fsdp_int8.integrations.hf_loss import chunked_causal_lm_loss
+
+        model.loss_function = chunked_causal_lm_loss
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     data = torch.Generator().manual_seed(rank)
 
@@ -187,12 +199,15 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
                         help="gradient reduce-scatter dtype of every row but fp32 (default fp32: the baseline's)")
     parser.add_argument("--where", type=int, default=0, metavar="N",
                         help="also print each row's N largest snapshots by module and phase (where the peak is)")
+    parser.add_argument("--loss", choices=("transformers", "chunked"), default="transformers",
+                        help="every row's loss: transformers' own, or fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss "
+                        "(no fp32 logits of the whole batch)")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     capability = hardware.capability(torch.device("cpu"))
     print(f"# {capability.name}, {', '.join(capability.features) or 'no avx512_vnni/avx512_bf16/amx'}; "
           f"torch {torch.__version__}; {args.world_size} ranks, batch {args.batch_size} x {args.seq_len} per rank, "
-          f"shape {args.shape}, gradients reduced in {args.reduce_dtype}", flush=True)
+          f"shape {args.shape}, gradients reduced in {args.reduce_dtype}, {args.loss} loss", flush=True)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]
     results: dict[tuple[str, bool], dict] = {}
     for checkpointing in modes:
@@ -201,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
         for row in args.rows:
             result = run_distributed(_measure, args.world_size, row, checkpointing, shape,
                                      args.batch_size, args.seq_len, args.where, args.reduce_dtype,
-                                     timeout=1800)[0]
+                                     args.loss, timeout=1800)[0]
             peak, after = result["peak"], result["after"]
             total = peak.pop("Total", sum(peak.values()))
             after_total = after.pop("Total", sum(after.values()))

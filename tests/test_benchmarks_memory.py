@@ -10,7 +10,7 @@ from benchmarks import memory, what_fits
 def test_tracker_measures_bf16_fsdp2_and_the_lean_recipe_and_what_fits_scales_them(capsys, tmp_path):
     figures = tmp_path / "memory.json"
     results = memory.main(["--rows", "bf16", "lean", "--checkpointing", "on", "--shape", "tiny",
-                           "--json", str(figures), "--where", "2"])
+                           "--json", str(figures), "--where", "2", "--loss", "chunked"])
     bf16, lean = results[("bf16", True)], results[("lean", True)]
     # Between steps bf16 FSDP2 keeps fp32 parameters (4 bytes) and AdamW's two fp32
     # moments (8), nothing else: 12 bytes per parameter up to buffers and the tracker's
@@ -22,7 +22,8 @@ def test_tracker_measures_bf16_fsdp2_and_the_lean_recipe_and_what_fits_scales_th
     # at this shape activations and their gradients make most of the peak (~23 of 37
     # bytes/param for both rows); what is left is smaller with int8
     assert lean["peak"] < bf16["peak"], (lean, bf16)
-    assert "lean" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "lean" in shown and "chunked loss" in shown
     # where the bytes are: module boundaries inside the step, none above the step's peak;
     # with the update inside backward, the lean peak is in a backward
     for row in (bf16, lean):

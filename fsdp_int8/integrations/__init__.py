@@ -25,7 +25,7 @@ from fsdp_int8 import convert
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.integrations import _hf_method
 
-__all__: list[str] = []  # the adapters are the submodules hf, hf_quantizer, lightning, torchtitan
+__all__: list[str] = []  # the adapters are the submodules hf, hf_quantizer, hf_loss, lightning, torchtitan
 
 
 def _after_quantize(model: nn.Module, config: Int8TrainingConfig) -> None:

@@ -1,0 +1,89 @@
+"""A causal-LM loss that never holds fp32 logits of the whole batch.
+
+transformers' causal-LM loss upcasts the logits to fp32 and keeps their log-softmax for
+backward, then makes its fp32 gradient: three fp32 copies of ``tokens x vocabulary``,
+the largest part of the lean recipe's peak (docs/memory.md) and, at a real vocabulary,
+of any recipe's. :func:`chunked_causal_lm_loss` computes the same loss a chunk of tokens
+at a time and recomputes each chunk's fp32 values in backward, so only the logits in their
+own dtype, their gradient in that dtype, and one chunk in fp32 exist at once. It takes the
+arguments of transformers' ``ForCausalLMLoss``: a Hugging Face model uses it with
+``model.loss_function = chunked_causal_lm_loss``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["chunked_causal_lm_loss"]
+
+
+def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+def chunked_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    vocab_size: int | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    *,
+    chunk_tokens: int = 1024,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Next-token cross-entropy in fp32, ``chunk_tokens`` tokens at a time.
+
+    The value of transformers' ``ForCausalLMLoss`` (up to fp32 summation order): labels
+    shifted left by one (or ``shift_labels`` as given), tokens labelled ``ignore_index``
+    left out, the mean over the others, or the sum over ``num_items_in_batch`` when given
+    (gradient accumulation). Each chunk's fp32 logits and log-softmax are recomputed in
+    backward (``torch.utils.checkpoint``) instead of kept.
+
+    Args:
+        logits: ``[..., vocabulary]`` in any floating dtype (bf16 under mixed precision).
+        labels: The input ids, ``logits.shape[:-1]``; unused when ``shift_labels`` is given.
+        vocab_size: The last dim of ``logits`` (checked when given).
+        num_items_in_batch: Divide the summed loss by this instead of the token count.
+        ignore_index: Label of the tokens that carry no loss.
+        shift_labels: The targets themselves, already shifted.
+        chunk_tokens: Tokens per chunk (>= 1): the fp32 temporaries of backward are
+            about ``3 x 4 x chunk_tokens x vocabulary`` bytes.
+        **kwargs: Accepted and ignored, as transformers' own loss ignores what it does not use.
+
+    Returns:
+        A 0-dim fp32 tensor.
+
+    Raises:
+        ValueError: ``chunk_tokens < 1``, neither ``labels`` nor ``shift_labels``, or a
+            ``vocab_size`` that is not the logits' last dim.
+    """
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    if vocab_size is not None and logits.shape[-1] != vocab_size:
+        raise ValueError(f"logits of shape {tuple(logits.shape)} do not end in vocab_size={vocab_size}")
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("chunked_causal_lm_loss needs labels or shift_labels")
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    targets = shift_labels.reshape(-1).to(flat_logits.device)
+    if targets.shape[0] != flat_logits.shape[0]:
+        raise ValueError(f"{targets.shape[0]} labels for {flat_logits.shape[0]} tokens of logits")
+    # one split node: backward concatenates the chunks' gradients once (slices would each
+    # make a zero-filled gradient of the whole logits)
+    total = sum(
+        checkpoint(_summed_cross_entropy, chunk, chunk_targets, ignore_index, use_reentrant=False)
+        for chunk, chunk_targets in zip(flat_logits.split(chunk_tokens), targets.split(chunk_tokens))
+    )
+    if num_items_in_batch is None:
+        count = (targets != ignore_index).sum()
+    elif torch.is_tensor(num_items_in_batch):
+        count = num_items_in_batch.to(flat_logits.device)
+    else:
+        count = num_items_in_batch
+    return total / count
