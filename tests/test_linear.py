@@ -46,6 +46,32 @@ def test_weight_only_mode_runs_no_int8_gemm():
     assert counter.calls == 0
 
 
+def test_no_int8_gemm_gives_weight_only_results_bit_for_bit(monkeypatch):
+    """``Int8MatmulConfig`` with all three GEMMs off: the weight reaches the matmul int8
+    and is dequantized there; outputs and gradients equal weight-only int8's, and the
+    slow-int8-GEMM warning (there is no int8 GEMM) never fires."""
+    import warnings
+
+    from fsdp_int8 import hardware
+
+    no_gemm = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+    assert not no_gemm.any_gemm and Int8MatmulConfig(grad_weight=False).any_gemm
+    monkeypatch.setattr(hardware, "_WARNED", set())
+    results = []
+    for config in (None, no_gemm):
+        layer, _ = _linear(config)
+        x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught, CountIntMM() as counter:
+            warnings.simplefilter("always")
+            y = layer(x)
+            y.square().sum().backward()
+        assert counter.calls == 0
+        assert not [w for w in caught if "int8 matmuls" in str(w.message)]
+        results.append((y.detach(), x.grad, layer.weight.grad, layer.bias.grad))
+    for weight_only, no_gemm_result in zip(*results):
+        assert torch.equal(weight_only, no_gemm_result)
+
+
 def test_int32_product_is_exact():
     """Inputs that are exactly int8 x power-of-two scales quantize back to themselves, so the
     output must equal the int64 reference product with the same scaling, bit for bit."""
