@@ -26,8 +26,7 @@ Parts:
   by step: tokens/s, peak memory, loss after the same steps. Then bf16 FSDP2, int8 with
   ``Int8AdamW(state_bits=8, grad_dtype=torch.bfloat16)`` and the lean recipe
   (``--lean``: int8 embeddings, int8 gathered weights, ``Int8AdamW(state_bits=8,
-  step_in_backward=True)``),
-  each built alone with activation checkpointing:
+  step_in_backward=True)``), each built alone with activation checkpointing:
   ``torch.cuda.max_memory_allocated`` per parameter of the second step, and the ratio.
 
 Writes a dated section into docs/gpu.md (``--out``) and its JSON next to it (with the

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fsdp_int8._dist import local_shard
-from fsdp_int8.optim._hooks import register_while_alive
+from fsdp_int8.optim._hooks import watch_new
 from fsdp_int8.optim._in_backward import check_hook_sees_reduced_gradient
 
 # What a gradient may be kept in: floating dtypes no wider than the fp32 the update reads.
@@ -51,15 +51,8 @@ class GradientCast:
 
     def watch(self, params: list[torch.Tensor], group_index: int) -> None:
         """Cast the gradients of ``params`` (of parameter group ``group_index``) on arrival."""
-        start = len(self._names)
-        new = []
-        for index, param in enumerate(params):
-            if id(param) in self._names:
-                continue
-            self._names[id(param)] = f"parameter {start + index} of group {group_index}"
+        for param in watch_new(self, self._names, params, group_index, GradientCast._on_gradient):
             param.grad_dtype = None
-            new.append(param)
-        register_while_alive(self, new, GradientCast._on_gradient)
 
     @torch.no_grad()
     def _on_gradient(self, param: torch.Tensor) -> None:

@@ -33,3 +33,21 @@ def register_while_alive(
 
     handles = [param.register_post_accumulate_grad_hook(hook) for param in params]
     weakref.finalize(owner, _remove, handles)
+
+
+def watch_new(
+    owner: object, names: dict[int, str], params: Iterable[torch.Tensor], group_index: int,
+    on_gradient: Callable[[Any, torch.Tensor], None],
+) -> list[torch.Tensor]:
+    """Hook each of ``params`` (parameter group ``group_index``) that ``names`` does not
+    hold yet, as :func:`register_while_alive` does, and record its name for error messages
+    (``names[id(param)]``: "parameter i of group g", ``i`` counting every watched
+    parameter); return those parameters."""
+    start = len(names)
+    new = []
+    for index, param in enumerate(params):
+        if id(param) not in names:
+            names[id(param)] = f"parameter {start + index} of group {group_index}"
+            new.append(param)
+    register_while_alive(owner, new, on_gradient)
+    return new

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
 from fsdp_int8.guard import NonFiniteGradientError, tensor_finite
-from fsdp_int8.optim._hooks import register_while_alive
+from fsdp_int8.optim._hooks import watch_new
 
 if TYPE_CHECKING:
     from fsdp_int8.optim._base import FusedInt8Optimizer
@@ -71,15 +71,9 @@ class InBackward:
 
     def watch(self, group: dict[str, Any]) -> None:
         """Update ``group``'s parameters from their post-accumulate-grad hooks."""
-        start = len(self._group_of)
-        new = []
-        for index, param in enumerate(group["params"]):
-            if id(param) in self._group_of:
-                continue
+        group_index = len(self._optimizer.param_groups) - 1
+        for param in watch_new(self, self._names, group["params"], group_index, InBackward._on_gradient):
             self._group_of[id(param)] = group
-            self._names[id(param)] = f"parameter {start + index} of group {len(self._optimizer.param_groups) - 1}"
-            new.append(param)
-        register_while_alive(self, new, InBackward._on_gradient)
 
     def name(self, param: torch.Tensor) -> str:
         return self._names[id(param)]
