@@ -120,14 +120,27 @@ def _round_into(
     return q, scale
 
 
+# A low-precision result's fp32 products are made a block of rows at a time: at most an
+# eighth of the elements (a quarter of a bf16 result's bytes) or this many, whichever is
+# more. Whole, they would take twice a bf16 result's bytes: for an output head, the peak
+# of a training step.
+_FP32_BLOCK_ELEMENTS = 1 << 20
+
+
 def _mul_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Eagerly, ``dequantize_whole``'s values written into ``out``: the product in
     fp32, rounded once to ``out``'s dtype. Converted first, then multiplied in place: a
     mixed int8 x fp32 ``torch.mul`` takes CPUs' slow type-promoting loop, about 10x slower
-    than the copy and the fp32 multiply (docs/performance.md, "Kernel choices")."""
+    than the copy and the fp32 multiply (docs/performance.md, "Kernel choices").
+    ``scale`` broadcasts against ``q`` (one per row, or one row for all)."""
     if out.dtype == torch.float32:
         return out.copy_(q).mul_(scale)
-    return out.copy_(q.to(torch.float32).mul_(scale))
+    row_elements = max(1, out[0].numel()) if out.shape[0] else 1
+    block = max(1, max(out.numel() // 8, _FP32_BLOCK_ELEMENTS) // row_elements)
+    for start in range(0, out.shape[0], block):
+        rows = slice(start, start + block)
+        out[rows].copy_(q[rows].to(torch.float32).mul_(scale if scale.shape[0] == 1 else scale[rows]))
+    return out
 
 
 def dequantize_rows_into(

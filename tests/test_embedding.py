@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8TrainingConfig, Int8Weight, quantize_
@@ -50,6 +51,60 @@ def test_lookup_and_gradient_equal_a_plain_embedding_of_the_same_values(padding_
     expected.backward(grad_out)
     # the same aten kernel (embedding_dense_backward) on the same inputs
     assert type(int8.grad) is torch.Tensor and torch.equal(int8.grad, plain.grad)
+
+
+class _TableSizedLookupGradients(TorchDispatchMode):
+    """Counts the table-sized tensors that torch's lookup backward (a dense gradient) and
+    autograd's out-of-place sum of two gradients make."""
+
+    def __init__(self, shape: torch.Size):
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.embedding_dense_backward.default, torch.ops.aten.add.Tensor):
+            self.count += out.shape == self.shape
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padding_idx, scale_grad_by_freq", [(None, False), (2, True)])
+def test_a_table_tied_to_its_head_gets_one_dense_gradient_of_the_same_values(dtype, padding_idx, scale_grad_by_freq):
+    int8_rows = _int8_table(rows=30)
+    table = int8_rows.derive(int8_rows.int_rows(), int8_rows.scale, dtype=dtype)
+    int8 = nn.Parameter(table)
+    plain = table.dequantize().to(dtype).requires_grad_(True)
+    ids = torch.tensor([[0, 2, 2, 29], [29, 1, 2, 5]])
+    grad_out = torch.randn(2, 4, 30, dtype=dtype)
+
+    def backward(weight):  # two lookups (an encoder's and a decoder's) and the head
+        hidden = [F.embedding(i, weight, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+                  for i in (ids, ids.flip(-1))]
+        out = F.linear(hidden[0] * hidden[1], weight)
+        with _TableSizedLookupGradients(table.shape) as made:
+            out.backward(grad_out)
+        return made.count
+
+    # torch's: each lookup's dense gradient, and autograd's sums of them and the head's
+    assert backward(plain) == 4
+    # ours: the lookups' rows go into the head's gradient, the one table-sized gradient
+    assert backward(int8) == 0
+    # Each id's rows summed by the same kernel, then added to the head's gradient once per
+    # lookup, as autograd's sums do: equal bit for bit.
+    assert torch.equal(int8.grad, plain.grad)
+    assert not int8._backward_hooks  # the one-shot hook is gone
+
+
+def test_a_lookup_without_a_dense_gradient_before_it_returns_its_own():
+    int8 = nn.Parameter(_int8_table(rows=30))
+    plain = int8.detach().dequantize().requires_grad_(True)
+    ids, x = torch.tensor([3, 3, 7]), torch.ones(1, 16)
+    for weight in (plain, int8):
+        F.embedding(ids, weight).sum().backward()  # the lookup alone
+        # a head made before the lookup: its backward runs after the lookup's
+        (F.embedding(ids, weight) * F.linear(x, weight).sum()).sum().backward()
+    assert torch.equal(int8.grad, plain.grad) and not int8._backward_hooks
 
 
 def test_lookup_dequantizes_only_the_rows_it_reads_in_the_weights_dtype():

@@ -45,6 +45,29 @@ def test_dequantize_is_int_times_scale_in_requested_dtype():
     assert torch.equal(out, torch.tensor([[63.5, -1.5], [0.0, 1.25]], dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("dim, block_size", [(-1, None), (0, None), (-1, 512)])
+def test_dequantizing_into_bf16_keeps_its_fp32_products_small(dim, block_size, monkeypatch):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import fsdp_int8.quant as quant
+
+    q, scale = absmax_quantize(torch.randn(4096, 1024), dim=dim, block_size=block_size)
+
+    def peak_and_values():
+        tracker = MemTracker()
+        with tracker:
+            out = absmax_dequantize(q, scale, dim=dim, block_size=block_size, dtype=torch.bfloat16)
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], out
+
+    blocked, values = peak_and_values()
+    monkeypatch.setattr(quant, "_FP32_BLOCK_ELEMENTS", q.numel())  # the fp32 products made whole
+    whole, expected = peak_and_values()
+    # whole: the bf16 result and fp32 products of all of it, 3x the result's bytes (plus
+    # torch's own temporaries); blocked: the result and an eighth of the products, 1.25x
+    assert blocked <= 0.6 * whole
+    assert torch.equal(values, expected)
+
+
 def test_rejects_non_2d_and_integer_inputs():
     with pytest.raises(ValueError, match=r"2-D tensor, got shape \(8,\)"):
         quantize_rowwise(torch.ones(8))

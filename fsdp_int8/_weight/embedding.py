@@ -5,7 +5,8 @@ Forward: ``out[t] = q[ids[t]] * scale[ids[t]]`` in the weight's outer dtype (the
 dtype under FSDP2's mixed precision), a transient of the output's size; the weight is
 never dequantized whole. Backward: the dense gradient torch computes for any embedding
 (``embedding_dense_backward``: rows summed per id, ``padding_idx`` rows zero), plain, in
-the output's dtype, which the optimizer then writes back into the int8 rows.
+the output's dtype, which the optimizer then writes back into the int8 rows. A table tied
+to an output head gets one dense gradient, not three (``tied_gradient``).
 
 ``max_norm`` (renormalises looked-up rows in place during the forward) and ``sparse``
 gradients are refused: :func:`why_not_quantizable` keeps such embeddings in full
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from fsdp_int8._weight import op_table as _op_table
 from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8._weight.tied_gradient import defer_lookup_rows
 from fsdp_int8.quant import absmax_dequantize
 
 
@@ -46,7 +48,7 @@ def _lookup(weight: Int8Weight, ids: torch.Tensor) -> torch.Tensor:
 class _Int8Embedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids: torch.Tensor, weight: Int8Weight, padding_idx: int, scale_grad_by_freq: bool):
-        ctx.save_for_backward(ids)
+        ctx.save_for_backward(ids, weight)
         ctx.rows = weight.shape[0]
         ctx.padding_idx = padding_idx
         ctx.scale_grad_by_freq = scale_grad_by_freq
@@ -54,9 +56,11 @@ class _Int8Embedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (ids,) = ctx.saved_tensors
+        ids, weight = ctx.saved_tensors
         grad_weight = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not defer_lookup_rows(
+            weight, ids, grad_out, ctx.padding_idx, ctx.scale_grad_by_freq
+        ):
             grad_weight = torch.ops.aten.embedding_dense_backward(
                 grad_out, ids, ctx.rows, ctx.padding_idx, ctx.scale_grad_by_freq
             )

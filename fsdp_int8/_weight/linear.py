@@ -33,6 +33,7 @@ from fsdp_int8 import hardware
 from fsdp_int8._quant.kernels import int8_columns, int8_rows, int8_rows_nearest, run_compiled, use_compiled
 from fsdp_int8._weight import op_table as _op_table
 from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8._weight.tied_gradient import note_dense_gradient
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
 # |int32 sum| <= tokens * 127 * 127 < 2**31 holds for up to 133,144 tokens: chunk below it.
@@ -329,6 +330,8 @@ class _Int8WeightLinear(torch.autograd.Function):
                 grad_w = g2d.t().matmul(x2d)
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
+        if grad_w is not None:
+            note_dense_gradient(weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
         return grad_x, grad_w, grad_b
