@@ -2,13 +2,16 @@
 
     python -m benchmarks.load_checks                 # the launcher's 1b preset (~0.8 GB of int8 rows)
     python -m benchmarks.load_checks --preset tiny
+    python -m benchmarks.load_checks --cold          # the file read from the disk each time
 
 ``load_state_dict`` of the preset's int8 state dict into a model quantized by ``quantize_``
 (whose pre-hook checks every int8 entry: scales finite and non-negative, values in
 -127..127) is timed against the same load into a model whose ``Int8Weight`` parameters
 were set by hand (no hook: nothing checked); the difference is the check. The load is
-``torch.load`` of the state dict's file (from the page cache) plus the unchecked
-``load_state_dict``. The check alone is timed too, as ``state_dict_from_int8_safetensors``
+``torch.load`` of the state dict's file plus the unchecked ``load_state_dict``: the file
+read from the page cache (the fastest load, so the largest share), or with ``--cold``
+from the disk (its pages dropped from the cache before each read, as for a checkpoint
+that another job or node wrote). The check alone is timed too, as ``state_dict_from_int8_safetensors``
 runs it (the same check, without the copy). Prints seconds per GB of int8 weights and the
 check's share of the load; medians of interleaved repeats, one thread by default.
 """
@@ -16,6 +19,7 @@ check's share of the load; medians of interleaved repeats, one thread by default
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -62,18 +66,36 @@ def _unchecked_model(preset: str, checked: nn.Module) -> nn.Module:
     return model
 
 
-def _median_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def _median_seconds(
+    fns: dict[str, Callable[[], object]], repeats: int, untimed_before: dict[str, Callable[[], None]] | None = None,
+) -> dict[str, float]:
+    """Median seconds of each of ``fns``, run in turn ``repeats`` times; ``untimed_before[name]``
+    runs before each timed call of ``fns[name]``."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if untimed_before and name in untimed_before:
+                untimed_before[name]()
             began = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - began)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def measure(preset: str, repeats: int) -> dict[str, float]:
-    """Seconds of each part (medians) and the int8 gigabytes they move."""
+def _drop_from_page_cache(file: Path) -> None:
+    """Write ``file``'s pages to the disk and drop them from the page cache: its next read
+    comes from the disk."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def measure(preset: str, repeats: int, cold: bool = False) -> dict[str, float]:
+    """Seconds of each part (medians) and the int8 gigabytes they move; ``cold``: the
+    file read from the disk, not the page cache."""
     checked = _checked_model(preset)
     unchecked = _unchecked_model(preset, checked)
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +108,7 @@ def measure(preset: str, repeats: int) -> dict[str, float]:
             "load_state_dict unchecked": lambda: unchecked.load_state_dict(state),
             "load_state_dict checked": lambda: checked.load_state_dict(state),
             "check alone": lambda: state_dict_from_int8_safetensors(pairs),
-        }, repeats)
+        }, repeats, untimed_before={"torch.load": lambda: _drop_from_page_cache(file)} if cold else None)
     gigabytes = sum(v.int_data.numel() + 4 * v.scale.numel() for v in state.values() if isinstance(v, Int8Weight)) / 1e9
     seconds["check"] = max(seconds["load_state_dict checked"] - seconds["load_state_dict unchecked"], 0.0)
     seconds["load"] = seconds["torch.load"] + seconds["load_state_dict unchecked"]
@@ -98,12 +120,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cold", action="store_true", help="read the file from the disk, not the page cache, each time")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = measure(args.preset, args.repeats)
+    result = measure(args.preset, args.repeats, args.cold)
     gb = result["gigabytes"]
     print(f"preset {args.preset}: {gb:.3f} GB of int8 rows and scales; {args.threads} thread(s), "
-          f"median of {args.repeats} interleaved repeats")
+          f"median of {args.repeats} interleaved repeats; the file read from the {'disk' if args.cold else 'page cache'}")
     print(hardware.hardware_line())
     for name in ("torch.load", "load_state_dict unchecked", "load_state_dict checked", "check", "check alone", "load"):
         print(f"{name:<27}{result[name]:8.3f} s {result[name] / gb:8.3f} s/GB")
