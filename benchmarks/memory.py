@@ -33,7 +33,8 @@ Rows (each a recipe users run):
 
 ``--loss chunked`` computes every row's loss with
 :func:`fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss` (no fp32 logits of the whole batch)
-instead of transformers' own.
+instead of transformers' own, ``--loss-chunk-tokens`` tokens at a time (64 by default: a
+quarter of the 256 tokens per rank, as its own default of 1024 is of a 4096-token batch).
 
 ``--where N`` also prints, under each row, the N largest snapshots the tracker took at
 module boundaries (each FSDP module's peak in forward and backward, before and after its
@@ -49,6 +50,7 @@ printed beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import torch
@@ -141,7 +143,7 @@ def _module_peaks(tracker, share: float, count: int) -> list[dict]:
 
 def _measure(
     rank: int, world: int, row: str, checkpointing: bool, shape: dict, batch: int, seq_len: int, where: int = 0,
-    reduce_dtype: str = "fp32", loss: str = "transformers",
+    reduce_dtype: str = "fp32", loss: str = "transformers", loss_chunk_tokens: int = 64,
 ) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -153,7 +155,7 @@ def _measure(
     if loss == "chunked":
         from fsdp_int8.integrations.hf_loss import chunked_causal_lm_loss
 
-        model.loss_function = chunked_causal_lm_loss
+        model.loss_function = functools.partial(chunked_causal_lm_loss, chunk_tokens=loss_chunk_tokens)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     data = torch.Generator().manual_seed(rank)
 
@@ -202,12 +204,14 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
     parser.add_argument("--loss", choices=("transformers", "chunked"), default="transformers",
                         help="every row's loss: transformers' own, or fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss "
                         "(no fp32 logits of the whole batch)")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=64, help="tokens per chunk of --loss chunked")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     capability = hardware.capability(torch.device("cpu"))
     print(f"# {capability.name}, {', '.join(capability.features) or 'no avx512_vnni/avx512_bf16/amx'}; "
           f"torch {torch.__version__}; {args.world_size} ranks, batch {args.batch_size} x {args.seq_len} per rank, "
-          f"shape {args.shape}, gradients reduced in {args.reduce_dtype}, {args.loss} loss", flush=True)
+          f"shape {args.shape}, gradients reduced in {args.reduce_dtype}, {args.loss} loss"
+          f"{f' ({args.loss_chunk_tokens} tokens a chunk)' if args.loss == 'chunked' else ''}", flush=True)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]
     results: dict[tuple[str, bool], dict] = {}
     for checkpointing in modes:
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
         for row in args.rows:
             result = run_distributed(_measure, args.world_size, row, checkpointing, shape,
                                      args.batch_size, args.seq_len, args.where, args.reduce_dtype,
-                                     args.loss, timeout=1800)[0]
+                                     args.loss, args.loss_chunk_tokens, timeout=1800)[0]
             peak, after = result["peak"], result["after"]
             total = peak.pop("Total", sum(peak.values()))
             after_total = after.pop("Total", sum(after.values()))
