@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8MatmulConfig, Int8TrainingConfig, Int8Weight
@@ -45,6 +46,20 @@ def _train(model, opt, tokens: torch.Tensor, losses: list[float], world: int) ->
         losses.append(mean_over_ranks(loss) if world > 1 else loss.item())
 
 
+class _DenseLookupGradients(TorchDispatchMode):
+    """Counts torch's dense lookup gradients of a table of ``rows`` rows."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.rows, self.count = rows, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.embedding_dense_backward.default:
+            self.count += out.shape[0] == self.rows
+        return out
+
+
 def _embedding_rows(model) -> tuple[torch.Tensor, torch.Tensor]:
     weight = local_of(model.tok_embeddings.weight)
     return weight.int_data.clone(), weight.scale.clone()
@@ -78,7 +93,8 @@ def _body(rank: int, world: int, directory: str) -> None:
             rows.append(_embedding_rows(model))
         assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
 
-    with case("int8 at the matmul (no int8 GEMM): the gathered weights stay int8, training is weight-only's bit for bit"):
+    with case("int8 at the matmul (no int8 GEMM): the gathered weights stay int8, training is weight-only's "
+              "bit for bit, the tied table gets one dense gradient"):
         no_gemm = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
         trained = {}
         for name, config in (("weight-only", stochastic), ("int8 gathered", replace(stochastic, int8_matmul=no_gemm))):
@@ -87,8 +103,13 @@ def _body(rank: int, world: int, directory: str) -> None:
             for module in (kept.output, kept.layers[0].attention.wq):
                 module.register_forward_pre_hook(lambda m, args: int8_at_matmul.add(isinstance(m.weight, Int8Weight)))
             opt_kept = Int8AdamW(kept.parameters(), lr=1e-2, state_bits=8, block_size=16)
-            _train(kept, opt_kept, _batch(rank), [], world)
+            with _DenseLookupGradients(rows=41) as dense:
+                _train(kept, opt_kept, _batch(rank), [], world)
             assert int8_at_matmul == {name != "weight-only"}, (name, int8_at_matmul)  # an Int8Weight at the matmul
+            # weight-only gathers a plain table: torch's lookup backward makes its dense
+            # gradient each step; an int8 one (FSDP2's unsharded leaf) has the lookup's rows
+            # go into the head's gradient
+            assert dense.count == (STEPS if name == "weight-only" else 0), (name, dense.count)
             trained[name] = {key: local_of(p) for key, p in kept.named_parameters()}
         for key, weight in trained["weight-only"].items():
             other = trained["int8 gathered"][key]
