@@ -94,6 +94,11 @@ def test_a_table_tied_to_its_head_gets_one_dense_gradient_of_the_same_values(dty
     # lookup, as autograd's sums do: equal bit for bit.
     assert torch.equal(int8.grad, plain.grad)
     assert not int8._backward_hooks  # the one-shot hook is gone
+    # nothing refers to the weight: Module._apply can swap it (as .to() does for subclasses)
+    holder = nn.Module()
+    holder.weight = int8
+    holder._apply(lambda t: t.clone())
+    assert holder.weight is int8 and torch.equal(int8.grad, plain.grad)
 
 
 def test_a_lookup_without_a_dense_gradient_before_it_returns_its_own():

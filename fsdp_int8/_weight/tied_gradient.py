@@ -22,11 +22,13 @@ dense gradient as torch does.
 from __future__ import annotations
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-# weight -> the id of the backward pass (graph task) in which a dense gradient of it was
-# produced. Stale entries are harmless: graph task ids are not reused.
-_dense_in_backward: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The weights (by id) that received a dense gradient in backward pass ``_noted[0]`` (its
+# graph task id). Ids, not weak references: a tensor with weak references cannot be
+# swapped (``torch.utils.swap_tensors``, which ``Module.to`` uses for subclasses). Only
+# the latest backward's are kept; a lookup in another (a nested backward) finds none and
+# returns its dense gradient.
+_noted: tuple[int, set[int]] = (-1, set())
 
 
 def _current_backward() -> int:
@@ -39,8 +41,17 @@ def _eligible(weight: torch.Tensor) -> bool:
 
 def note_dense_gradient(weight: torch.Tensor) -> None:
     """Called from a backward that returns a dense gradient for ``weight``."""
-    if _eligible(weight):
-        _dense_in_backward[weight] = _current_backward()
+    global _noted
+    if not _eligible(weight):
+        return
+    task = _current_backward()
+    if _noted[0] != task:
+        _noted = (task, set())
+    _noted[1].add(id(weight))
+
+
+def _noted_in(task: int, weight: torch.Tensor) -> bool:
+    return task >= 0 and _noted[0] == task and id(weight) in _noted[1]
 
 
 def _rows_per_id(grad_out: torch.Tensor, ids: torch.Tensor, padding_idx: int, scale_grad_by_freq: bool):
@@ -74,7 +85,7 @@ def defer_lookup_rows(
     if not _eligible(weight):
         return False
     task = _current_backward()
-    if task < 0 or _dense_in_backward.get(weight) != task:
+    if not _noted_in(task, weight):
         return False
     ids_once, rows = _rows_per_id(grad_out, ids, padding_idx, scale_grad_by_freq)
 
