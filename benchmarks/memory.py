@@ -55,17 +55,15 @@ import os
 
 import torch
 
-from fsdp_int8.config import Int8MatmulConfig
+from launch.precisions import INT8_GATHERED_WEIGHTS
 
-# int8 weights at the matmul without an int8 GEMM: FSDP2's gathered weights stay int8
-NO_INT8_GEMM = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
 # row -> (Int8TrainingConfig options, Int8AdamW options); bf16 and fp32 are plain FSDP2
 INT8_ROWS: dict[str, tuple[dict, dict]] = {
     "int8": ({}, {}),
     "int8-8bit": ({}, {"state_bits": 8}),
     "int8-8bit-bf16-grads": ({}, {"state_bits": 8, "grad_dtype": torch.bfloat16}),
     "int8-8bit-in-backward": ({}, {"state_bits": 8, "step_in_backward": True}),
-    "lean": ({"quantize_embeddings": True, "int8_matmul": NO_INT8_GEMM}, {"state_bits": 8, "step_in_backward": True}),
+    "lean": ({"quantize_embeddings": True, "int8_matmul": INT8_GATHERED_WEIGHTS}, {"state_bits": 8, "step_in_backward": True}),
     "lean-bf16-gathered": ({"quantize_embeddings": True}, {"state_bits": 8, "step_in_backward": True}),
 }
 ROWS = ("bf16", "fp32", *INT8_ROWS)

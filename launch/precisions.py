@@ -100,6 +100,10 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
               "(pip install torchao)", "torchao"),
 )}
 
+# Weight-only int8's values with FSDP2's gathered weights kept int8: no int8 GEMM, each
+# matmul and lookup dequantizes a transient copy (--int8-gathered-weights, part of --lean).
+INT8_GATHERED_WEIGHTS = fsdp_int8.Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+
 # What the launcher's --precision offers besides "auto".
 # all-bf16, int8-grads, int8-mm-grads and torchao are rows the benchmarks compare with.
 LAUNCHER_PRECISIONS = ("fp32", "bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16")
@@ -333,7 +337,7 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
     if precision.int8:
         int8_matmul = precision.int8_matmul
         if int8_matmul is None and int8_gathered_weights:
-            int8_matmul = fsdp_int8.Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+            int8_matmul = INT8_GATHERED_WEIGHTS
         config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=int8_matmul, compile=recipe.compile,
                                               quantize_embeddings=quantize_embeddings)
         fsdp_int8.shard_model(model, mesh=mesh, config=config, mp_policy=_COMPUTE_POLICY[recipe.compute_dtype],
