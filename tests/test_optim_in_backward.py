@@ -1,6 +1,7 @@
 """``Int8AdamW`` / ``Int8SGD`` with ``step_in_backward=True`` in one process: the same weights
 and states as stepping after backward, bit for bit; gradients freed inside backward; what
-it refuses (a second gradient before ``step()``) and what a non-finite gradient does.
+it refuses (a second gradient before ``step()``, reading an applied gradient) and what a
+non-finite gradient does.
 The multi-process cases (FSDP2, HSDP, tensor parallelism, accumulation with gradient
 sync off) are in tests/distributed/test_optim_in_backward_distributed.py."""
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight, quantize_
 from fsdp_int8.guard import NonFiniteGradientError
+from fsdp_int8.optim._in_backward import is_applied
 
 OPTIMIZERS = {
     "adamw": (Int8AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -46,7 +48,7 @@ def _train(name: str, in_backward: bool, steps: int = 4, scheduler: bool = False
         loss = F.mse_loss(model(x), y)
         loss.backward()
         if in_backward:  # every gradient was applied and freed inside backward
-            assert all(p.grad is None for p in model.parameters())
+            assert all(is_applied(p.grad) for p in model.parameters())
         opt.step()
         opt.zero_grad()
         if sched is not None:
@@ -105,8 +107,26 @@ def test_second_gradient_before_step_is_refused():
     assert opt.step_in_backward
     x, y = _batch(0)
     F.mse_loss(model(x), y).backward()
-    with pytest.raises(RuntimeError, match="second gradient.*set_requires_gradient_sync"):
+    with pytest.raises(RuntimeError, match="already applied.*add to it.*set_requires_gradient_sync"):
         F.mse_loss(model(x), y).backward()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_clipping_an_applied_gradient_raises(foreach):
+    """torch's clip_grad_norm_ would find no gradients and clip nothing: it raises instead,
+    naming the parameter and what to do; step() then clears the applied gradients."""
+    model = _model()
+    opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()
+    assert "AppliedGradient" in repr(model[0].weight.grad)
+    with pytest.raises(RuntimeError, match=r"applied the gradient of parameter \d+ of group 0 .*clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=foreach)
+    opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    F.mse_loss(model(x), y).backward()  # the next step starts clean
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_non_finite_gradient_never_reaches_a_weight():

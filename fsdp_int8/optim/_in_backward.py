@@ -19,6 +19,11 @@ What cannot be done inside backward is refused, never skipped silently:
 A non-finite gradient is never written: that parameter (weight and states) is left as
 it was, and ``step()`` raises :class:`~fsdp_int8.guard.NonFiniteGradientError` on every
 rank, saying that the other parameters were already updated.
+
+Between its update and ``step()`` a parameter's ``.grad`` is an :class:`AppliedGradient`:
+no storage, and any op on it raises. Code that reads gradients after backward
+(``clip_grad_norm_``, Hugging Face Trainer's and accelerate's clipping, gradient-norm
+logging) fails there, saying why, instead of finding no gradients and clipping nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
@@ -51,6 +57,44 @@ def check_hook_sees_reduced_gradient(param: torch.Tensor, who: str, name: str, w
         "similar wrappers reduce gradients after autograd hands them over, so the hook would act "
         f"on this rank's gradient alone. Shard the model with FSDP2, or {way_out}."
     )
+
+
+class AppliedGradient(torch.Tensor):
+    """Stands in for a gradient an optimizer applied inside backward and freed: the
+    gradient's shape, dtype and device, no storage; any op on it raises ``RuntimeError``
+    with ``reason``."""
+
+    reason: str
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, reason: str) -> AppliedGradient:
+        gradient = torch.Tensor._make_wrapper_subclass(  # storage_size=0: memory trackers count nothing
+            cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device, storage_size=0
+        )
+        gradient.reason = reason
+        return gradient
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"AppliedGradient(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        reason = next(leaf.reason for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, AppliedGradient))
+        raise RuntimeError(f"{func} on a gradient already applied: {reason}")
+
+
+def _applied_gradient(param: torch.Tensor, reason: str) -> torch.Tensor:
+    """An :class:`AppliedGradient` that ``param.grad`` accepts (a DTensor for a DTensor)."""
+    if isinstance(param, DTensor):
+        return DTensor(AppliedGradient(param.to_local(), reason), param._spec, requires_grad=False)
+    return AppliedGradient(param, reason)
+
+
+def is_applied(grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` stands for a gradient applied inside backward."""
+    return isinstance(local_shard(grad) if grad is not None else None, AppliedGradient)
 
 
 class InBackward:
@@ -100,7 +144,14 @@ class InBackward:
         else:
             optimizer.update_params([param], self._group_of[id(param)])
             self._updated.add(id(param))
-        param.grad = None
+        param.grad = _applied_gradient(param, (
+            f"{type(optimizer).__name__}(step_in_backward=True) applied the gradient of "
+            f"{self.name(param)} inside backward and freed it; nothing can read it or add to it "
+            "before optimizer.step(). Clipping by the global gradient norm (clip_grad_norm_) "
+            "cannot work that way: drop it (Hugging Face Trainer: max_grad_norm=0). To "
+            "accumulate gradients, call model.set_requires_gradient_sync(False) on every "
+            "micro-batch but the last (FSDP2). Or use step_in_backward=False"
+        ))
 
     def finish(self) -> None:
         """Complete the step: update parameters that hold a gradient the hooks did not see
@@ -108,8 +159,11 @@ class InBackward:
         optimizer = self._optimizer
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if param.grad is not None:
+                if is_applied(param.grad):
+                    param.grad = None
+                elif param.grad is not None:
                     self._on_gradient(param)
+                    param.grad = None
         skipped = [self._names[i] for i in self._skipped]
         self._updated.clear()
         self._skipped.clear()

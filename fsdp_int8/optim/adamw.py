@@ -146,7 +146,9 @@ class Int8AdamW(FusedInt8Optimizer):
             free the gradient at once: gradients never all live together. The loop stays
             ``loss.backward(); opt.step(); opt.zero_grad()`` (``step()`` completes the
             step); weights and states equal stepping after backward bit for bit.
-            Gradient clipping is impossible (no global norm exists before the updates);
+            Gradient clipping is impossible (no global norm exists before the updates):
+            until ``step()`` each ``.grad`` is a storage-free stand-in on which any op
+            (``clip_grad_norm_``'s too) raises, naming the parameter;
             accumulation needs FSDP2's ``set_requires_gradient_sync(False)``; a
             non-finite gradient leaves its parameter unchanged and ``step()`` raises.
             docs/memory.md says what it saves and what it refuses.

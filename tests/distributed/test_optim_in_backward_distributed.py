@@ -2,7 +2,8 @@
 tensor parallelism, the int8 gradient reduce-scatter and gradient accumulation (gradient
 sync off on all micro-batches but the last) each give the weights and optimizer states of
 stepping after backward, bit for bit, with stochastic rounding and 8-bit states; a plain
-parameter in a multi-process run (DDP's case) is refused. ``Int8AdamW(grad_dtype=bf16)``
+parameter in a multi-process run (DDP's case) is refused, and ``clip_grad_norm_`` of
+gradients applied inside backward raises. ``Int8AdamW(grad_dtype=bf16)``
 (gradients kept in bf16 until the step) equals rounding the fp32 gradients by hand, and
 torch's ``clip_grad_norm_`` works on its gradients."""
 
@@ -17,6 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8TrainingConfig
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
+from fsdp_int8.optim._in_backward import is_applied
 from fsdp_int8.testing import device_type_for, run_distributed
 
 from _cases import case, local_of
@@ -61,7 +63,7 @@ def _train(rank: int, world: int, mesh_kind: str, in_backward: bool, *, int8_gra
             if in_backward and index < micro - 1:  # no sync: FSDP2 keeps the gradient, no update yet
                 assert all(p.grad is None for p in model.parameters())
         if in_backward:
-            assert all(p.grad is None for p in model.parameters())
+            assert all(is_applied(p.grad) for p in model.parameters())
         if grad_dtype is not None:
             assert {local_of(p.grad).dtype for p in model.parameters()} == {grad_dtype}
         if round_grads_to is not None:
@@ -128,6 +130,15 @@ def _in_backward_equals_after(rank: int, world: int) -> None:
         ratio = float(clipped[0].norm() / grads[0].norm())
         assert abs(ratio - 1e-3 / float(norm)) < 1e-2 * ratio, (ratio, float(norm))
         opt.step()
+    with case("step_in_backward: clip_grad_norm_ of the FSDP2 model raises instead of clipping nothing"):
+        model = _build("fsdp", world)
+        opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+        x = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(rank))
+        F.mse_loss(model(x), torch.tanh(x[..., :4])).backward()
+        with pytest.raises(RuntimeError, match="applied the gradient of .*clip_grad_norm_.*step_in_backward=False"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        opt.step()
+        assert all(p.grad is None for p in model.parameters())
     with case("a plain parameter in a 2-process run (DDP's case) is refused"):
         torch.manual_seed(0)
         model = fsdp_int8.quantize_(MLPNet(dim=32, hidden=64), Int8TrainingConfig(min_features=1))
