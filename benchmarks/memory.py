@@ -36,6 +36,16 @@ Rows (each a recipe users run):
 instead of transformers' own, ``--loss-chunk-tokens`` tokens at a time (64 by default: a
 quarter of the 256 tokens per rank, as its own default of 1024 is of a 4096-token batch).
 
+``--reduce-scatter chunks`` makes FSDP2's gradient reduce-scatter one ``dist.reduce`` per
+rank's chunk, in place in FSDP2's input (:class:`ReduceScatterByChunks`): gloo's
+``reduce_scatter_tensor`` all-reduces a copy of the whole input, one fp32 copy of the
+largest group's unsharded gradients that NCCL's reduce-scatter does not make. ``torch``
+(the default) keeps torch's. The same sums, bit for bit; CPU only.
+
+``--step-elements N`` bounds each int8 update to N elements (``Int8AdamW(step_elements=N)``).
+The default bound is a fixed size (2^20 elements on CPU, ~21 bytes each with 8-bit
+states), so its working set is a larger share of a scaled-down model than of a real one.
+
 ``--where N`` also prints, under each row, the N largest snapshots the tracker took at
 module boundaries (each FSDP module's peak in forward and backward, before and after its
 hooks): where in the step the bytes are.
@@ -54,6 +64,8 @@ import functools
 import os
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from launch.precisions import INT8_GATHERED_WEIGHTS
 
@@ -89,10 +101,12 @@ def llama(shape: dict, seed: int = 0) -> torch.nn.Module:
 
 
 def build(
-    row: str, shape: dict, checkpointing: bool, reduce_dtype: torch.dtype = torch.float32
+    row: str, shape: dict, checkpointing: bool, reduce_dtype: torch.dtype = torch.float32,
+    step_elements: int | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model of ``row``, sharded on the default process group, and its optimizer;
-    gradients are reduced in ``reduce_dtype`` (the fp32 row always reduces in fp32)."""
+    gradients are reduced in ``reduce_dtype`` (the fp32 row always reduces in fp32);
+    ``step_elements`` bounds an int8 row's update (``Int8AdamW``'s default if ``None``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import fsdp_int8
@@ -114,7 +128,24 @@ def build(
     )
     block = min(EIGHT_BIT_BLOCK, shape["hidden_size"] // 2)  # rows shorter than a block keep fp32 states
     return model, fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, block_size=block,
-                                      **optimizer_options)
+                                      step_elements=step_elements, **optimizer_options)
+
+
+class ReduceScatterByChunks(DefaultReduceScatter):
+    """An FSDP2 reduce-scatter that reduces each rank's chunk of the input in place with
+    ``dist.reduce`` and copies this rank's out: no copy of the whole input."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN204
+        average = op == dist.ReduceOp.AVG  # gloo's reduce sums: divide after
+        if not average and op != dist.ReduceOp.SUM:
+            raise NotImplementedError(f"--reduce-scatter chunks sums or averages, FSDP2 asked for {op}")
+        chunks = input_tensor.view(group.size(), -1)
+        for rank in range(group.size()):
+            dist.reduce(chunks[rank], dst=dist.get_global_rank(group, rank), op=dist.ReduceOp.SUM, group=group)
+        output_tensor.copy_(chunks[group.rank()])
+        if average:
+            output_tensor.div_(group.size())
+        return None
 
 
 def _by_category(snapshot: dict, share: float) -> dict[str, float]:
@@ -142,6 +173,7 @@ def _module_peaks(tracker, share: float, count: int) -> list[dict]:
 def _measure(
     rank: int, world: int, row: str, checkpointing: bool, shape: dict, batch: int, seq_len: int, where: int = 0,
     reduce_dtype: str = "fp32", loss: str = "transformers", loss_chunk_tokens: int = 64,
+    reduce_scatter: str = "torch", step_elements: int | None = None,
 ) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -149,11 +181,17 @@ def _measure(
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     device = device_type_for(world)
-    model, optimizer = build(row, shape, checkpointing, REDUCE_DTYPES[reduce_dtype])
+    model, optimizer = build(row, shape, checkpointing, REDUCE_DTYPES[reduce_dtype], step_elements)
     if loss == "chunked":
         from fsdp_int8.integrations.hf_loss import chunked_causal_lm_loss
 
         model.loss_function = functools.partial(chunked_causal_lm_loss, chunk_tokens=loss_chunk_tokens)
+    if reduce_scatter == "chunks":
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(ReduceScatterByChunks())
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     data = torch.Generator().manual_seed(rank)
 
@@ -203,13 +241,21 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
                         help="every row's loss: transformers' own, or fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss "
                         "(no fp32 logits of the whole batch)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=64, help="tokens per chunk of --loss chunked")
+    parser.add_argument("--reduce-scatter", choices=("torch", "chunks"), default="torch",
+                        help="FSDP2's gradient reduce-scatter: torch's (gloo all-reduces a copy of the whole input), "
+                        "or chunks: one dist.reduce per rank's chunk in place, no copy, as NCCL (CPU only)")
+    parser.add_argument("--step-elements", type=int,
+                        help="Int8AdamW's step_elements (the most elements one update works on) for the int8 rows; "
+                        "default: its own (2^20 on CPU, a fixed size, so a larger share of a scaled-down model)")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     capability = hardware.capability(torch.device("cpu"))
     print(f"# {capability.name}, {', '.join(capability.features) or 'no avx512_vnni/avx512_bf16/amx'}; "
           f"torch {torch.__version__}; {args.world_size} ranks, batch {args.batch_size} x {args.seq_len} per rank, "
           f"shape {args.shape}, gradients reduced in {args.reduce_dtype}, {args.loss} loss"
-          f"{f' ({args.loss_chunk_tokens} tokens a chunk)' if args.loss == 'chunked' else ''}", flush=True)
+          f"{f' ({args.loss_chunk_tokens} tokens a chunk)' if args.loss == 'chunked' else ''}, "
+          f"{args.reduce_scatter} reduce-scatter"
+          f"{f', int8 updates of at most {args.step_elements} elements' if args.step_elements else ''}", flush=True)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]
     results: dict[tuple[str, bool], dict] = {}
     for checkpointing in modes:
@@ -218,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
         for row in args.rows:
             result = run_distributed(_measure, args.world_size, row, checkpointing, shape,
                                      args.batch_size, args.seq_len, args.where, args.reduce_dtype,
-                                     args.loss, args.loss_chunk_tokens, timeout=1800)[0]
+                                     args.loss, args.loss_chunk_tokens, args.reduce_scatter, args.step_elements,
+                                     timeout=1800)[0]
             peak, after = result["peak"], result["after"]
             total = peak.pop("Total", sum(peak.values()))
             after_total = after.pop("Total", sum(after.values()))
