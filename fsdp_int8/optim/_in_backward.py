@@ -88,7 +88,7 @@ class AppliedGradient(torch.Tensor):
 def _applied_gradient(param: torch.Tensor, reason: str) -> torch.Tensor:
     """An :class:`AppliedGradient` that ``param.grad`` accepts (a DTensor for a DTensor)."""
     if isinstance(param, DTensor):
-        return DTensor(AppliedGradient(param.to_local(), reason), param._spec, requires_grad=False)
+        return DTensor(AppliedGradient(local_shard(param), reason), param._spec, requires_grad=False)
     return AppliedGradient(param, reason)
 
 
