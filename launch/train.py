@@ -87,12 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
     train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     train.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
-    train.add_argument("--grad-clip", type=float,
-                       help="max gradient norm (0: off; default 1.0, or off with --step-in-backward)")
+    train.add_argument("--grad-clip", type=float, default=1.0,
+                       help="max gradient norm (0: off; default 1.0); with --step-in-backward, by the previous "
+                       "step's norm (Int8AdamW's max_grad_norm: the step's own norm does not exist inside backward)")
     train.add_argument("--step-in-backward", action="store_true",
                        help="with --optimizer int8-adamw or int8-adamw-8bit: update each parameter inside "
                        "backward as soon as its gradient is reduced, and free the gradient (gradients never "
-                       "all live at once; no global gradient clipping; not with --pp)")
+                       "all live at once; --grad-clip by the previous step's norm; not with --pp)")
     train.add_argument("--bf16-grads", action="store_true",
                        help="with --optimizer int8-adamw or int8-adamw-8bit: keep gradients in bf16 from their "
                        "reduce-scatter to the step (half their memory; not with --step-in-backward)")
@@ -105,8 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="recompute each block's activations in backward instead of keeping them")
     train.add_argument("--lean", action="store_true",
                        help="the lean-memory recipe in one word: --optimizer int8-adamw-8bit --step-in-backward "
-                       "--quantize-embeddings --int8-gathered-weights --activation-checkpointing (no gradient "
-                       "clipping; docs/memory.md)")
+                       "--quantize-embeddings --int8-gathered-weights --activation-checkpointing (clipping by the "
+                       "previous step's gradient norm; docs/memory.md)")
     train.add_argument("--replicas", type=int, default=1,
                        help="HSDP: replicate the sharded model over this many groups of ranks")
     train.add_argument("--tp", type=int, default=1,
@@ -148,8 +149,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     error = lean_error(args) or step_in_backward_error(args)
     if error:
         parser.error(error)
-    if args.grad_clip is None:
-        args.grad_clip = 0.0 if args.step_in_backward else 1.0
     try:
         args.model = model_args(args.preset, seq_len=args.seq_len, dim=args.dim, n_layers=args.n_layers,
                                 n_heads=args.n_heads)
@@ -205,7 +204,7 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
         inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, generator)
         with count_collectives() as counter:  # the bytes each step moves, for the log
             loss = run.train_step(inputs.to(device), targets.to(device))
-        if args.grad_clip > 0:
+        if args.grad_clip > 0 and not args.step_in_backward:  # inside backward the optimizer clips
             parallel.clip_grad_norm_(model.parameters(), args.grad_clip, pp_group=parallel.pp_group(mesh))
         optimizer.step()
         optimizer.zero_grad()
@@ -257,7 +256,8 @@ def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.
     state_bits = 8 if args.optimizer.endswith("8bit") else 32
     return fsdp_int8.Int8AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                state_bits=state_bits, step_in_backward=args.step_in_backward,
-                               grad_dtype=torch.bfloat16 if args.bf16_grads else None)
+                               grad_dtype=torch.bfloat16 if args.bf16_grads else None,
+                               max_grad_norm=(args.grad_clip or None) if args.step_in_backward else None)
 
 
 def lean_error(args: argparse.Namespace) -> str | None:
@@ -286,9 +286,6 @@ def step_in_backward_error(args: argparse.Namespace) -> str | None:
         return None
     if args.optimizer == "adamw":
         return "--step-in-backward needs fsdp_int8's optimizer: --optimizer int8-adamw or int8-adamw-8bit"
-    if args.grad_clip:
-        return ("--step-in-backward updates each parameter before the next gradient exists, so no global "
-                "gradient norm can clip them: pass --grad-clip 0 (or drop --step-in-backward)")
     if args.pp > 1:
         return ("--step-in-backward applies each gradient once per step, and a pipeline schedule hands "
                 "each parameter one gradient per microbatch: drop one of --step-in-backward and --pp")

@@ -295,3 +295,65 @@ def test_a_dropped_optimizer_leaves_no_hook_behind(options):
     F.mse_loss(model(x), y).backward()  # would raise "a second gradient" or cast to bf16 otherwise
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
     fresh.step()
+
+
+def _clipped_run(in_backward: bool, max_norm: float, norms: list[float] | None = None, steps: int = 4,
+                 resume_at: int | None = None):
+    """Train with clipping by the previous step's norm: inside backward (``max_grad_norm``)
+    or by hand after backward from ``norms``; with ``resume_at``, through a state dict.
+    From step 2 the learning rate is halved, as a scheduler would."""
+    model = _model()
+
+    def optimizer() -> Int8AdamW:
+        return Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=in_backward,
+                         max_grad_norm=max_norm if in_backward else None)
+
+    opt, seen = optimizer(), []
+    for step in range(steps):
+        if step == resume_at:
+            saved = opt.state_dict()
+            opt = optimizer()
+            opt.load_state_dict(saved)
+        if step >= 2:
+            for group in opt.param_groups:
+                group["lr"] = 5e-3
+        x, y = _batch(step)
+        F.mse_loss(model(x), y).backward()
+        if not in_backward:
+            seen.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+            if step and norms[step - 1] > max_norm:
+                for p in model.parameters():
+                    p.grad.mul_(max_norm / (norms[step - 1] + 1e-6))
+        opt.step()
+        opt.zero_grad()
+        if in_backward:
+            seen.append(opt.grad_norm)
+    return seen, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_clipping_inside_backward_by_the_previous_steps_norm():
+    """``max_grad_norm`` scales each gradient by min(1, max_norm / the previous step's
+    global norm): the same weights, bit for bit, as scaling by hand after backward with the
+    same norms; the norms are torch's (fp64 sums against torch's fp32: 1e-6 apart)."""
+    max_norm = 0.05  # below every step's norm here (~0.4-0.5): every step but the first is clipped
+    inside_norms, inside = _clipped_run(True, max_norm)
+    by_hand_norms, by_hand = _clipped_run(False, max_norm, norms=inside_norms)
+    torch.testing.assert_close(torch.tensor(inside_norms), torch.tensor(by_hand_norms), rtol=1e-6, atol=0)
+    assert min(inside_norms) > max_norm
+    _same_tensors(inside, by_hand)
+    unclipped = _clipped_run(False, max_norm, norms=[0.0] * 4)[1]
+    assert not all(torch.equal(a.int_data, unclipped[k].int_data) for k, a in inside.items() if hasattr(a, "int_data"))
+    # the previous step's norm lives in the parameter groups: a state dict resumes it exactly,
+    # and the updates read the groups load_state_dict makes (their learning rate, too)
+    _, resumed = _clipped_run(True, max_norm, resume_at=2)
+    _same_tensors(resumed, inside)
+
+
+def test_max_grad_norm_is_checked():
+    model = _model()
+    with pytest.raises(ValueError, match="clip_grad_norm_ before optimizer.step"):
+        Int8AdamW(model.parameters(), max_grad_norm=1.0)
+    for bad in (0.0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="max_grad_norm must be a positive number"):
+            Int8AdamW(model.parameters(), step_in_backward=True, max_grad_norm=bad)
+    assert Int8AdamW(model.parameters(), step_in_backward=True).grad_norm is None

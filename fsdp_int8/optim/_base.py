@@ -26,7 +26,7 @@ from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.guard import check_finite_gradients
 from fsdp_int8.optim._checks import check_floating
 from fsdp_int8.optim._grad_dtype import GradientCast, check_grad_dtype
-from fsdp_int8.optim._in_backward import InBackward
+from fsdp_int8.optim._in_backward import InBackward, check_max_grad_norm
 
 # The update of a chunk of parameters runs on fp32 copies (dequantized weights, moments,
 # the denominator): at most this many elements at a time (one parameter at least), so the
@@ -161,16 +161,18 @@ class FusedInt8Optimizer(Optimizer):
     def __init__(
         self, params: Any, defaults: dict[str, Any], *, step_in_backward: bool = False,
         step_elements: int | None = None, grad_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         if not isinstance(step_in_backward, bool):
             raise TypeError(f"step_in_backward must be a bool, got {step_in_backward!r}")
+        check_max_grad_norm(max_grad_norm, step_in_backward)
         if step_elements is not None and (
             isinstance(step_elements, bool) or not isinstance(step_elements, int) or step_elements < 1
         ):
             raise ValueError(f"step_elements must be a positive int or None, got {step_elements!r}")
         check_grad_dtype(grad_dtype, step_in_backward)
         self._step_elements = step_elements
-        self._in_backward = InBackward(self) if step_in_backward else None
+        self._in_backward = InBackward(self, max_grad_norm) if step_in_backward else None
         self._grad_cast = GradientCast(type(self).__name__, grad_dtype) if grad_dtype is not None else None
         self._seeds: dict[int, int] | None = None  # id(param) -> its update's rounding seed
         self._streams: dict[int, torch.Generator] = {}  # id(param) -> its seeded generator
@@ -191,6 +193,12 @@ class FusedInt8Optimizer(Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:  # pragma: no cover - overridden
         """Raise if a parameter group's hyperparameters are invalid."""
         raise NotImplementedError
+
+    @property
+    def grad_norm(self) -> float | None:
+        """With ``step_in_backward=True`` and ``max_grad_norm``: the global gradient norm
+        of the last completed step (before clipping), else ``None``."""
+        return self._in_backward.grad_norm if self._in_backward is not None else None
 
     @property
     def step_in_backward(self) -> bool:

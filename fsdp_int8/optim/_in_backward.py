@@ -20,6 +20,15 @@ A non-finite gradient is never written: that parameter (weight and states) is le
 it was, and ``step()`` raises :class:`~fsdp_int8.guard.NonFiniteGradientError` on every
 rank, saying that the other parameters were already updated.
 
+Clipping by the global gradient norm of the same step is impossible inside backward (the
+first parameters are updated before the last gradients exist). ``max_grad_norm`` clips
+by the norm of the *previous* step instead: each gradient is scaled by
+``min(1, max_grad_norm / norm)``, ``norm`` the global 2-norm of the gradients of the
+step before (the first step is not clipped). The hooks add up this rank's squared norms
+as gradients arrive (replicated shards counted once); ``step()`` all-reduces them with
+the non-finite verdict (one collective) and keeps the norm in each parameter group's
+``"previous_grad_norm"``, so checkpoints resume it.
+
 Between its update and ``step()`` a parameter's ``.grad`` is an :class:`AppliedGradient`:
 no storage, and any op on it raises. Code that reads gradients after backward
 (``clip_grad_norm_``, Hugging Face Trainer's and accelerate's clipping, gradient-norm
@@ -57,6 +66,20 @@ def check_hook_sees_reduced_gradient(param: torch.Tensor, who: str, name: str, w
         "similar wrappers reduce gradients after autograd hands them over, so the hook would act "
         f"on this rank's gradient alone. Shard the model with FSDP2, or {way_out}."
     )
+
+
+def check_max_grad_norm(max_grad_norm: float | None, step_in_backward: bool) -> None:
+    """Raise unless ``max_grad_norm`` is ``None`` or a positive number given with
+    ``step_in_backward=True``."""
+    if max_grad_norm is None:
+        return
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+    if not step_in_backward:
+        raise ValueError(
+            "max_grad_norm clips inside backward (step_in_backward=True), by the previous step's norm; "
+            "stepping after backward, clip with torch.nn.utils.clip_grad_norm_ before optimizer.step()"
+        )
 
 
 class AppliedGradient(torch.Tensor):
@@ -100,9 +123,11 @@ def is_applied(grad: torch.Tensor | None) -> bool:
 class InBackward:
     """The in-backward state of one optimizer: hooks, who was updated, who was skipped."""
 
-    def __init__(self, optimizer: FusedInt8Optimizer) -> None:
+    def __init__(self, optimizer: FusedInt8Optimizer, max_grad_norm: float | None = None) -> None:
         self._optimizer_ref = weakref.ref(optimizer)  # the optimizer owns this, not the reverse
-        self._group_of: dict[int, dict[str, Any]] = {}  # id(param) -> its group
+        self._max_grad_norm = max_grad_norm
+        self._squares: torch.Tensor | None = None  # this step's squared gradient norms, this rank's share
+        self._group_index: dict[int, int] = {}  # id(param) -> its group's index (load_state_dict makes new groups)
         self._names: dict[int, str] = {}
         self._updated: set[int] = set()
         self._skipped: list[int] = []
@@ -117,7 +142,7 @@ class InBackward:
         """Update ``group``'s parameters from their post-accumulate-grad hooks."""
         group_index = len(self._optimizer.param_groups) - 1
         for param in watch_new(self, self._names, group["params"], group_index, InBackward._on_gradient):
-            self._group_of[id(param)] = group
+            self._group_index[id(param)] = group_index
 
     def name(self, param: torch.Tensor) -> str:
         return self._names[id(param)]
@@ -142,7 +167,10 @@ class InBackward:
         if not tensor_finite(local_shard(param.grad)):
             self._skipped.append(id(param))
         else:
-            optimizer.update_params([param], self._group_of[id(param)])
+            group = optimizer.param_groups[self._group_index[id(param)]]
+            if self._max_grad_norm is not None:
+                self._clip(param, group)
+            optimizer.update_params([param], group)
             self._updated.add(id(param))
         param.grad = _applied_gradient(param, (
             f"{type(optimizer).__name__}(step_in_backward=True) applied the gradient of "
@@ -152,6 +180,32 @@ class InBackward:
             "accumulate gradients, call model.set_requires_gradient_sync(False) on every "
             "micro-batch but the last (FSDP2). Or use step_in_backward=False"
         ))
+
+    def _clip(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        """Add ``param``'s squared gradient norm (this rank's share) to the step's sum, then
+        scale the gradient by the previous step's clipping coefficient."""
+        grad = local_shard(param.grad)
+        copies = 1  # ranks holding the same values, counted once in the world's sum
+        if isinstance(param.grad, DTensor):
+            # replicated mesh dims, and the ranks outside the mesh (a tensor-parallel model's
+            # meshes that hold the same replicated parameter; pipeline stages are refused)
+            mesh = param.grad.device_mesh
+            copies = dist.get_world_size() // mesh.size()
+            for dim, placement in enumerate(param.grad.placements):
+                copies *= mesh.size(dim) if placement.is_replicate() else 1
+        squares = torch.linalg.vector_norm(grad, dtype=torch.float32).double().square() / copies
+        if self._squares is None:
+            self._squares = torch.zeros((), dtype=torch.float64, device=_dist.collective_device())
+        self._squares += squares.to(self._squares.device)
+        previous = group.get("previous_grad_norm")
+        if previous is not None and previous > self._max_grad_norm:
+            grad.mul_(self._max_grad_norm / (previous + 1e-6))
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last completed step (``max_grad_norm`` only)."""
+        groups = self._optimizer.param_groups
+        return groups[0].get("previous_grad_norm") if groups else None
 
     def finish(self) -> None:
         """Complete the step: update parameters that hold a gradient the hooks did not see
@@ -168,10 +222,18 @@ class InBackward:
         self._updated.clear()
         self._skipped.clear()
         optimizer.end_step()
-        count = torch.tensor(len(skipped), dtype=torch.int32, device=_dist.collective_device())
+        # one all-reduce: any rank's skipped count (0 or more) and the squared norms' sum
+        device = _dist.collective_device()
+        squares = self._squares if self._squares is not None else torch.zeros((), dtype=torch.float64, device=device)
+        totals = torch.stack([torch.tensor(float(len(skipped) > 0), dtype=torch.float64, device=device), squares])
+        self._squares = None
         if _dist.is_distributed():
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        if int(count):
+            dist.all_reduce(totals)
+        any_skipped, squares = totals.tolist()
+        if self._max_grad_norm is not None and not any_skipped:
+            for group in optimizer.param_groups:
+                group["previous_grad_norm"] = squares ** 0.5
+        if any_skipped:
             where = f" ({', '.join(skipped[:4])}{', ...' if len(skipped) > 4 else ''} here)" if skipped else ""
             raise NonFiniteGradientError(
                 f"{type(optimizer).__name__}(step_in_backward=True): a gradient held NaN or Inf on "

@@ -152,6 +152,10 @@ class Int8AdamW(FusedInt8Optimizer):
             accumulation needs FSDP2's ``set_requires_gradient_sync(False)``; a
             non-finite gradient leaves its parameter unchanged and ``step()`` raises.
             docs/memory.md says what it saves and what it refuses.
+        max_grad_norm: With ``step_in_backward=True`` only: clip by the global gradient
+            norm of the previous step (the same step's norm does not exist before the
+            first updates): each gradient is scaled by ``min(1, max_grad_norm / norm)``;
+            the first step is not clipped. ``grad_norm`` reads the last step's norm.
         step_elements: The most parameter elements one update works on at once (whole
             rows, one row at least): its fp32 temporaries, about 21 bytes per element with
             8-bit states, never exceed that many elements' worth. ``None`` (default): 2^24
@@ -175,8 +179,9 @@ class Int8AdamW(FusedInt8Optimizer):
     Raises:
         ValueError: a hyperparameter out of range, ``state_bits`` not 8 or 32,
             ``block_size < 1``, ``step_elements < 1``, ``grad_dtype`` not a floating dtype of
-            at most 32 bits or given with ``step_in_backward``, or a complex or
-            non-floating parameter.
+            at most 32 bits or given with ``step_in_backward``, ``max_grad_norm`` not
+            positive or given without ``step_in_backward``, or a complex or non-floating
+            parameter.
         TypeError: a hyperparameter of the wrong type.
     """
 
@@ -194,6 +199,7 @@ class Int8AdamW(FusedInt8Optimizer):
         step_in_backward: bool = False,
         step_elements: int | None = None,
         grad_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
@@ -201,7 +207,7 @@ class Int8AdamW(FusedInt8Optimizer):
         )
         self._check_group(defaults)
         super().__init__(params, defaults, step_in_backward=step_in_backward, step_elements=step_elements,
-                         grad_dtype=grad_dtype)
+                         grad_dtype=grad_dtype, max_grad_norm=max_grad_norm)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("lr", group["lr"], 0.0)

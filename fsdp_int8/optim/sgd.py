@@ -62,11 +62,12 @@ class Int8SGD(FusedInt8Optimizer):
         step_in_backward: bool = False,
         step_elements: int | None = None,
         grad_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         self._check_group(defaults)
         super().__init__(params, defaults, step_in_backward=step_in_backward, step_elements=step_elements,
-                         grad_dtype=grad_dtype)
+                         grad_dtype=grad_dtype, max_grad_norm=max_grad_norm)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("lr", group["lr"], 0.0)

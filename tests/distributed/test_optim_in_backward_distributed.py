@@ -2,8 +2,8 @@
 tensor parallelism, the int8 gradient reduce-scatter and gradient accumulation (gradient
 sync off on all micro-batches but the last) each give the weights and optimizer states of
 stepping after backward, bit for bit, with stochastic rounding and 8-bit states; a plain
-parameter in a multi-process run (DDP's case) is refused, and ``clip_grad_norm_`` of
-gradients applied inside backward raises. ``Int8AdamW(grad_dtype=bf16)``
+parameter in a multi-process run (DDP's case) is refused, ``clip_grad_norm_`` of
+gradients applied inside backward raises, and ``max_grad_norm``'s global norm is torch's. ``Int8AdamW(grad_dtype=bf16)``
 (gradients kept in bf16 until the step) equals rounding the fp32 gradients by hand, and
 torch's ``clip_grad_norm_`` works on its gradients."""
 
@@ -130,6 +130,20 @@ def _in_backward_equals_after(rank: int, world: int) -> None:
         ratio = float(clipped[0].norm() / grads[0].norm())
         assert abs(ratio - 1e-3 / float(norm)) < 1e-2 * ratio, (ratio, float(norm))
         opt.step()
+    for mesh_kind in ("fsdp", "hsdp", "tp"):
+        with case(f"{mesh_kind}: max_grad_norm's global norm is the gradients' norm, replicas counted once"):
+            x = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(rank if mesh_kind != "tp" else 0))
+            after = _build(mesh_kind, world)
+            F.mse_loss(after(x), torch.tanh(x[..., :4])).backward()
+            # each gradient's own norm (DTensor reduces its shards): TP's mix of meshes is
+            # more than torch's clip_grad_norm_ takes in one call
+            expected = sum(float(torch.linalg.vector_norm(p.grad).full_tensor()) ** 2 for p in after.parameters()) ** 0.5
+            inside = _build(mesh_kind, world)
+            opt = Int8AdamW(inside.parameters(), lr=1e-2, step_in_backward=True, max_grad_norm=1.0)
+            F.mse_loss(inside(x), torch.tanh(x[..., :4])).backward()
+            opt.step()
+            # fp64 sums of fp32 squares against torch's fp32 norm of norms: 1e-5 apart at most
+            assert abs(opt.grad_norm - expected) <= 1e-5 * expected, (opt.grad_norm, expected)
     with case("step_in_backward: clip_grad_norm_ of the FSDP2 model raises instead of clipping nothing"):
         model = _build("fsdp", world)
         opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
