@@ -117,7 +117,7 @@ def _applied_gradient(param: torch.Tensor, reason: str) -> torch.Tensor:
 
 def is_applied(grad: torch.Tensor | None) -> bool:
     """Whether ``grad`` stands for a gradient applied inside backward."""
-    return isinstance(local_shard(grad) if grad is not None else None, AppliedGradient)
+    return grad is not None and isinstance(local_shard(grad), AppliedGradient)
 
 
 class InBackward:
@@ -222,7 +222,7 @@ class InBackward:
         self._updated.clear()
         self._skipped.clear()
         optimizer.end_step()
-        # one all-reduce: any rank's skipped count (0 or more) and the squared norms' sum
+        # one all-reduce: how many ranks skipped a parameter, and the squared norms' sum
         device = _dist.collective_device()
         squares = self._squares if self._squares is not None else torch.zeros((), dtype=torch.float64, device=device)
         totals = torch.stack([torch.tensor(float(len(skipped) > 0), dtype=torch.float64, device=device), squares])
