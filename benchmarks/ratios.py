@@ -63,10 +63,11 @@ def shape(settings: dict) -> ModelArgs:
                       n_layers=settings.get("n_layers"), n_heads=settings.get("n_heads"))
 
 
-def build(row: str, args: ModelArgs) -> torch.nn.Module:
+def build(row: str, args: ModelArgs, *, compile: bool = True) -> torch.nn.Module:
     """The launcher's Transformer, initialised whole from seed 0 (the same weights in every
-    row) and sharded as ``row`` (fsdp_int8 rows: compiled kernels unless ``:eager``)."""
-    return build_model(parse_row(row, compile=True), args, device_type_for(dist.get_world_size()), full_init=True)
+    row) and sharded as ``row`` (fsdp_int8 rows: compiled kernels unless ``:eager``, or
+    ``compile=False``)."""
+    return build_model(parse_row(row, compile=compile), args, device_type_for(dist.get_world_size()), full_init=True)
 
 
 def train_step(model, optimizer, inputs: torch.Tensor, targets: torch.Tensor, clip: bool = True) -> float:

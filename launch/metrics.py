@@ -97,15 +97,18 @@ class RunLog:
             self.progress.write(line)
             self.metrics.write(event="start", **record)
 
-    def step(self, step: int, loss: "torch.Tensor", lr: float, seconds: float, tokens: int, counter: Any) -> None:
-        """One training step: its loss, learning rate, time, tokens (all ranks) and the
-        bytes its collectives moved (``counter``: a ``CollectiveCounter``)."""
+    def step(self, step: int, loss: "torch.Tensor", lr: float, seconds: float, tokens: int, counter: Any,
+             grad_norm: "torch.Tensor | float | None" = None) -> None:
+        """One training step: its loss, learning rate, time, tokens (all ranks), the bytes
+        its collectives moved (``counter``: a ``CollectiveCounter``) and the global gradient
+        norm before clipping (``None``: not measured, no clipping)."""
         if not self.enabled:  # the loss stays on the device: no sync on the other ranks
             return
         loss, gathered = loss.item(), counter.total_bytes("all_gather_single")
         self.progress.update(step, loss, tokens / seconds, gathered)
+        norm = {} if grad_norm is None else {"grad_norm": float(grad_norm)}
         self.metrics.write(step=step, loss=loss, lr=lr, seconds=seconds, tokens_per_s=tokens / seconds,
-                           all_gather_bytes=gathered, collective_bytes=counter.total_bytes())
+                           all_gather_bytes=gathered, collective_bytes=counter.total_bytes(), **norm)
 
     def validation(self, step: int, val: float) -> None:
         if self.enabled:

@@ -23,6 +23,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
+# The exhaustive matrix (README, "Tests"): tests marked `exhaustive` run only with this set;
+# the default run, CI's, deselects them (they are variants of cases the default run covers).
+FULL_MATRIX = os.environ.get("FSDP_INT8_FULL_MATRIX") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "exhaustive: a variant run only in the exhaustive matrix (FSDP_INT8_FULL_MATRIX=1)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL_MATRIX:
+        return
+    variants = [item for item in items if item.get_closest_marker("exhaustive")]
+    if variants:
+        config.hook.pytest_deselected(items=variants)
+        items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _scratch_working_directory(tmp_path_factory):

@@ -297,12 +297,27 @@ def test_a_dropped_optimizer_leaves_no_hook_behind(options):
     fresh.step()
 
 
-def _clipped_run(in_backward: bool, max_norm: float, norms: list[float] | None = None, steps: int = 4,
+def _clip_by_hand(grads: list[torch.Tensor], max_norm: float, previous: float) -> None:
+    """What ``max_grad_norm`` does inside backward, after it: each gradient, in the order the
+    hooks saw them, scaled by max_norm / max(previous norm, root of the squares so far)."""
+    squares = 0.0
+    for grad in grads:
+        squares += float(torch.linalg.vector_norm(grad, dtype=torch.float32).double().square())
+        norm = max(previous, squares ** 0.5)
+        if norm > max_norm:
+            grad.mul_(max_norm / (norm + 1e-6))
+
+
+def _clipped_run(in_backward: bool, max_norm: float | None, norms: list[float] | None = None, steps: int = 4,
                  resume_at: int | None = None):
-    """Train with clipping by the previous step's norm: inside backward (``max_grad_norm``)
-    or by hand after backward from ``norms``; with ``resume_at``, through a state dict.
-    From step 2 the learning rate is halved, as a scheduler would."""
+    """Train with ``max_grad_norm`` inside backward, or with the same clipping by hand after
+    backward with the previous steps' ``norms`` (``max_norm=None``: none); with ``resume_at``,
+    through a state dict. From step 2 the learning rate is halved, as a scheduler would."""
     model = _model()
+    order: list[torch.Tensor] = []  # the parameters in the order their hooks run
+    if not in_backward:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(order.append)
 
     def optimizer() -> Int8AdamW:
         return Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=in_backward,
@@ -318,12 +333,12 @@ def _clipped_run(in_backward: bool, max_norm: float, norms: list[float] | None =
             for group in opt.param_groups:
                 group["lr"] = 5e-3
         x, y = _batch(step)
+        order.clear()
         F.mse_loss(model(x), y).backward()
         if not in_backward:
             seen.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
-            if step and norms[step - 1] > max_norm:
-                for p in model.parameters():
-                    p.grad.mul_(max_norm / (norms[step - 1] + 1e-6))
+            if max_norm is not None:
+                _clip_by_hand([p.grad for p in order], max_norm, norms[step - 1] if step else 0.0)
         opt.step()
         opt.zero_grad()
         if in_backward:
@@ -331,22 +346,37 @@ def _clipped_run(in_backward: bool, max_norm: float, norms: list[float] | None =
     return seen, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def test_clipping_inside_backward_by_the_previous_steps_norm():
-    """``max_grad_norm`` scales each gradient by min(1, max_norm / the previous step's
-    global norm): the same weights, bit for bit, as scaling by hand after backward with the
-    same norms; the norms are torch's (fp64 sums against torch's fp32: 1e-6 apart)."""
-    max_norm = 0.05  # below every step's norm here (~0.4-0.5): every step but the first is clipped
+def test_clipping_inside_backward_by_the_norm_known_so_far():
+    """``max_grad_norm`` scales each gradient by max_norm / max(the previous step's norm,
+    the root of this step's squared norms so far): the same weights, bit for bit, as the
+    same clipping by hand after backward with the same norms; the norms are torch's (fp64
+    sums against torch's fp32: 1e-6 apart)."""
+    max_norm = 0.05  # below every step's norm here (~0.4-0.5): every step is clipped
     inside_norms, inside = _clipped_run(True, max_norm)
     by_hand_norms, by_hand = _clipped_run(False, max_norm, norms=inside_norms)
     torch.testing.assert_close(torch.tensor(inside_norms), torch.tensor(by_hand_norms), rtol=1e-6, atol=0)
     assert min(inside_norms) > max_norm
     _same_tensors(inside, by_hand)
-    unclipped = _clipped_run(False, max_norm, norms=[0.0] * 4)[1]
+    unclipped = _clipped_run(False, None)[1]
     assert not all(torch.equal(a.int_data, unclipped[k].int_data) for k, a in inside.items() if hasattr(a, "int_data"))
     # the previous step's norm lives in the parameter groups: a state dict resumes it exactly,
     # and the updates read the groups load_state_dict makes (their learning rate, too)
     _, resumed = _clipped_run(True, max_norm, resume_at=2)
     _same_tensors(resumed, inside)
+
+
+def test_a_gradient_spike_is_clipped_in_the_step_that_carries_it():
+    """A gradient 1000x the previous step's norm is scaled to max_grad_norm within its own
+    step (the previous step's norm alone would let it through nearly whole)."""
+    param = nn.Parameter(torch.zeros(8, 8))
+    optimizer = Int8SGD([param], lr=1.0, step_in_backward=True, max_grad_norm=1.0)
+    for norm in (1.0, 1000.0):  # a step of norm 1 sets the previous norm; then the spike
+        before = param.detach().clone()
+        (param * torch.full((8, 8), norm / 8)).sum().backward()  # the gradient's norm: `norm`
+        optimizer.step()
+        applied = before - param.detach()  # lr 1, no momentum: the clipped gradient itself
+        torch.testing.assert_close(applied.norm(), torch.tensor(1.0), rtol=1e-5, atol=0)
+    assert optimizer.grad_norm == pytest.approx(1000.0)
 
 
 def test_max_grad_norm_is_checked():

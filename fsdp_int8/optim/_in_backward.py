@@ -22,11 +22,14 @@ rank, saying that the other parameters were already updated.
 
 Clipping by the global gradient norm of the same step is impossible inside backward (the
 first parameters are updated before the last gradients exist). ``max_grad_norm`` clips
-by the norm of the *previous* step instead: each gradient is scaled by
-``min(1, max_grad_norm / norm)``, ``norm`` the global 2-norm of the gradients of the
-step before (the first step is not clipped). The hooks add up this rank's squared norms
-as gradients arrive (replicated shards counted once); ``step()`` all-reduces them with
-the non-finite verdict (one collective) and keeps the norm in each parameter group's
+by that norm as far as it is known when each gradient arrives: the gradient is scaled by
+``min(1, max_grad_norm / norm)``, ``norm`` the larger of the previous step's global norm
+and the root of this step's squared gradient norms so far, its own included. Each hook
+all-reduces its gradient's squared norm (one scalar; replicated shards counted once), so
+every rank scales a parameter alike; a spike is clipped in the step and the parameter
+that carry it (by the previous step's norm alone it would pass, and Adam's second moment
+keeps it for hundreds of steps); the last parameter is clipped by at least the step's
+exact norm. ``step()`` keeps the step's norm in each parameter group's
 ``"previous_grad_norm"``, so checkpoints resume it.
 
 Between its update and ``step()`` a parameter's ``.grad`` is an :class:`AppliedGradient`:
@@ -37,6 +40,7 @@ logging) fails there, saying why, instead of finding no gradients and clipping n
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +81,7 @@ def check_max_grad_norm(max_grad_norm: float | None, step_in_backward: bool) -> 
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     if not step_in_backward:
         raise ValueError(
-            "max_grad_norm clips inside backward (step_in_backward=True), by the previous step's norm; "
+            "max_grad_norm clips inside backward (step_in_backward=True), by the norm known so far; "
             "stepping after backward, clip with torch.nn.utils.clip_grad_norm_ before optimizer.step()"
         )
 
@@ -126,7 +130,7 @@ class InBackward:
     def __init__(self, optimizer: FusedInt8Optimizer, max_grad_norm: float | None = None) -> None:
         self._optimizer_ref = weakref.ref(optimizer)  # the optimizer owns this, not the reverse
         self._max_grad_norm = max_grad_norm
-        self._squares: torch.Tensor | None = None  # this step's squared gradient norms, this rank's share
+        self._squares = 0.0  # max_grad_norm: this step's squared gradient norms so far (every rank's)
         self._group_index: dict[int, int] = {}  # id(param) -> its group's index (load_state_dict makes new groups)
         self._names: dict[int, str] = {}
         self._updated: set[int] = set()
@@ -164,12 +168,14 @@ class InBackward:
             param, f"{type(optimizer).__name__}(step_in_backward=True)", self.name(param),
             "use step_in_backward=False",
         )
-        if not tensor_finite(local_shard(param.grad)):
+        group = optimizer.param_groups[self._group_index[id(param)]]
+        squares = self._squared_norm(param) if self._max_grad_norm is not None else None
+        finite = tensor_finite(local_shard(param.grad)) if squares is None else math.isfinite(squares)
+        if not finite:
             self._skipped.append(id(param))
         else:
-            group = optimizer.param_groups[self._group_index[id(param)]]
-            if self._max_grad_norm is not None:
-                self._clip(param, group)
+            if squares is not None:
+                self._clip(param, squares, group)
             optimizer.update_params([param], group)
             self._updated.add(id(param))
         param.grad = _applied_gradient(param, (
@@ -181,25 +187,33 @@ class InBackward:
             "micro-batch but the last (FSDP2). Or use step_in_backward=False"
         ))
 
-    def _clip(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        """Add ``param``'s squared gradient norm (this rank's share) to the step's sum, then
-        scale the gradient by the previous step's clipping coefficient."""
-        grad = local_shard(param.grad)
+    def _squared_norm(self, param: torch.Tensor) -> float:
+        """The squared 2-norm of ``param``'s whole gradient, on every rank: this rank's share,
+        all-reduced (one scalar; every rank runs the same hooks in the same order). NaN or
+        Inf where any rank's shard holds one."""
+        grad = param.grad
         copies = 1  # ranks holding the same values, counted once in the world's sum
-        if isinstance(param.grad, DTensor):
+        if isinstance(grad, DTensor):
             # replicated mesh dims, and the ranks outside the mesh (a tensor-parallel model's
             # meshes that hold the same replicated parameter; pipeline stages are refused)
-            mesh = param.grad.device_mesh
+            mesh = grad.device_mesh
             copies = dist.get_world_size() // mesh.size()
-            for dim, placement in enumerate(param.grad.placements):
+            for dim, placement in enumerate(grad.placements):
                 copies *= mesh.size(dim) if placement.is_replicate() else 1
-        squares = torch.linalg.vector_norm(grad, dtype=torch.float32).double().square() / copies
-        if self._squares is None:
-            self._squares = torch.zeros((), dtype=torch.float64, device=_dist.collective_device())
-        self._squares += squares.to(self._squares.device)
-        previous = group.get("previous_grad_norm")
-        if previous is not None and previous > self._max_grad_norm:
-            grad.mul_(self._max_grad_norm / (previous + 1e-6))
+        squares = torch.linalg.vector_norm(local_shard(grad), dtype=torch.float32).double().square() / copies
+        if isinstance(grad, DTensor) and _dist.is_distributed():
+            dist.all_reduce(squares)
+        return float(squares)
+
+    def _clip(self, param: torch.Tensor, squares: float, group: dict[str, Any]) -> None:
+        """Add ``squares`` (``param``'s squared gradient norm) to the step's sum and scale the
+        gradient by ``min(1, max_grad_norm / norm)``, ``norm`` the larger of the previous
+        step's global norm and the root of the sum so far."""
+        self._squares += squares
+        norm = max(group.get("previous_grad_norm") or 0.0, self._squares ** 0.5)
+        if norm > self._max_grad_norm:
+            grad = local_shard(param.grad)
+            grad.mul_(self._max_grad_norm / (norm + 1e-6))
 
     @property
     def grad_norm(self) -> float | None:
@@ -222,15 +236,12 @@ class InBackward:
         self._updated.clear()
         self._skipped.clear()
         optimizer.end_step()
-        # one all-reduce: how many ranks skipped a parameter, and the squared norms' sum
-        device = _dist.collective_device()
-        squares = self._squares if self._squares is not None else torch.zeros((), dtype=torch.float64, device=device)
-        totals = torch.stack([torch.tensor(float(len(skipped) > 0), dtype=torch.float64, device=device), squares])
-        self._squares = None
+        # one all-reduce: how many ranks skipped a parameter (the norm's sum is already global)
+        squares, self._squares = self._squares, 0.0
+        any_skipped = torch.tensor(float(len(skipped) > 0), device=_dist.collective_device())
         if _dist.is_distributed():
-            dist.all_reduce(totals)
-        any_skipped, squares = totals.tolist()
-        if self._max_grad_norm is not None and not any_skipped:
+            dist.all_reduce(any_skipped)
+        if self._max_grad_norm is not None and not bool(any_skipped):
             for group in optimizer.param_groups:
                 group["previous_grad_norm"] = squares ** 0.5
         if any_skipped:

@@ -15,7 +15,10 @@ Two front ends over one worker:
 * :class:`DistributedTestCase`, a ``MultiProcessTestCase`` (the base of torch's own
   ``FSDPTest``) that initialises the process group on CPU too, for unittest-style suites.
 
-Spawning a process costs seconds (importing torch): put many cases in one body.
+The ranks are fresh processes, forked from a server that imported torch and fsdp_int8
+once (``multiprocessing``'s forkserver, where the platform has it; spawned elsewhere):
+each takes the caller's environment, working directory and ``sys.path`` as they are at
+the call. Starting the ranks still costs a second or more: put many cases in one body.
 Teardown follows what avoids gloo's exit-time abort: collect garbage, then destroy the
 process group before the interpreter shuts down.
 """
@@ -85,7 +88,8 @@ def _send_stderr_to(log_path: str) -> None:
         faulthandler.register(_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
 
-def _worker(rank, world_size, init_file, body, args, results, log_path) -> None:
+def _worker(rank, world_size, init_file, body, args, results, log_path, parent) -> None:
+    _take_over(parent)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     _send_stderr_to(log_path)
     try:
@@ -98,6 +102,29 @@ def _worker(rank, world_size, init_file, body, args, results, log_path) -> None:
     except BaseException:  # report everything, including assertion failures
         results.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
+
+
+def _parent_state() -> dict:
+    """What a rank takes from the test that starts it: a forkserver child is forked from a
+    server started earlier, with that moment's environment, directory and import path."""
+    return {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path)}
+
+
+def _take_over(parent: dict) -> None:
+    os.environ.clear()
+    os.environ.update(parent["environ"])
+    os.chdir(parent["cwd"])
+    sys.path[:] = parent["path"]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """Fresh processes for the ranks: forked from a server that has imported torch and
+    fsdp_int8 once (seconds saved per rank) where the platform has one, else spawned."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "fsdp_int8"])
+    return context
 
 
 def run_distributed(
@@ -122,13 +149,13 @@ def run_distributed(
         AssertionError: with every failing rank's traceback if any rank raised.
         TimeoutError: if a rank did not finish in ``timeout`` seconds (a hang).
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         logs = [os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, body, args, results, logs[r]))
+            ctx.Process(target=_worker, args=(r, world_size, init_file, body, args, results, logs[r], _parent_state()))
             for r in range(world_size)
         ]
         for p in procs:

@@ -461,6 +461,7 @@ def test_tensor_parallel_builds_what_data_parallel_builds():
             assert tp["losses"][-1] < tp["losses"][0] - 0.05, (row, tp)
 
 
+@pytest.mark.exhaustive  # the pp 2 x tp 2 run below launches --tp under torchrun in CI
 def test_a_tensor_parallel_run_trains_under_torchrun(tmp_path):
     """The 4-process CPU demo of --tp 2: two tp pairs, FSDP2 over the pairs."""
     out = tmp_path / "tp"
@@ -487,7 +488,7 @@ def test_a_tensor_parallel_run_trains_under_torchrun(tmp_path):
 # ---------------------------------------------------------------- --pp: pipeline parallelism
 @pytest.mark.parametrize(
     ("layout", "extra"),
-    [("pp 2 x dp 2, 1f1b over 2 microbatches", ["--pp", "2"]),
+    [pytest.param("pp 2 x dp 2, 1f1b over 2 microbatches", ["--pp", "2"], marks=pytest.mark.exhaustive),
      ("pp 2 x tp 2 x dp 1, gpipe over 4 microbatches", ["--pp", "2", "--tp", "2", "--microbatches", "4",
                                                      "--pp-schedule", "gpipe"])],
     ids=["pp2-dp2", "pp2-tp2"],
