@@ -203,7 +203,19 @@ def test_the_lean_recipe_trains_and_resumes(one_process, tmp_path):
     out = str(tmp_path / "lean")
     assert one_process(*SHORT, "--lean", "--out", out) == 0
     assert one_process(*SHORT, "--lean", "--out", out, "--resume", "--steps", "3") == 0
-    assert read_metrics(tmp_path / "lean" / "metrics.jsonl")[-1]["step"] == 3
+    records = read_metrics(tmp_path / "lean" / "metrics.jsonl")
+    assert records[-1]["step"] == 3
+    # each step logs the gradient norm its in-backward clipping measured
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 3 and all(r["grad_norm"] > 0 and math.isfinite(r["grad_norm"]) for r in steps), steps
+
+
+def test_every_step_logs_its_gradient_norm(one_process, tmp_path):
+    out = tmp_path / "norms"
+    assert one_process(*SHORT, "--out", str(out)) == 0  # clip_grad_norm_ after backward (--grad-clip 1.0)
+    assert one_process(*SHORT, "--out", str(tmp_path / "none"), "--grad-clip", "0") == 0
+    assert all(r["grad_norm"] > 0 for r in read_metrics(out / "metrics.jsonl") if "loss" in r)
+    assert not any("grad_norm" in r for r in read_metrics(tmp_path / "none" / "metrics.jsonl"))
 
 
 def test_bf16_gradients_train(one_process, tmp_path):
