@@ -210,7 +210,7 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
         if args.step_in_backward:  # the norm the hooks measured during this step's backward
-            grad_norm = getattr(optimizer, "grad_norm", None)
+            grad_norm = optimizer.grad_norm
         log.step(step, loss, lr, time.perf_counter() - began, tokens_per_step, counter, grad_norm)
 
         done = step + 1

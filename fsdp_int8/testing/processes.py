@@ -88,8 +88,9 @@ def _send_stderr_to(log_path: str) -> None:
         faulthandler.register(_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
 
-def _worker(rank, world_size, init_file, body, args, results, log_path, parent) -> None:
-    _take_over(parent)
+def _worker(rank, world_size, init_file, body, args, results, log_path, environ) -> None:
+    os.environ.clear()  # the caller's, not the forkserver's (multiprocessing carries cwd and sys.path)
+    os.environ.update(environ)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     _send_stderr_to(log_path)
     try:
@@ -102,19 +103,6 @@ def _worker(rank, world_size, init_file, body, args, results, log_path, parent) 
     except BaseException:  # report everything, including assertion failures
         results.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
-
-
-def _parent_state() -> dict:
-    """What a rank takes from the test that starts it: a forkserver child is forked from a
-    server started earlier, with that moment's environment, directory and import path."""
-    return {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path)}
-
-
-def _take_over(parent: dict) -> None:
-    os.environ.clear()
-    os.environ.update(parent["environ"])
-    os.chdir(parent["cwd"])
-    sys.path[:] = parent["path"]
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -155,7 +143,7 @@ def run_distributed(
         init_file = os.path.join(tmp, "rendezvous")
         logs = [os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, body, args, results, logs[r], _parent_state()))
+            ctx.Process(target=_worker, args=(r, world_size, init_file, body, args, results, logs[r], dict(os.environ)))
             for r in range(world_size)
         ]
         for p in procs:
