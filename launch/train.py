@@ -88,12 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     train.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
     train.add_argument("--grad-clip", type=float, default=1.0,
-                       help="max gradient norm (0: off; default 1.0); with --step-in-backward, by the norm known when "
-                       "each gradient arrives (Int8AdamW's max_grad_norm: the step's own norm does not exist inside backward)")
+                       help="max gradient norm (0: off; default 1.0); with --step-in-backward, by the step's norm as estimated "
+                       "when each gradient arrives (Int8AdamW's max_grad_norm: the step's own norm does not exist inside backward)")
     train.add_argument("--step-in-backward", action="store_true",
                        help="with --optimizer int8-adamw or int8-adamw-8bit: update each parameter inside "
                        "backward as soon as its gradient is reduced, and free the gradient (gradients never "
-                       "all live at once; --grad-clip by the norm known so far; not with --pp)")
+                       "all live at once; --grad-clip by the step's norm as estimated so far; not with --pp)")
     train.add_argument("--bf16-grads", action="store_true",
                        help="with --optimizer int8-adamw or int8-adamw-8bit: keep gradients in bf16 from their "
                        "reduce-scatter to the step (half their memory; not with --step-in-backward)")
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--lean", action="store_true",
                        help="the lean-memory recipe in one word: --optimizer int8-adamw-8bit --step-in-backward "
                        "--quantize-embeddings --int8-gathered-weights --activation-checkpointing (clipping by the "
-                       "gradient norm known when each gradient arrives; docs/memory.md)")
+                       "step's gradient norm as estimated when each gradient arrives; docs/memory.md)")
     train.add_argument("--replicas", type=int, default=1,
                        help="HSDP: replicate the sharded model over this many groups of ranks")
     train.add_argument("--tp", type=int, default=1,

@@ -23,9 +23,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-# The exhaustive matrix (README, "Tests"): tests marked `exhaustive` run only with this set;
-# the default run, CI's, deselects them (they are variants of cases the default run covers).
-FULL_MATRIX = os.environ.get("FSDP_INT8_FULL_MATRIX") == "1"
+# Tests marked `exhaustive` run only in the exhaustive matrix; the default run, CI's,
+# deselects them (they are variants of cases the default run covers).
+from _matrix import FULL_MATRIX  # noqa: E402  (tests/ is on sys.path: this file's folder)
 
 
 def pytest_configure(config):

@@ -39,6 +39,18 @@ def test_each_enabled_matmul_runs_one_int8_gemm(output, grad_input, grad_weight)
     assert x.grad.shape == x.shape and layer.weight.grad.shape == layer.weight.shape
 
 
+@pytest.mark.parametrize("config", [None, Int8MatmulConfig(output=False), Int8MatmulConfig(),
+                                    Int8MatmulConfig(save_int8_input=True)], ids=["weight-only", "float output",
+                                                                                 "int8 output", "int8 input saved"])
+def test_outputs_are_no_views(config):
+    """A layer's output is a tensor of its own, not a view: FSDP2 warns about a module output
+    that is a view (an in-place op on it, ``out += y``, drops the pre-backward hook)."""
+    layer, reference = _linear(config)
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    out = layer(x)
+    assert out._base is None and out.shape == reference(x).shape
+
+
 def test_weight_only_mode_runs_no_int8_gemm():
     layer, _ = _linear(None)
     with CountIntMM() as counter:

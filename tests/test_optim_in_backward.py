@@ -297,22 +297,28 @@ def test_a_dropped_optimizer_leaves_no_hook_behind(options):
     fresh.step()
 
 
-def _clip_by_hand(grads: list[torch.Tensor], max_norm: float, previous: float) -> None:
+def _clip_by_hand(params: list[torch.Tensor], max_norm: float, previous: dict[torch.Tensor, float],
+                  every: list[torch.Tensor]) -> dict[torch.Tensor, float]:
     """What ``max_grad_norm`` does inside backward, after it: each gradient, in the order the
-    hooks saw them, scaled by max_norm / max(previous norm, root of the squares so far)."""
-    squares = 0.0
-    for grad in grads:
-        squares += float(torch.linalg.vector_norm(grad, dtype=torch.float32).double().square())
-        norm = max(previous, squares ** 0.5)
-        if norm > max_norm:
-            grad.mul_(max_norm / (norm + 1e-6))
+    hooks saw ``params``, scaled by max_norm / norm, ``norm² = S * max(1, P / P_seen)`` (``S``
+    the squares so far, ``P`` the sum of ``previous`` over ``every`` parameter, in their
+    order, ``P_seen`` that of the parameters seen so far). Returns this step's squares."""
+    total = sum(previous.get(p, 0.0) for p in every)
+    squares, seen, now = 0.0, 0.0, {}
+    for param in params:
+        now[param] = float(torch.linalg.vector_norm(param.grad, dtype=torch.float64).square())
+        squares += now[param]
+        seen += previous.get(param, 0.0)
+        estimate = squares * max(1.0, total / seen) if total > 0 and seen > 0 else squares
+        if estimate ** 0.5 > max_norm:
+            param.grad.mul_(max_norm / (estimate ** 0.5 + 1e-6))
+    return now
 
 
-def _clipped_run(in_backward: bool, max_norm: float | None, norms: list[float] | None = None, steps: int = 4,
-                 resume_at: int | None = None):
+def _clipped_run(in_backward: bool, max_norm: float | None, steps: int = 4, resume_at: int | None = None):
     """Train with ``max_grad_norm`` inside backward, or with the same clipping by hand after
-    backward with the previous steps' ``norms`` (``max_norm=None``: none); with ``resume_at``,
-    through a state dict. From step 2 the learning rate is halved, as a scheduler would."""
+    backward (``max_norm=None``: none); with ``resume_at``, through a state dict. From step 2
+    the learning rate is halved, as a scheduler would."""
     model = _model()
     order: list[torch.Tensor] = []  # the parameters in the order their hooks run
     if not in_backward:
@@ -323,7 +329,7 @@ def _clipped_run(in_backward: bool, max_norm: float | None, norms: list[float] |
         return Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=in_backward,
                          max_grad_norm=max_norm if in_backward else None)
 
-    opt, seen = optimizer(), []
+    opt, seen, previous = optimizer(), [], {}
     for step in range(steps):
         if step == resume_at:
             saved = opt.state_dict()
@@ -338,7 +344,7 @@ def _clipped_run(in_backward: bool, max_norm: float | None, norms: list[float] |
         if not in_backward:
             seen.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
             if max_norm is not None:
-                _clip_by_hand([p.grad for p in order], max_norm, norms[step - 1] if step else 0.0)
+                previous = _clip_by_hand(list(order), max_norm, previous, list(model.parameters()))
         opt.step()
         opt.zero_grad()
         if in_backward:
@@ -346,21 +352,22 @@ def _clipped_run(in_backward: bool, max_norm: float | None, norms: list[float] |
     return seen, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def test_clipping_inside_backward_by_the_norm_known_so_far():
-    """``max_grad_norm`` scales each gradient by max_norm / max(the previous step's norm,
-    the root of this step's squared norms so far): the same weights, bit for bit, as the
-    same clipping by hand after backward with the same norms; the norms are torch's (fp64
-    sums against torch's fp32: 1e-6 apart)."""
+def test_clipping_inside_backward_by_the_norm_estimated_so_far():
+    """``max_grad_norm`` scales each gradient by max_norm / (the step's norm estimated from
+    the squares so far and the previous step's proportions): the same weights, bit for
+    bit, as the same rule applied by hand after backward; the norms are torch's (fp64 sums
+    against torch's fp32: 1e-6 apart)."""
     max_norm = 0.05  # below every step's norm here (~0.4-0.5): every step is clipped
     inside_norms, inside = _clipped_run(True, max_norm)
-    by_hand_norms, by_hand = _clipped_run(False, max_norm, norms=inside_norms)
+    by_hand_norms, by_hand = _clipped_run(False, max_norm)
     torch.testing.assert_close(torch.tensor(inside_norms), torch.tensor(by_hand_norms), rtol=1e-6, atol=0)
     assert min(inside_norms) > max_norm
     _same_tensors(inside, by_hand)
     unclipped = _clipped_run(False, None)[1]
     assert not all(torch.equal(a.int_data, unclipped[k].int_data) for k, a in inside.items() if hasattr(a, "int_data"))
-    # the previous step's norm lives in the parameter groups: a state dict resumes it exactly,
-    # and the updates read the groups load_state_dict makes (their learning rate, too)
+    # the previous step's squared norms live in the parameters' states: a state dict
+    # resumes them exactly, and the updates read the groups load_state_dict makes (their
+    # learning rate, too)
     _, resumed = _clipped_run(True, max_norm, resume_at=2)
     _same_tensors(resumed, inside)
 
@@ -377,6 +384,41 @@ def test_a_gradient_spike_is_clipped_in_the_step_that_carries_it():
         applied = before - param.detach()  # lr 1, no momentum: the clipped gradient itself
         torch.testing.assert_close(applied.norm(), torch.tensor(1.0), rtol=1e-5, atol=0)
     assert optimizer.grad_norm == pytest.approx(1000.0)
+
+
+def test_gradients_in_the_previous_steps_proportions_are_clipped_by_the_exact_norm():
+    """When every parameter's gradient keeps its share of the squared norm (here each step's
+    gradients are one pattern times a factor), the estimate is the step's exact norm from
+    the first parameter on: each gradient is scaled by max_norm / norm, as clip_grad_norm_
+    would after backward. The first step has no proportions: its first parameter is
+    clipped by its own norm alone."""
+    params = [nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(3))]
+    patterns = [torch.randn(4, 4, generator=torch.Generator().manual_seed(1)), torch.full((3,), 5.0)]
+    optimizer = Int8SGD(params, lr=1.0, step_in_backward=True, max_grad_norm=1.0)
+    for factor in (1.0, 3.0, 0.5):
+        before = [p.detach().clone() for p in params]
+        (factor * sum((p * g).sum() for p, g in zip(params, patterns))).backward()
+        optimizer.step()
+        applied = [b - p.detach() for b, p in zip(before, params)]  # lr 1, no momentum: the clipped gradients
+        norm = factor * float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in patterns])))
+        assert optimizer.grad_norm == pytest.approx(norm)
+        if factor == 1.0:
+            continue
+        for update, pattern in zip(applied, patterns):
+            # float32 gradients and updates: a few ulps of the values (~1e-7 relative)
+            torch.testing.assert_close(update, factor * pattern / norm, rtol=1e-5, atol=1e-7)
+
+
+def test_a_finite_gradient_whose_squares_overflow_float32_is_clipped_not_skipped():
+    """A gradient of 1e30s is finite, though its squared norm is not in float32: the norm is
+    summed in float64, so the gradient is clipped to max_grad_norm and applied, not
+    reported as NaN or Inf."""
+    param = nn.Parameter(torch.zeros(4, 4))
+    optimizer = Int8SGD([param], lr=1.0, step_in_backward=True, max_grad_norm=1.0)
+    (param * torch.full((4, 4), 1e30)).sum().backward()
+    optimizer.step()  # would raise NonFiniteGradientError with a float32 norm
+    torch.testing.assert_close(param.detach().norm(), torch.tensor(1.0), rtol=1e-5, atol=0)
+    assert optimizer.grad_norm == pytest.approx(4e30)
 
 
 def test_max_grad_norm_is_checked():

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight.linear import module_output
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8._weight.tied_gradient import defer_lookup_rows
 from fsdp_int8.quant import absmax_dequantize
@@ -42,7 +43,7 @@ def _lookup(weight: Int8Weight, ids: torch.Tensor) -> torch.Tensor:
         int_rows.index_select(0, flat), scale.index_select(0, flat), dtype=weight.dtype,
         compiled=weight.compiled,
     )
-    return values.view(*ids.shape, weight.row_len)
+    return module_output(values, (*ids.shape, weight.row_len))
 
 
 class _Int8Embedding(torch.autograd.Function):

@@ -283,6 +283,13 @@ def _int8_grads(g2d: torch.Tensor, weight: Int8Weight, x2d: torch.Tensor):
     return _int8_grad_input(g2d, weight), _int8_grad_weight(g2d, x2d, weight.compiled)
 
 
+def module_output(values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``values``, a fresh result no one else holds, as ``shape`` without being a view of
+    it: FSDP2 warns about a module output that is a view, because an in-place op on one
+    (``out += y``) drops its pre-backward hook."""
+    return torch.ops.aten._unsafe_view(values, shape)
+
+
 class _Int8WeightLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None):
@@ -294,7 +301,7 @@ class _Int8WeightLinear(torch.autograd.Function):
             qx, sx = _shared_int8_rows(x, x2d, weight.compiled)
             ctx.save_for_backward(qx, sx, weight)
             out = _int8_output_of_rows(qx, sx, weight, bias, x.dtype)
-            return out.view(*x.shape[:-1], out.shape[-1])
+            return module_output(out, (*x.shape[:-1], out.shape[-1]))
         ctx.save_for_backward(x, weight)
         if config is not None and config.output:
             out = _int8_output(x2d, weight, bias)
@@ -302,7 +309,7 @@ class _Int8WeightLinear(torch.autograd.Function):
             out = torch.matmul(x2d, _weight_in(weight, x.dtype).t())
             if bias is not None:
                 out = out.add_(bias.to(x.dtype))
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return module_output(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):

@@ -138,7 +138,7 @@ class Piece:
 
     param: torch.Tensor  # as the optimizer holds it (DTensor or plain)
     local: torch.Tensor  # this rank's tensor or its rows: an Int8Weight or a plain tensor
-    state: dict  # the parameter's state, its tensors cut to the same rows ("step" shared)
+    state: dict  # the parameter's state, its tensors cut to the same rows (scalars shared)
     grad: torch.Tensor  # the local gradient, same rows
     first: bool  # the parameter's first piece (counts the step)
 
@@ -305,8 +305,8 @@ class FusedInt8Optimizer(Optimizer):
             if rows is None:
                 pieces.append(Piece(param, local, state, local_grad, True))
                 continue
-            # every state tensor but the step counter has the parameter's local rows first
-            cut = {name: local_shard(value)[rows] if name != "step" and isinstance(value, torch.Tensor) else value
+            # every state tensor but the scalars (the step counter) has the parameter's local rows first
+            cut = {name: local_shard(value)[rows] if isinstance(value, torch.Tensor) and value.dim() else value
                    for name, value in state.items()}
             pieces.append(Piece(param, local[rows], cut, local_grad[rows], index == 0))
         return pieces

@@ -22,15 +22,18 @@ rank, saying that the other parameters were already updated.
 
 Clipping by the global gradient norm of the same step is impossible inside backward (the
 first parameters are updated before the last gradients exist). ``max_grad_norm`` clips
-by that norm as far as it is known when each gradient arrives: the gradient is scaled by
-``min(1, max_grad_norm / norm)``, ``norm`` the larger of the previous step's global norm
-and the root of this step's squared gradient norms so far, its own included. Each hook
-all-reduces its gradient's squared norm (one scalar; replicated shards counted once), so
-every rank scales a parameter alike; a spike is clipped in the step and the parameter
-that carry it (by the previous step's norm alone it would pass, and Adam's second moment
-keeps it for hundreds of steps); the last parameter is clipped by at least the step's
-exact norm. ``step()`` keeps the step's norm in each parameter group's
-``"previous_grad_norm"``, so checkpoints resume it.
+by an estimate of that norm made when each gradient arrives: the gradient is scaled by
+``min(1, max_grad_norm / norm)``, with ``norm² = S · max(1, P / P_seen)``: ``S`` this
+step's squared gradient norms so far (its own included), ``P`` the previous step's
+squared global norm and ``P_seen`` the part of ``P`` that the parameters seen so far
+carried. So the estimate assumes the rest of the step keeps the previous step's
+proportions: it is exact whenever the gradient's shape over the parameters holds, a
+spike raises it from the first parameter that carries one, and the last parameter is
+clipped by the step's exact norm. The first step, with no previous one, uses ``S``
+alone. Each hook all-reduces its gradient's squared norm (one scalar; replicated shards
+counted once), so every rank scales a parameter alike. ``step()`` keeps the step's norm
+in each parameter group's ``"previous_grad_norm"`` and each parameter's squared norm in
+its state's ``"previous_grad_norm_sq"``, so checkpoints resume the rule exactly.
 
 Between its update and ``step()`` a parameter's ``.grad`` is an :class:`AppliedGradient`:
 no storage, and any op on it raises. Code that reads gradients after backward
@@ -81,7 +84,7 @@ def check_max_grad_norm(max_grad_norm: float | None, step_in_backward: bool) -> 
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     if not step_in_backward:
         raise ValueError(
-            "max_grad_norm clips inside backward (step_in_backward=True), by the norm known so far; "
+            "max_grad_norm clips inside backward (step_in_backward=True), by the step's norm as estimated so far; "
             "stepping after backward, clip with torch.nn.utils.clip_grad_norm_ before optimizer.step()"
         )
 
@@ -130,7 +133,12 @@ class InBackward:
     def __init__(self, optimizer: FusedInt8Optimizer, max_grad_norm: float | None = None) -> None:
         self._optimizer_ref = weakref.ref(optimizer)  # the optimizer owns this, not the reverse
         self._max_grad_norm = max_grad_norm
-        self._squares = 0.0  # max_grad_norm: this step's squared gradient norms so far (every rank's)
+        # max_grad_norm: this step's squared gradient norms so far (every rank's), the
+        # previous step's of the same parameters, and each parameter's, kept at step()
+        self._squares = 0.0
+        self._previous: float | None = None  # the previous step's squared norm, summed at this step's first hook
+        self._previous_seen = 0.0
+        self._step_squares: dict[int, float] = {}
         self._group_index: dict[int, int] = {}  # id(param) -> its group's index (load_state_dict makes new groups)
         self._names: dict[int, str] = {}
         self._updated: set[int] = set()
@@ -200,20 +208,34 @@ class InBackward:
             copies = dist.get_world_size() // mesh.size()
             for dim, placement in enumerate(grad.placements):
                 copies *= mesh.size(dim) if placement.is_replicate() else 1
-        squares = torch.linalg.vector_norm(local_shard(grad), dtype=torch.float32).double().square() / copies
+        # in float64, where the squares of any finite fp32 or bf16 gradient stay finite (MPS has none)
+        wide = torch.float32 if grad.device.type == "mps" else torch.float64
+        squares = torch.linalg.vector_norm(local_shard(grad), dtype=wide).square() / copies
         if isinstance(grad, DTensor) and _dist.is_distributed():
             dist.all_reduce(squares)
         return float(squares)
 
     def _clip(self, param: torch.Tensor, squares: float, group: dict[str, Any]) -> None:
         """Add ``squares`` (``param``'s squared gradient norm) to the step's sum and scale the
-        gradient by ``min(1, max_grad_norm / norm)``, ``norm`` the larger of the previous
-        step's global norm and the root of the sum so far."""
+        gradient by ``min(1, max_grad_norm / norm)``, ``norm`` the step's norm estimated
+        from the sum so far and the previous step's proportions (the module docstring)."""
         self._squares += squares
-        norm = max(group.get("previous_grad_norm") or 0.0, self._squares ** 0.5)
+        self._step_squares[id(param)] = squares
+        if self._previous is None:
+            self._previous = sum(self._previous_norm_sq(p) for g in self._optimizer.param_groups for p in g["params"])
+        self._previous_seen += self._previous_norm_sq(param)
+        estimate = self._squares
+        if self._previous > 0.0 and self._previous_seen > 0.0:
+            estimate *= max(1.0, self._previous / self._previous_seen)
+        norm = estimate ** 0.5
         if norm > self._max_grad_norm:
             grad = local_shard(param.grad)
             grad.mul_(self._max_grad_norm / (norm + 1e-6))
+
+    def _previous_norm_sq(self, param: torch.Tensor) -> float:
+        """``param``'s squared gradient norm at the previous step (0 without one)."""
+        value = self._optimizer.state.get(param, {}).get("previous_grad_norm_sq")
+        return 0.0 if value is None else float(value)
 
     @property
     def grad_norm(self) -> float | None:
@@ -237,13 +259,22 @@ class InBackward:
         self._skipped.clear()
         optimizer.end_step()
         # one all-reduce: how many ranks skipped a parameter (the norm's sum is already global)
-        squares, self._squares = self._squares, 0.0
+        squares, self._squares, self._previous, self._previous_seen = self._squares, 0.0, None, 0.0
+        step_squares, self._step_squares = self._step_squares, {}
         any_skipped = torch.tensor(float(len(skipped) > 0), device=_dist.collective_device())
         if _dist.is_distributed():
             dist.all_reduce(any_skipped)
         if self._max_grad_norm is not None and not bool(any_skipped):
             for group in optimizer.param_groups:
                 group["previous_grad_norm"] = squares ** 0.5
+                for param in group["params"]:
+                    if id(param) in step_squares:
+                        # a 0-d tensor, as torch keeps "step": checkpoints carry tensors
+                        optimizer.state.setdefault(param, {})["previous_grad_norm_sq"] = torch.tensor(
+                            step_squares[id(param)], dtype=torch.float64
+                        )
+                    elif param in optimizer.state:  # no gradient this step: no part of its norm
+                        optimizer.state[param].pop("previous_grad_norm_sq", None)
         if any_skipped:
             where = f" ({', '.join(skipped[:4])}{', ...' if len(skipped) > 4 else ''} here)" if skipped else ""
             raise NonFiniteGradientError(

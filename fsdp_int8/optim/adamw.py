@@ -152,12 +152,13 @@ class Int8AdamW(FusedInt8Optimizer):
             accumulation needs FSDP2's ``set_requires_gradient_sync(False)``; a
             non-finite gradient leaves its parameter unchanged and ``step()`` raises.
             docs/memory.md says what it saves and what it refuses.
-        max_grad_norm: With ``step_in_backward=True`` only: clip by the global gradient
-            norm known when each gradient arrives (the step's own norm does not exist
-            before the first updates): each gradient is scaled by
-            ``min(1, max_grad_norm / norm)``, ``norm`` the larger of the previous step's
-            norm and the norm of this step's gradients so far, its own included (one
-            scalar all-reduce per parameter). ``grad_norm`` reads the last step's norm.
+        max_grad_norm: With ``step_in_backward=True`` only: clip by the step's global
+            gradient norm as estimated when each gradient arrives (the step's own norm
+            does not exist before the first updates): each gradient is scaled by
+            ``min(1, max_grad_norm / norm)``, ``norm`` this step's norm so far (its own
+            gradient included) scaled up by the previous step's proportions, exact when
+            they hold (one scalar all-reduce per parameter). ``grad_norm`` reads the
+            last step's norm.
         step_elements: The most parameter elements one update works on at once (whole
             rows, one row at least): its fp32 temporaries, about 21 bytes per element with
             8-bit states, never exceed that many elements' worth. ``None`` (default): 2^24

@@ -6,6 +6,7 @@ bit; a sharded checkpoint loads back bit for bit and the export is the dequantiz
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import torch
@@ -82,6 +83,18 @@ def _body(rank: int, world: int, directory: str) -> None:
         # gradient's reduce-scatter against one backward), which can move a value across a
         # rounding boundary, one int8 step in a few elements: far below 1e-3 of the loss.
         assert torch.allclose(torch.tensor(sharded), torch.tensor(reference), rtol=1e-3), (sharded, reference)
+
+    with case("an untied int8 embedding sharded on its own returns no view (FSDP2 warns: an in-place op "
+              "on a view output drops its pre-backward hook)"):
+        torch.manual_seed(0)
+        untied = Transformer(ModelArgs(vocab_size=41, dim=32, n_layers=1, n_heads=2, max_seq_len=16))
+        untied.init_weights()
+        gathered_int8 = replace(nearest, int8_matmul=Int8MatmulConfig(output=False, grad_input=False, grad_weight=False))
+        untied = fsdp_int8.shard_model(untied, config=gathered_int8)  # the lookup reads the int8 rows
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = untied.tok_embeddings(_batch(rank))
+        assert out._base is None and not [w for w in caught if "view" in str(w.message)], caught
 
     stochastic = Int8TrainingConfig(quantize_embeddings=True, seed=4)
     with case("the step inside backward equals the step after it"):

@@ -3,7 +3,8 @@ tensor parallelism, the int8 gradient reduce-scatter and gradient accumulation (
 sync off on all micro-batches but the last) each give the weights and optimizer states of
 stepping after backward, bit for bit, with stochastic rounding and 8-bit states; a plain
 parameter in a multi-process run (DDP's case) is refused, ``clip_grad_norm_`` of
-gradients applied inside backward raises, and ``max_grad_norm``'s global norm is torch's. ``Int8AdamW(grad_dtype=bf16)``
+gradients applied inside backward raises, ``max_grad_norm``'s global norm is torch's and a
+checkpoint resumes its clipping exactly. ``Int8AdamW(grad_dtype=bf16)``
 (gradients kept in bf16 until the step) equals rounding the fp32 gradients by hand, and
 torch's ``clip_grad_norm_`` works on its gradients."""
 
@@ -28,10 +29,10 @@ PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 STEPS, MICRO_BATCHES = 3, 2
 
 
-def _build(mesh_kind: str, world: int):
+def _build(mesh_kind: str, world: int, stochastic_rounding: bool = True):
     torch.manual_seed(0)
     model = MLPNet(dim=32, hidden=64)
-    config = Int8TrainingConfig(min_features=1, seed=5)
+    config = Int8TrainingConfig(min_features=1, seed=5, stochastic_rounding=stochastic_rounding)
     device = device_type_for(world)
     if mesh_kind == "hsdp":
         mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -89,7 +90,7 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
             assert torch.equal(x, y), f"{what}: {key}"
 
 
-def _in_backward_equals_after(rank: int, world: int) -> None:
+def _in_backward_equals_after(rank: int, world: int, directory: str) -> None:
     cases = {
         "FSDP": dict(mesh_kind="fsdp"),
         "HSDP (2 replicas x 1 shard)": dict(mesh_kind="hsdp"),
@@ -144,6 +145,36 @@ def _in_backward_equals_after(rank: int, world: int) -> None:
             opt.step()
             # fp64 sums of fp32 squares against torch's fp32 norm of norms: 1e-5 apart at most
             assert abs(opt.grad_norm - expected) <= 1e-5 * expected, (opt.grad_norm, expected)
+    with case("max_grad_norm: a sharded checkpoint resumes the clipping rule (each parameter's previous "
+              "squared norm) exactly"):
+        def step(model, opt, index: int) -> None:
+            x = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(10 * index + rank))
+            F.mse_loss(model(x), torch.tanh(x[..., :4])).backward()
+            opt.step()
+            opt.zero_grad()
+
+        def clipping(model) -> Int8AdamW:
+            return Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True, max_grad_norm=0.05)
+
+        # round to nearest: stochastic rounding draws from one bank per process, which two
+        # models in one process share (and the load rewinds); a resumed run has one model
+        model = _build("fsdp", world, stochastic_rounding=False)
+        opt = clipping(model)
+        for index in range(2):
+            step(model, opt, index)
+        fsdp_int8.save_checkpoint(directory, model, opt, step=1)
+        resumed = _build("fsdp", world, stochastic_rounding=False)
+        resumed_opt = clipping(resumed)
+        fsdp_int8.load_checkpoint(directory, resumed, resumed_opt)
+        squares = [float(opt.state[p]["previous_grad_norm_sq"]) for p in model.parameters()]
+        loaded = [float(resumed_opt.state[p]["previous_grad_norm_sq"]) for p in resumed.parameters()]
+        assert squares == loaded, (squares, loaded)
+        assert opt.grad_norm == resumed_opt.grad_norm and opt.grad_norm > 0.05  # clipped
+        step(model, opt, 2)
+        step(resumed, resumed_opt, 2)
+        for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+            assert torch.equal(local_of(a).dequantize() if hasattr(local_of(a), "int_data") else local_of(a),
+                               local_of(b).dequantize() if hasattr(local_of(b), "int_data") else local_of(b)), name
     with case("step_in_backward: clip_grad_norm_ of the FSDP2 model raises instead of clipping nothing"):
         model = _build("fsdp", world)
         opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
@@ -167,5 +198,5 @@ def _in_backward_equals_after(rank: int, world: int) -> None:
         del opt
 
 
-def test_step_in_backward_equals_step_after_backward_under_fsdp2():
-    run_distributed(_in_backward_equals_after, 2, timeout=600)
+def test_step_in_backward_equals_step_after_backward_under_fsdp2(tmp_path):
+    run_distributed(_in_backward_equals_after, 2, str(tmp_path / "checkpoints"), timeout=600)
