@@ -183,7 +183,7 @@ class InBackward:
             self._skipped.append(id(param))
         else:
             if squares is not None:
-                self._clip(param, squares, group)
+                self._clip(param, squares)
             optimizer.update_params([param], group)
             self._updated.add(id(param))
         param.grad = _applied_gradient(param, (
@@ -215,7 +215,7 @@ class InBackward:
             dist.all_reduce(squares)
         return float(squares)
 
-    def _clip(self, param: torch.Tensor, squares: float, group: dict[str, Any]) -> None:
+    def _clip(self, param: torch.Tensor, squares: float) -> None:
         """Add ``squares`` (``param``'s squared gradient norm) to the step's sum and scale the
         gradient by ``min(1, max_grad_norm / norm)``, ``norm`` the step's norm estimated
         from the sum so far and the previous step's proportions (the module docstring)."""
