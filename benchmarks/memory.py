@@ -114,10 +114,7 @@ def build(
 
     model = llama(shape)
     if checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 (the older name warns)
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if row in ("bf16", "fp32"):
         policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype) if row == "bf16" else MixedPrecisionPolicy()
         for block in find_blocks(model):

@@ -22,7 +22,7 @@ from fsdp_int8.gradients import enable_quantized_reduce_scatter
 from fsdp_int8.optim._in_backward import is_applied
 from fsdp_int8.testing import device_type_for, run_distributed
 
-from _cases import case, local_of
+from _cases import assert_identical, case, local_of, snapshot
 from _nets import MLPNet
 
 PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
@@ -172,9 +172,7 @@ def _in_backward_equals_after(rank: int, world: int, directory: str) -> None:
         assert opt.grad_norm == resumed_opt.grad_norm and opt.grad_norm > 0.05  # clipped
         step(model, opt, 2)
         step(resumed, resumed_opt, 2)
-        for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
-            assert torch.equal(local_of(a).dequantize() if hasattr(local_of(a), "int_data") else local_of(a),
-                               local_of(b).dequantize() if hasattr(local_of(b), "int_data") else local_of(b)), name
+        assert_identical(snapshot(model, opt), snapshot(resumed, resumed_opt), "resumed")
     with case("step_in_backward: clip_grad_norm_ of the FSDP2 model raises instead of clipping nothing"):
         model = _build("fsdp", world)
         opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
