@@ -12,8 +12,10 @@ were set by hand (no hook: nothing checked); the difference is the check. The lo
 read from the page cache (the fastest load, so the largest share), or with ``--cold``
 from the disk (its pages dropped from the cache before each read, as for a checkpoint
 that another job or node wrote). The check alone is timed too, as ``state_dict_from_int8_safetensors``
-runs it (the same check, without the copy). Prints seconds per GB of int8 weights and the
-check's share of the load; medians of interleaved repeats, one thread by default.
+runs it (the same check, without the copy), and so is one plain read of the same bytes (a
+float32 sum over them): the floor of any check that is a pass of its own. Prints seconds
+per GB of int8 weights and the check's share of the load; medians of interleaved repeats,
+one thread by default.
 """
 
 from __future__ import annotations
@@ -103,11 +105,14 @@ def measure(preset: str, repeats: int, cold: bool = False) -> dict[str, float]:
         torch.save(checked.state_dict(), file)
         state = torch.load(file, weights_only=True)  # its own memory: every load below copies
         pairs = int8_safetensors_state_dict(state)  # views of the same rows and scales
+        int8_bytes = [v.int_data.view(-1)[: v.int_data.numel() // 4 * 4].view(torch.float32)
+                      for v in state.values() if isinstance(v, Int8Weight)]
         seconds = _median_seconds({
             "torch.load": lambda: torch.load(file, weights_only=True),
             "load_state_dict unchecked": lambda: unchecked.load_state_dict(state),
             "load_state_dict checked": lambda: checked.load_state_dict(state),
             "check alone": lambda: state_dict_from_int8_safetensors(pairs),
+            "one read of the bytes": lambda: [t.sum() for t in int8_bytes],
         }, repeats, untimed_before={"torch.load": lambda: _drop_from_page_cache(file)} if cold else None)
     gigabytes = sum(v.int_data.numel() + 4 * v.scale.numel() for v in state.values() if isinstance(v, Int8Weight)) / 1e9
     seconds["check"] = max(seconds["load_state_dict checked"] - seconds["load_state_dict unchecked"], 0.0)
@@ -128,10 +133,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"preset {args.preset}: {gb:.3f} GB of int8 rows and scales; {args.threads} thread(s), "
           f"median of {args.repeats} interleaved repeats; the file read from the {'disk' if args.cold else 'page cache'}")
     print(hardware.hardware_line())
-    for name in ("torch.load", "load_state_dict unchecked", "load_state_dict checked", "check", "check alone", "load"):
+    names = ("torch.load", "load_state_dict unchecked", "load_state_dict checked", "check", "check alone",
+             "one read of the bytes", "load")
+    for name in names:
         print(f"{name:<27}{result[name]:8.3f} s {result[name] / gb:8.3f} s/GB")
     print(f"check / load: {result['check'] / result['load']:.1%} (checked - unchecked load_state_dict), "
-          f"{result['check alone'] / result['load']:.1%} (the check alone, state_dict_from_int8_safetensors)")
+          f"{result['check alone'] / result['load']:.1%} (the check alone, state_dict_from_int8_safetensors); "
+          f"a pass of its own costs at least {result['one read of the bytes'] / result['load']:.1%} "
+          "(one read of the bytes)")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ between ranks does it through here, so single-process use never needs special ca
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import time
+import warnings
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,6 +81,49 @@ def shard_coordinate(mesh: DeviceMesh | None) -> int:
     row, as with DDP) is one shard, index 0.
     """
     return 0 if mesh is None else mesh.get_local_rank(mesh.ndim - 1)
+
+
+# How long a caller waits for a collective backend's thread to drop its references to the
+# caller's tensors (it takes microseconds; a thread descheduled on a busy machine, milliseconds).
+_RELEASE_TIMEOUT_S = 1.0
+_release_waits = True  # False once a wait ran out: a backend that keeps tensors stalls no step
+
+
+@contextlib.contextmanager
+def released_by_backend(*tensors: torch.Tensor) -> Iterator[None]:
+    """Around a blocking collective on ``tensors``: leave only once the backend's threads
+    hold no reference to the CPU ones (the caller's, and its Python objects, are the last).
+
+    gloo runs each collective on a worker thread that keeps the work, and so its tensors,
+    for a moment after the caller's wait returns (about one all-reduce in ten on a 2-core
+    machine). If the caller drops a tensor made in Python first, that thread drops the last
+    reference and needs the GIL to free the tensor's Python object. After the last step of a
+    script, the interpreter may be finalizing by then: the process group and its threads
+    outlive ``destroy_process_group()`` while DDP (or anything else) holds it, and a thread taking the
+    GIL during finalization is ended with ``pthread_exit`` inside torch's ``noexcept``
+    release, which aborts the process ("terminate called without an active exception",
+    pytorch/pytorch#190489). Accelerator tensors are left to their backend: NCCL's watchdog
+    releases them on its own schedule, and waiting for it would stall every step.
+    """
+    global _release_waits
+    if not (_release_waits and hasattr(torch.Tensor, "_use_count")):  # a private count of torch's
+        yield
+        return
+    watched = [(t, t._use_count()) for t in tensors if t.device.type == "cpu"]
+    yield
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    for tensor, count in watched:
+        while tensor._use_count() > count:
+            if time.monotonic() > deadline:
+                _release_waits = False
+                warnings.warn(
+                    f"the process group's backend still held a collective's tensor {_RELEASE_TIMEOUT_S:.0f} s "
+                    "after the collective returned; fsdp_int8 stops waiting for such releases. If this "
+                    "process aborts at exit, drop the model and optimizer and call gc.collect() before "
+                    "destroy_process_group() (docs/limits.md).", stacklevel=3,
+                )
+                return
+            time.sleep(0)  # lets the backend's thread run (and take the GIL if it must)
 
 
 TENSOR_PARALLEL_DIM = "tp"  # the mesh dim tensor parallelism splits on (torchtitan's name)

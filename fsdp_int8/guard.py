@@ -76,7 +76,8 @@ def _agreed(flags: list[torch.Tensor]) -> bool:
     else:
         verdict = torch.ones((), dtype=torch.int32, device=device)
     if _dist.is_distributed():
-        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+        with _dist.released_by_backend(verdict):
+            dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
     return bool(verdict)
 
 

@@ -13,3 +13,4 @@ def test_the_benchmark_measures_checked_and_unchecked_loads(capsys):
     load_checks.main(["--preset", "tiny", "--repeats", "1", "--cold"])
     out = capsys.readouterr().out
     assert "check / load:" in out and "s/GB" in out and "read from the disk" in out
+    assert "one read of the bytes" in out and result["one read of the bytes"] > 0

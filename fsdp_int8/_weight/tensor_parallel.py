@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_int8._dist import released_by_backend
 from fsdp_int8._quant.generators import WEIGHT_ROUNDING, active_update_stream
 from fsdp_int8._weight import end_of_step
 from fsdp_int8.quant import absmax_quantize, raise_non_finite, signed_row_absmax
@@ -114,7 +115,8 @@ def shared_row_absmax(values: list[torch.Tensor], mesh: DeviceMesh) -> list[torc
         return []
     packed = torch.cat(local).nan_to_num_(nan=float("inf"))
     if mesh.size() > 1 and not packed.is_meta:
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        with released_by_backend(packed):
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=mesh.get_group())
     return list(packed.split([t.numel() for t in local]))
 
 

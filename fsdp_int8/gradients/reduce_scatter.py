@@ -119,8 +119,10 @@ class QuantizedReduceScatter(ReduceScatter):
             slices, rank, self.block_size, generator=self._generator(input_tensor.device)
         )
         received = torch.empty_like(send)
-        # Looked up on the module at call time: fsdp_int8.collectives.count_collectives sees it.
-        dist.all_to_all_single(received.view(-1), send.view(-1), group=group)
+        received_flat, send_flat = received.view(-1), send.view(-1)
+        with _dist.released_by_backend(received_flat, send_flat):
+            # Looked up on the module at call time: fsdp_int8.collectives.count_collectives sees it.
+            dist.all_to_all_single(received_flat, send_flat, group=group)
         accumulator = output if output.dtype == torch.float32 else None
         total = unpack_and_sum(received, slices[rank], rank, self.block_size, out=accumulator)
         if multiplier is not None:

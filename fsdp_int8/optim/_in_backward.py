@@ -212,7 +212,8 @@ class InBackward:
         wide = torch.float32 if grad.device.type == "mps" else torch.float64
         squares = torch.linalg.vector_norm(local_shard(grad), dtype=wide).square() / copies
         if isinstance(grad, DTensor) and _dist.is_distributed():
-            dist.all_reduce(squares)
+            with _dist.released_by_backend(squares):
+                dist.all_reduce(squares)
         return float(squares)
 
     def _clip(self, param: torch.Tensor, squares: float) -> None:
@@ -263,7 +264,8 @@ class InBackward:
         step_squares, self._step_squares = self._step_squares, {}
         any_skipped = torch.tensor(float(len(skipped) > 0), device=_dist.collective_device())
         if _dist.is_distributed():
-            dist.all_reduce(any_skipped)
+            with _dist.released_by_backend(any_skipped):
+                dist.all_reduce(any_skipped)
         if self._max_grad_norm is not None and not bool(any_skipped):
             for group in optimizer.param_groups:
                 group["previous_grad_norm"] = squares ** 0.5

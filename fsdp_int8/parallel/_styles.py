@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from fsdp_int8._dist import local_shard
+from fsdp_int8._dist import local_shard, released_by_backend
 from fsdp_int8._quant.kernels import ceil_div
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8._weight.tensor_parallel import TensorParallelShard
@@ -67,8 +67,9 @@ def _source_weight(weight: Int8Weight, mesh: DeviceMesh, src_data_rank: int | No
     if src_data_rank is not None and mesh.size() > 1 and not data.is_meta:
         group = mesh.get_group()
         source = dist.get_global_rank(group, src_data_rank)
-        dist.broadcast(data, source, group=group)
-        dist.broadcast(scale, source, group=group)
+        with released_by_backend(data, scale):
+            dist.broadcast(data, source, group=group)
+            dist.broadcast(scale, source, group=group)
     return data, scale
 
 
