@@ -99,10 +99,10 @@ def released_by_backend(*tensors: torch.Tensor) -> Iterator[None]:
     machine). If the caller drops a tensor made in Python first, that thread drops the last
     reference and needs the GIL to free the tensor's Python object. After the last step of a
     script, the interpreter may be finalizing by then: the process group and its threads
-    outlive ``destroy_process_group()`` while DDP (or anything else) holds it, and a thread taking the
-    GIL during finalization is ended with ``pthread_exit`` inside torch's ``noexcept``
-    release, which aborts the process ("terminate called without an active exception",
-    pytorch/pytorch#190489). Accelerator tensors are left to their backend: NCCL's watchdog
+    outlive ``destroy_process_group()`` while DDP (or anything else) holds it, and a
+    thread taking the GIL during finalization is ended with ``pthread_exit`` inside
+    torch's ``noexcept`` release, which aborts the process ("terminate called without an
+    active exception", pytorch/pytorch#190489). Accelerator tensors are left to their backend: NCCL's watchdog
     releases them on its own schedule, and waiting for it would stall every step.
     """
     global _release_waits
