@@ -6,9 +6,8 @@ only in a process that ends as a user's script does: the model and optimizer sti
 after ``destroy_process_group()`` (module globals) and no ``gc.collect()`` before it, which
 is why ``fsdp_int8.testing.run_distributed`` (it collects, then destroys, and reads
 results rather than exit codes) cannot see it. It was intermittent (6 of 18 runs in the
-report), so the run repeats 18 times with ``FSDP_INT8_FULL_MATRIX=1``; CI runs it once. It did
-not abort on the 2-core CPU machines of 2026-11-27 (docs/limits.md has the runs, the
-likely mechanism and the workaround).
+report, rarer here), so the run repeats 18 times with ``FSDP_INT8_FULL_MATRIX=1``; CI runs
+it once. docs/limits.md has the runs, the mechanism and the workaround.
 
 The mechanism (pytorch/pytorch#190489): gloo's worker thread keeps a collective's tensors
 for a moment after the caller's wait returns; if it drops the last reference to a tensor
