@@ -84,7 +84,7 @@ def shard_coordinate(mesh: DeviceMesh | None) -> int:
 
 
 # How long a caller waits for a collective backend's thread to drop its references to the
-# caller's tensors (it takes microseconds; a thread descheduled on a busy machine, milliseconds).
+# caller's tensors: far longer than a release takes, even by a thread descheduled on a busy machine.
 _RELEASE_TIMEOUT_S = 1.0
 _release_waits = True  # False once a wait ran out: a backend that keeps tensors stalls no step
 
@@ -95,15 +95,16 @@ def released_by_backend(*tensors: torch.Tensor) -> Iterator[None]:
     hold no reference to the CPU ones (the caller's, and its Python objects, are the last).
 
     gloo runs each collective on a worker thread that keeps the work, and so its tensors,
-    for a moment after the caller's wait returns (about one all-reduce in ten on a 2-core
-    machine). If the caller drops a tensor made in Python first, that thread drops the last
+    for a moment after the caller's wait returns (often: docs/limits.md has the counts).
+    If the caller drops a tensor made in Python first, that thread drops the last
     reference and needs the GIL to free the tensor's Python object. After the last step of a
     script, the interpreter may be finalizing by then: the process group and its threads
     outlive ``destroy_process_group()`` while DDP (or anything else) holds it, and a
     thread taking the GIL during finalization is ended with ``pthread_exit`` inside
     torch's ``noexcept`` release, which aborts the process ("terminate called without an
-    active exception", pytorch/pytorch#190489). Accelerator tensors are left to their backend: NCCL's watchdog
-    releases them on its own schedule, and waiting for it would stall every step.
+    active exception", pytorch/pytorch#190489). Accelerator tensors are left to their
+    backend: NCCL's watchdog releases them on its own schedule, and waiting for it would
+    stall every step.
     """
     global _release_waits
     if not (_release_waits and hasattr(torch.Tensor, "_use_count")):  # a private count of torch's
@@ -124,6 +125,20 @@ def released_by_backend(*tensors: torch.Tensor) -> Iterator[None]:
                 )
                 return
             time.sleep(0)  # lets the backend's thread run (and take the GIL if it must)
+
+
+def all_ranks_true(flags: list[torch.Tensor]) -> bool:
+    """Whether every flag is true on every rank: one all-reduce (with a process group) and
+    one host sync, whatever the number of flags and devices."""
+    device = collective_device()
+    if flags:
+        verdict = torch.stack([flag.to(device, torch.int32) for flag in flags]).min()
+    else:
+        verdict = torch.ones((), dtype=torch.int32, device=device)
+    if is_distributed():
+        with released_by_backend(verdict):
+            dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    return bool(verdict)
 
 
 TENSOR_PARALLEL_DIM = "tp"  # the mesh dim tensor parallelism splits on (torchtitan's name)

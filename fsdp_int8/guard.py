@@ -17,7 +17,6 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_int8 import _dist
@@ -39,11 +38,11 @@ def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
         # Sparse gradients are the optimizer's to refuse (or handle): strided ones only.
         if local.layout == torch.strided and local.is_floating_point() and local.numel():
             groups[(local.device, local.dtype)].append(local)
-    if _agreed([norms_finite(group) for group in groups.values()]):
+    if _dist.all_ranks_true([norms_finite(group) for group in groups.values()]):
         return True
     # Rare: a norm is NaN or Inf, on some rank. Every rank gets here (the verdict is
     # shared): look at the values themselves, since a norm may only have overflowed.
-    return _agreed([torch.stack([t.isfinite().all() for t in group]).all() for group in groups.values()])
+    return _dist.all_ranks_true([torch.stack([t.isfinite().all() for t in group]).all() for group in groups.values()])
 
 
 def tensor_finite(tensor: torch.Tensor) -> bool:
@@ -65,20 +64,6 @@ def norms_finite(group: list[torch.Tensor]) -> torch.Tensor:
     20x slower; docs/performance.md, "Kernel choices").
     """
     return torch.stack(torch._foreach_norm(group, 2)).isfinite().all()
-
-
-def _agreed(flags: list[torch.Tensor]) -> bool:
-    """Whether every flag is true on every rank: one all-reduce (with a process group) and
-    one host sync, whatever the number of flags and devices."""
-    device = _dist.collective_device()
-    if flags:
-        verdict = torch.stack([flag.to(device, torch.int32) for flag in flags]).min()
-    else:
-        verdict = torch.ones((), dtype=torch.int32, device=device)
-    if _dist.is_distributed():
-        with _dist.released_by_backend(verdict):
-            dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
-    return bool(verdict)
 
 
 def check_finite_gradients(optimizer: torch.optim.Optimizer) -> None:

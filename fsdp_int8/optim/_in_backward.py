@@ -259,14 +259,11 @@ class InBackward:
         self._updated.clear()
         self._skipped.clear()
         optimizer.end_step()
-        # one all-reduce: how many ranks skipped a parameter (the norm's sum is already global)
         squares, self._squares, self._previous, self._previous_seen = self._squares, 0.0, None, 0.0
         step_squares, self._step_squares = self._step_squares, {}
-        any_skipped = torch.tensor(float(len(skipped) > 0), device=_dist.collective_device())
-        if _dist.is_distributed():
-            with _dist.released_by_backend(any_skipped):
-                dist.all_reduce(any_skipped)
-        if self._max_grad_norm is not None and not bool(any_skipped):
+        # one all-reduce: whether any rank skipped a parameter (the norm's sum is already global)
+        any_skipped = not _dist.all_ranks_true([torch.tensor(not skipped)])
+        if self._max_grad_norm is not None and not any_skipped:
             for group in optimizer.param_groups:
                 group["previous_grad_norm"] = squares ** 0.5
                 for param in group["params"]:
