@@ -42,13 +42,20 @@ def _split(split: Any) -> tuple | None:
     return (type(split).__name__, *dataclasses.astuple(split))
 
 
+def _field(name: str, value: Any) -> Any:
+    """A field of ``Int8Weight.fields()`` as plain, process-independent values."""
+    if name == "tensor_parallel":
+        return _split(value)
+    if dataclasses.is_dataclass(value):  # int8_matmul
+        return dataclasses.astuple(value)
+    return value
+
+
 def stable_hash(weight: "Int8Weight") -> str:
     """``Int8Weight._stable_hash_for_caching``: its metadata's blake2b digest, in hex."""
-    matmul = None if weight.int8_matmul is None else dataclasses.astuple(weight.int8_matmul)
     payload = (
         type(weight).__qualname__, tuple(weight.shape), tuple(weight.stride()), str(weight.dtype),
-        weight.requires_grad, weight.row_len, weight.full_rows, weight.stochastic_rounding, matmul,
-        weight.compiled, _split(weight.tensor_parallel),
+        weight.requires_grad, *(_field(name, value) for name, value in weight.fields().items()),
         _layout(weight.int_data), _layout(weight.scale),
     )
     return hashlib.blake2b(repr(payload).encode(), digest_size=16).hexdigest()

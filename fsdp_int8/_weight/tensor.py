@@ -18,7 +18,6 @@ methods over :mod:`.all_gather`. An op that is not in the table raises naming it
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import torch
@@ -27,13 +26,21 @@ from fsdp_int8._weight import all_gather as _all_gather
 from fsdp_int8._weight import cache_key as _cache_key
 from fsdp_int8._weight import end_of_step
 from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight import pickle_layout as _pickle_layout
 from fsdp_int8._weight import tensor_parallel as _tensor_parallel
 from fsdp_int8._weight import update_checks as _update_checks
 from fsdp_int8._weight.tensor_parallel import ColumnWindow, TensorParallelShard
 from fsdp_int8.config import Int8MatmulConfig
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
-__all__ = ["Int8Weight"]
+__all__ = ["Int8Weight", "FIELDS"]
+
+# What an Int8Weight carries besides its outer dtype and its two inner tensors (int_data,
+# scale): the one list that derive, the subclass protocol (flatten / unflatten), pickling
+# and the compile cache key read (a new field is one entry here plus its constructor
+# keyword). tensor_parallel is this process's placement, never pickled.
+FIELDS = ("row_len", "full_rows", "stochastic_rounding", "int8_matmul", "compiled", "tensor_parallel")
+_NOT_PICKLED = ("tensor_parallel",)
 
 
 class Int8Weight(torch.Tensor):
@@ -109,13 +116,18 @@ class Int8Weight(torch.Tensor):
         )
         self.int_data = int_data
         self.scale = scale
-        self.row_len = row_len
-        self.full_rows = rows if full_rows is None else full_rows
-        self.stochastic_rounding = stochastic_rounding
-        self.int8_matmul = int8_matmul
-        self.compiled = compiled
-        self.tensor_parallel = tensor_parallel
+        fields = dict(
+            row_len=row_len, full_rows=rows if full_rows is None else full_rows,
+            stochastic_rounding=stochastic_rounding, int8_matmul=int8_matmul, compiled=compiled,
+            tensor_parallel=tensor_parallel,
+        )
+        assert tuple(fields) == FIELDS  # one description: FIELDS lists exactly these
+        vars(self).update(fields)
         return self
+
+    def fields(self) -> dict[str, Any]:
+        """This weight's :data:`FIELDS` by name: what a new weight over other inner tensors keeps."""
+        return {name: getattr(self, name) for name in FIELDS}
 
     @staticmethod
     def supported_ops() -> list[str]:
@@ -133,10 +145,12 @@ class Int8Weight(torch.Tensor):
         compiled: bool = False,
         dtype: torch.dtype | None = None,
     ) -> "Int8Weight":
-        """Quantize a 2-D floating tensor with round-to-nearest.
+        """Quantize a 2-D or 3-D floating tensor with round-to-nearest.
 
         Args:
-            weight: ``[out_features, in_features]`` floating tensor (meta allowed).
+            weight: ``[out_features, in_features]`` floating tensor (meta allowed), or a
+                mixture-of-experts weight ``[experts, out_features, in_features]`` (one
+                scale per expert and output feature: scales ``[experts, out_features]``).
             stochastic_rounding: Rounding used by later in-place updates.
             int8_matmul: Which matmuls run as int8 GEMMs (``None``: weight-only).
             compiled: Run its quantization kernels ``torch.compile``d (same bits).
@@ -144,19 +158,23 @@ class Int8Weight(torch.Tensor):
         """
         if isinstance(weight, Int8Weight):
             raise TypeError("from_float got an Int8Weight; it is already quantized")
-        if weight.dim() != 2:
+        if weight.dim() not in (2, 3):
             raise ValueError(
-                f"Int8Weight quantizes 2-D [out_features, in_features] weights, got shape {tuple(weight.shape)}"
+                "Int8Weight quantizes 2-D [out_features, in_features] weights and 3-D expert "
+                f"weights [experts, out_features, in_features], got shape {tuple(weight.shape)}"
             )
-        if weight.shape[1] == 0:
+        if weight.shape[-1] == 0:
             raise ValueError(
                 f"cannot quantize a weight of shape {tuple(weight.shape)}: a layer with 0 input "
                 "features has rows of length 0, which carry no scale. Leave it in full "
                 "precision (exclude it in Int8TrainingConfig.module_filter)."
             )
-        int_data, scale = absmax_quantize(weight.detach(), what="a weight", compiled=compiled)
+        row_len = weight.shape[-1]
+        int_data, scale = absmax_quantize(weight.detach().reshape(-1, row_len), what="a weight", compiled=compiled)
+        if weight.dim() == 3:  # experts: [E, out, in] rows with [E, out] scales
+            int_data, scale = int_data.view(weight.shape), scale.view(weight.shape[:-1])
         return cls(
-            int_data, scale, dtype=dtype or weight.dtype, row_len=weight.shape[1],
+            int_data, scale, dtype=dtype or weight.dtype, row_len=row_len,
             stochastic_rounding=stochastic_rounding, int8_matmul=int8_matmul, compiled=compiled,
         )
 
@@ -170,12 +188,7 @@ class Int8Weight(torch.Tensor):
     ) -> "Int8Weight":
         """A new ``Int8Weight`` over other inner tensors, with this one's metadata but for
         ``dtype`` and ``changes`` (other constructor keywords: ``row_len``, ...)."""
-        settings = dict(
-            dtype=dtype or self.dtype, row_len=self.row_len, full_rows=self.full_rows,
-            stochastic_rounding=self.stochastic_rounding, int8_matmul=self.int8_matmul,
-            compiled=self.compiled, tensor_parallel=self.tensor_parallel,
-        )
-        return Int8Weight(int_data, scale, **{**settings, **changes})
+        return Int8Weight(int_data, scale, dtype=dtype or self.dtype, **{**self.fields(), **changes})
 
     # ------------------------------------------------------------------ reading
     @property
@@ -306,32 +319,22 @@ class Int8Weight(torch.Tensor):
 
     # ------------------------------------------------------------------ subclass protocol
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        return ["int_data", "scale"], (
-            self.dtype, self.row_len, self.full_rows, self.stochastic_rounding, self.int8_matmul,
-            self.compiled, self.tensor_parallel,
-        )
+        return ["int_data", "scale"], (self.dtype, *self.fields().values())
 
     _stable_hash_for_caching = _cache_key.stable_hash  # AOTAutograd's cache key: metadata, no values
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size: Any, outer_stride: Any) -> "Int8Weight":
-        dtype, row_len, full_rows, stochastic, int8_matmul, compiled, tensor_parallel = ctx
-        return Int8Weight(
-            inner["int_data"], inner["scale"], dtype=dtype, row_len=row_len,
-            full_rows=full_rows, stochastic_rounding=stochastic, int8_matmul=int8_matmul,
-            compiled=compiled, tensor_parallel=tensor_parallel,
-        )
+        dtype, *fields = ctx
+        return Int8Weight(inner["int_data"], inner["scale"], dtype=dtype, **dict(zip(FIELDS, fields)))
 
     def __reduce_ex__(self, protocol: int):
-        # Both names are weights_only safe globals (end of module). A tensor-parallel split
-        # is this process's placement, not the weight's: it is not pickled.
+        # Both names are weights_only safe globals (end of module); the layout: _pickle_layout.
         return (
             _rebuild_int8_weight,
-            (self.int_data.clone(), self.scale.clone(), self.dtype, self.row_len,
-             self.full_rows, self.stochastic_rounding, self.requires_grad,
-             getattr(self, "_is_param", False),
-             None if self.int8_matmul is None else dataclasses.asdict(self.int8_matmul),
-             self.compiled),
+            (self.int_data.clone(), self.scale.clone(), self.dtype,
+             _pickle_layout.pickled_fields(self.fields(), exclude=_NOT_PICKLED), self.requires_grad,
+             getattr(self, "_is_param", False)),
         )
 
     # ------------------------------------------------------------------ FSDP2 all-gather
@@ -376,19 +379,10 @@ class Int8Weight(torch.Tensor):
         return _op_table.dispatch(func, args, kwargs or {})
 
 
-def _rebuild_int8_weight(
-    int_data, scale, dtype, row_len, full_rows, stochastic, requires_grad, is_param=False,
-    int8_matmul=None, compiled=False,
-):
-    if isinstance(int8_matmul, dict):  # pickle layout 3 (what __reduce_ex__ writes): by name
-        int8_matmul = Int8MatmulConfig(**int8_matmul)
-    elif int8_matmul is not None:  # layout 2: the first 3 fields; layout 1: and the compiled flag
-        *fields, compiled = int8_matmul if len(int8_matmul) == 4 else (*int8_matmul, compiled)
-        int8_matmul = Int8MatmulConfig(*fields)
-    weight = Int8Weight(
-        int_data, scale, dtype=dtype, row_len=row_len, full_rows=full_rows,
-        stochastic_rounding=stochastic, int8_matmul=int8_matmul, compiled=bool(compiled),
-    )
+def _rebuild_int8_weight(int_data, scale, dtype, fields, *args):
+    """An Int8Weight from its pickle (any layout :mod:`._pickle_layout` reads)."""
+    fields, requires_grad, is_param = _pickle_layout.read(fields, args)
+    weight = Int8Weight(int_data, scale, dtype=dtype, **fields)
     if is_param:  # a pickled module's parameter comes back as a parameter
         return torch.nn.Parameter(weight, requires_grad=requires_grad)
     return weight.requires_grad_(requires_grad) if requires_grad else weight

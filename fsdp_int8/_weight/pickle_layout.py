@@ -1,0 +1,46 @@
+"""What a pickled ``Int8Weight`` holds (``torch.save`` of a weight or a whole model).
+
+Layout 4, written: ``(int_data, scale, dtype, fields, requires_grad, is_param)``, where
+``fields`` maps the weight's fields (``Int8Weight.fields()``) to plain values by name, an
+``Int8MatmulConfig`` as a dict, the tensor-parallel placement left out (it is this
+process's, not the weight's). Layouts 1 to 3, read (fsdp_int8 0.1.0 wrote them):
+positional, ``(int_data, scale, dtype, row_len, full_rows, stochastic, requires_grad[,
+is_param[, int8_matmul[, compiled]]])``, the matmul config as its first 3 fields plus the
+compiled flag (1), its first 3 fields (2) or a dict (3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fsdp_int8.config import Int8MatmulConfig
+
+__all__ = ["pickled_fields", "read"]
+
+
+def pickled_fields(fields: dict[str, Any], *, exclude: tuple[str, ...]) -> dict[str, Any]:
+    """Layout 4's ``fields``: ``fields`` but ``exclude``, the matmul config as a dict."""
+    out = {name: value for name, value in fields.items() if name not in exclude}
+    if out.get("int8_matmul") is not None:
+        out["int8_matmul"] = dataclasses.asdict(out["int8_matmul"])
+    return out
+
+
+def read(fields: Any, rest: tuple) -> tuple[dict[str, Any], bool, bool]:
+    """``(constructor fields, requires_grad, is_param)`` of a pickle's arguments after
+    ``dtype``: ``fields`` is layout 4's dict, or an older layout's ``row_len``."""
+    if isinstance(fields, dict):
+        requires_grad, is_param = rest
+        fields = dict(fields)
+    else:
+        full_rows, stochastic, requires_grad, *more = rest
+        is_param, int8_matmul, compiled = (*more, *(False, None, False)[len(more):])
+        if isinstance(int8_matmul, (tuple, list)):
+            *int8_matmul, compiled = int8_matmul if len(int8_matmul) == 4 else (*int8_matmul, compiled)
+            int8_matmul = Int8MatmulConfig(*int8_matmul)
+        fields = dict(row_len=fields, full_rows=full_rows, stochastic_rounding=stochastic,
+                      int8_matmul=int8_matmul, compiled=bool(compiled))
+    if isinstance(fields.get("int8_matmul"), dict):
+        fields["int8_matmul"] = Int8MatmulConfig(**fields["int8_matmul"])
+    return fields, bool(requires_grad), bool(is_param)
