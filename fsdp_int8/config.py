@@ -88,11 +88,15 @@ class Int8TrainingConfig:
         seed: Seed of the stochastic-rounding generator. Each shard rank mixes in its
             shard index, so shards draw different noise while replicas (HSDP, or DDP
             around an unsharded model) draw the same and stay bit-identical.
-        module_filter: Decides which ``nn.Linear`` layers are quantized. ``None`` uses
+        module_filter: Decides which ``nn.Linear`` layers (and mixture-of-experts
+            modules) are quantized. ``None`` uses
             the default: every ``nn.Linear`` whose name is not in ``skip_names`` and
-            whose in and out features are both at least ``min_features``. Only
-            ``nn.Linear`` modules and transformers' ``Conv1D`` modules (GPT-2) are
-            offered; a ``Conv1D`` has ``nx`` (in) and ``nf`` (out) features, not
+            whose in and out features are both at least ``min_features``, and every
+            experts module likewise (:func:`expert_weight_names`: transformers 5's and
+            torchtitan's MoE experts, whose 3-D weights ``[experts, out, in]`` get one
+            scale per expert and output feature). Only ``nn.Linear`` modules,
+            experts modules and transformers' ``Conv1D`` modules (GPT-2) are
+            offered (a MoE router stays in full precision); a ``Conv1D`` has ``nx`` (in) and ``nf`` (out) features, not
             ``in_features`` / ``out_features``. PEFT adapter layers (LoRA's ``lora_A`` /
             ``lora_B``) are never offered: they stay in full precision.
         skip_names: Last name components that stay in full precision (output heads,
@@ -140,31 +144,41 @@ class Int8TrainingConfig:
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
 
-    def should_quantize(self, module: nn.Module, name: str) -> bool:
+    def should_quantize(self, module: nn.Module, name: str, *, router: bool = False) -> bool:
         """Whether ``module`` (found at ``name`` in the model) gets an int8 weight: the one
-        rule, for ``nn.Linear``, GPT-2's ``Conv1D`` and (with ``quantize_embeddings``)
-        ``nn.Embedding``. ``module_filter`` decides when it is set; otherwise
-        :meth:`selects_by_default`."""
+        rule, for ``nn.Linear``, GPT-2's ``Conv1D``, mixture-of-experts modules and (with
+        ``quantize_embeddings``) ``nn.Embedding``. ``module_filter`` decides when it is set;
+        otherwise :meth:`selects_by_default`, which keeps a MoE ``router`` in full
+        precision (``quantize_`` passes ``router=True`` for a linear layer directly under a
+        module with ``num_experts``: torchtitan's ``TokenChoiceTopKRouter.gate``)."""
+        if router and self.module_filter is None:
+            return False
         if isinstance(module, nn.Embedding):
             if not self.quantize_embeddings:
                 return False
-        elif linear_features(module) is None:
+        elif linear_features(module) is None and not expert_weight_names(module):
             return False
         if self.module_filter is not None:
             return bool(self.module_filter(module, name))
         return self.selects_by_default(module, name)
 
     def selects_by_default(self, module: nn.Module, name: str) -> bool:
-        """The rule without ``module_filter``: a linear layer whose last name component is
-        not in ``skip_names`` and whose input and output features are both at least
-        ``min_features``; with ``quantize_embeddings``, an embedding whose rows hold at
-        least ``min_features`` values."""
+        """The rule without ``module_filter``: a linear layer, or a mixture-of-experts
+        module (:func:`expert_weight_names`), whose last name component is not in
+        ``skip_names`` and whose input and output features are both at least
+        ``min_features`` (for experts: those of every expert weight); with
+        ``quantize_embeddings``, an embedding whose rows hold at least ``min_features``
+        values."""
         if isinstance(module, nn.Embedding):
             return self.quantize_embeddings and module.embedding_dim >= self.min_features
-        features = linear_features(module)
-        if features is None or name.rsplit(".", 1)[-1] in self.skip_names:
+        if name.rsplit(".", 1)[-1] in self.skip_names:
             return False
-        return min(features) >= self.min_features
+        experts = expert_weight_names(module)
+        if experts:
+            shapes = [getattr(module, weight).shape for weight in experts]
+            return all(min(shape[1:]) >= self.min_features for shape in shapes)
+        features = linear_features(module)
+        return features is not None and min(features) >= self.min_features
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -183,4 +197,35 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
         return module.in_features, module.out_features
     if is_conv1d(module):
         return module.nx, module.nf
+    return None
+
+
+def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
+    """Names of ``module``'s own mixture-of-experts weights, ``()`` if it has none.
+
+    An experts module keeps its expert count in ``num_experts`` and one 3-D floating
+    parameter ``[num_experts, out, in]`` per projection: transformers 5's ``*Experts``
+    (``gate_up_proj``, ``down_proj``) and torchtitan's ``GroupedExperts`` (``w1_EFD``,
+    ``w2_EDF``, ``w3_EFD``). Recognised by those attributes, so that ``fsdp_int8`` imports
+    neither framework. Biases (``[num_experts, out]``) are not expert weights. A module
+    that stores its experts transposed (transformers' ``is_transposed``: ``[E, in, out]``)
+    has none: one scale per stored row would be one per input feature
+    (:func:`why_experts_stay_full_precision` says so).
+    """
+    experts = getattr(module, "num_experts", None)
+    if not isinstance(experts, int) or experts < 1 or getattr(module, "is_transposed", False):
+        return ()
+    return tuple(
+        name for name, param in module._parameters.items()
+        if param is not None and param.dim() == 3 and param.shape[0] == experts and param.is_floating_point()
+    )
+
+
+def why_experts_stay_full_precision(module: nn.Module) -> str | None:
+    """Why an experts-like module's 3-D weights are not offered to quantization, or ``None``."""
+    if getattr(module, "is_transposed", False) and isinstance(getattr(module, "num_experts", None), int):
+        return (
+            "its experts are stored transposed ([experts, in, out]): fsdp_int8 keeps one scale "
+            "per expert and output feature, which that layout does not hold in rows"
+        )
     return None

@@ -1,5 +1,5 @@
-"""``quantize_``: swap a model's eligible ``nn.Linear`` (and GPT-2 ``Conv1D``) weights for
-``Int8Weight`` parameters."""
+"""``quantize_``: swap a model's eligible ``nn.Linear`` (and GPT-2 ``Conv1D``) weights and
+mixture-of-experts weights for ``Int8Weight`` parameters."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_int8._weight.census import int8_census, warn_if_mostly_full_precision
 from fsdp_int8._dist import is_sharded, local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.conv1d import int8_conv1d_, why_not_convertible
 from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embedding
 from fsdp_int8._weight.load_checks import add_check_hook
 from fsdp_int8._weight.tensor import Int8Weight
-from fsdp_int8.config import Int8TrainingConfig, is_conv1d
+from fsdp_int8.config import Int8TrainingConfig, expert_weight_names, is_conv1d, why_experts_stay_full_precision
 
 __all__ = ["quantize_", "init_int8_weights_"]
 
@@ -31,32 +32,6 @@ AFTER_QUANTIZE: list[Callable[[nn.Module, Int8TrainingConfig], None]] = []
 logger = logging.getLogger("fsdp_int8")
 
 _NAMES_SHOWN = 6  # a warning names this many modules, then counts the rest
-
-
-class Int8Census(NamedTuple):
-    """How much of a model is int8 (see :func:`int8_census`)."""
-
-    int8_weights: int
-    int8_elements: int
-    total_elements: int
-
-    def __str__(self) -> str:
-        share = self.int8_elements / self.total_elements if self.total_elements else 0.0
-        return (
-            f"{self.int8_weights} int8 weights, {self.int8_elements:,} of "
-            f"{self.total_elements:,} parameter elements ({share:.0%}) int8"
-        )
-
-
-def int8_census(model: nn.Module) -> Int8Census:
-    """Count ``model``'s int8 weights and parameter elements (sharded or not: global sizes)."""
-    weights = elements = total = 0
-    for param in model.parameters():
-        total += param.numel()
-        if isinstance(local_shard(param), Int8Weight):
-            weights += 1
-            elements += param.numel()
-    return Int8Census(weights, elements, total)
 
 
 def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
@@ -96,6 +71,7 @@ class _Targets(NamedTuple):
     """What :func:`_targets` found: the layers to quantize and those left alone, named."""
 
     layers: list[tuple[nn.Module, bool]]  # (module, is a Conv1D: its weight is transposed)
+    experts: list[nn.Module]  # mixture-of-experts modules: their 3-D weights become int8
     tied: list[str]
     unsupported: list[str]
 
@@ -113,15 +89,29 @@ def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
     """
     selected: list[tuple[str, nn.Module, bool]] = []
     adapters = _adapter_layers(model)
+    found = _Targets([], [], [], [])
+    seen: set[int] = set()
+    routers = {
+        id(child) for parent in model.modules() if isinstance(getattr(parent, "num_experts", None), int)
+        for child in parent.children() if isinstance(child, nn.Linear)
+    }
     for name, module in model.named_modules(remove_duplicate=False):
         if id(module) in adapters:
             continue
-        if config.should_quantize(module, name):
-            selected.append((name, module, is_conv1d(module)))
+        if not config.should_quantize(module, name, router=id(module) in routers):
+            problem = why_experts_stay_full_precision(module)
+            if problem is not None and id(module) not in seen:
+                seen.add(id(module))
+                found.unsupported.append(f"{name} ({problem})")
+            continue
+        if expert_weight_names(module):
+            if id(module) not in seen:
+                seen.add(id(module))
+                found.experts.append(module)
+            continue
+        selected.append((name, module, is_conv1d(module)))
     target_names = {name for name, _, _ in selected}
     owners = parameter_owners(model)
-    found = _Targets([], [], [])
-    seen: set[int] = set()
     for name, module, transposed in selected:
         if id(module) in seen:  # one module under two names
             continue
@@ -177,21 +167,29 @@ class _RequantizeAssigned:
     it are still saved whole by ``torch.save`` and copied by ``copy.deepcopy``.
     """
 
-    def __init__(self, stochastic_rounding: bool, int8_matmul, compiled: bool = False) -> None:
+    def __init__(
+        self, stochastic_rounding: bool, int8_matmul, compiled: bool = False, names: tuple[str, ...] = ("weight",)
+    ) -> None:
         self.stochastic_rounding = stochastic_rounding
         self.int8_matmul = int8_matmul
         self.compiled = compiled
+        self.names = names  # the module's int8 parameters: "weight", or an experts module's
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # pickle layout 1 of this hook has no ``compiled`` field: its kernels ran eagerly
-        self.__dict__.update({"compiled": False, **state})
+        # pickle layout 1 of this hook has no ``compiled`` field (its kernels ran eagerly),
+        # layouts 1 and 2 no ``names`` (a layer's weight)
+        self.__dict__.update({"compiled": False, "names": ("weight",), **state})
 
     def __call__(self, module: nn.Module, incompatible_keys) -> None:
-        weight = module._parameters.get("weight")
+        for name in self.names:
+            self._requantize(module, name)
+
+    def _requantize(self, module: nn.Module, name: str) -> None:
+        weight = module._parameters.get(name)
         if weight is None:
             return
         local = local_shard(weight)
-        if isinstance(local, Int8Weight) or local.is_meta or not local.is_floating_point() or local.dim() != 2:
+        if isinstance(local, Int8Weight) or local.is_meta or not local.is_floating_point() or local.dim() not in (2, 3):
             return
         with torch.no_grad():
             int8 = Int8Weight.from_float(
@@ -199,12 +197,12 @@ class _RequantizeAssigned:
                 int8_matmul=self.int8_matmul, compiled=self.compiled,
             )
             if isinstance(weight, DTensor):
-                int8.full_rows = weight.shape[0]  # FSDP2 pads every shard to the same rows
+                int8.full_rows = weight.shape[:-1].numel()  # FSDP2 pads every shard to the same rows
                 int8 = DTensor.from_local(
                     int8, weight.device_mesh, weight.placements, run_check=False,
                     shape=weight.shape, stride=weight.stride(),
                 )
-        module.weight = nn.Parameter(int8, requires_grad=weight.requires_grad)
+        setattr(module, name, nn.Parameter(int8, requires_grad=weight.requires_grad))
 
 
 # A whole quantized model pickles this hook with its layers: torch.load(weights_only=True)
@@ -229,6 +227,16 @@ def _transposed_int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig)
     with torch.no_grad():
         values = weight.detach().t().contiguous()
     return int8_parameter(values, config).requires_grad_(weight.requires_grad)
+
+
+def _keep_int8_on_load(module: nn.Module, config: Int8TrainingConfig, names: tuple[str, ...]) -> None:
+    """The load hooks of a module whose parameters ``names`` became int8: entries are
+    checked before ``load_state_dict`` copies them, and plain weights it assigns are
+    rounded back to int8."""
+    module.register_load_state_dict_post_hook(
+        _RequantizeAssigned(config.stochastic_rounding, config.int8_matmul, config.compile, names)
+    )
+    add_check_hook(module)
 
 
 def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.Module:
@@ -256,8 +264,15 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
     candidates: weights tied to a module that is not quantized (an ``nn.Embedding`` tied
     to the output head), ``Conv1D`` layers it cannot convert (a weight shared with
     another module, a ``forward`` replaced on the instance) and, with
-    ``quantize_embeddings``, embeddings with ``max_norm`` or sparse gradients. It logs the
-    count of int8 weights and elements on the ``fsdp_int8`` logger at INFO.
+    ``quantize_embeddings``, embeddings with ``max_norm`` or sparse gradients, experts
+    stored transposed. It logs the count of int8 weights and elements on the
+    ``fsdp_int8`` logger at INFO, and warns when less than half of the parameter elements
+    are int8, naming the largest full-precision parameters.
+
+    Mixture-of-experts modules (``Int8TrainingConfig.should_quantize``: transformers 5's
+    and torchtitan's experts, with ``num_experts`` and 3-D ``[experts, out, in]`` weights)
+    get 3-D int8 weights, one scale per expert and output feature; routers stay in full
+    precision.
 
     Args:
         model: The model, before any ``fully_shard``.
@@ -288,15 +303,25 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
             make = _transposed_int8_parameter if transposed else int8_parameter
             swapped[id(weight)] = make(weight, config)
         targets.append((module, id(weight), transposed))
+    experts: list[tuple[nn.Module, dict[str, nn.Parameter]]] = []
+    for module in found.experts:
+        weights = {
+            name: int8_parameter(getattr(module, name), config)
+            for name in expert_weight_names(module) if not isinstance(getattr(module, name), Int8Weight)
+        }
+        if weights:
+            experts.append((module, weights))
     for module, key, transposed in targets:
         if transposed:  # GPT-2's Conv1D becomes an nn.Linear over the transpose, in place
             int8_conv1d_(module, swapped[key])
         else:
             module.weight = swapped[key]
-        module.register_load_state_dict_post_hook(
-            _RequantizeAssigned(config.stochastic_rounding, config.int8_matmul, config.compile)
-        )
-        add_check_hook(module)  # int8 entries are checked before load_state_dict copies them
+        _keep_int8_on_load(module, config, ("weight",))
+    for module, weights in experts:
+        for name, weight in weights.items():
+            setattr(module, name, weight)
+            swapped[id(weight)] = weight
+        _keep_int8_on_load(module, config, tuple(weights))
     if swapped:  # a repeated call changes nothing, not even the generator
         add_check_hook(model)  # ... and all of the model's at once: a refused load changes nothing
         # Not sharded yet: every process holds every row, one shard (mesh=None).
@@ -304,7 +329,9 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         for hook in AFTER_QUANTIZE:
             hook(model, config)
     _warn_about_full_precision(found.tied, found.unsupported)
-    logger.info("quantize_: %s", int8_census(model))
+    census = int8_census(model)
+    logger.info("quantize_: %s", census)
+    warn_if_mostly_full_precision(model, census)
     return model
 
 

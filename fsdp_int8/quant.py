@@ -146,13 +146,14 @@ def _mul_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.
 def dequantize_rows_into(
     q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, compiled: bool = False
 ) -> torch.Tensor:
-    """Write ``q [rows, K] * scale [rows]`` into the floating ``out [rows, K]`` in place.
+    """Write ``q [rows, K] * scale [rows]`` into the floating ``out [rows, K]`` in place
+    (or ``[*lead, K]`` rows with ``[*lead]`` scales: a MoE weight ``[experts, out, in]``).
 
     The same values as ``absmax_dequantize(q, scale, dtype=out.dtype)`` (fp32 products,
     rounded once to ``out``'s dtype), without a temporary of ``out``'s size where the
     kernel is compiled (``compiled=True``). ``q`` may be strided (FSDP2's gathered buffer).
     """
-    if q.shape != out.shape or tuple(scale.shape) != (q.shape[0],):
+    if q.shape != out.shape or q.dim() < 2 or tuple(scale.shape) != tuple(q.shape[:-1]):
         raise ValueError(
             f"dequantize_rows_into needs q and out of one shape and one scale per row, got "
             f"q {tuple(q.shape)}, scale {tuple(scale.shape)}, out {tuple(out.shape)}"
@@ -160,9 +161,9 @@ def dequantize_rows_into(
     with torch.no_grad():  # `out` may be a parameter (FSDP2's unsharded weight)
         target = out.detach()
         if use_compiled(compiled, q):
-            run_compiled(dequantize_into, q, scale.unsqueeze(1), target)
+            run_compiled(dequantize_into, q, scale.unsqueeze(-1), target)
         else:
-            _mul_into(q, scale.unsqueeze(1), target)
+            _mul_into(q, scale.unsqueeze(-1), target)
     return out
 
 

@@ -31,6 +31,14 @@ class ModelArgs:
     max_seq_len: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # mixture of experts: n_experts > 0 replaces every block's feed-forward by top_k-of-n_experts
+    # SwiGLU experts of width expert_hidden_dim (0: hidden_dim / top_k, the dense block's
+    # compute per token), plus one shared expert of that width if shared_expert
+    n_experts: int = 0
+    top_k: int = 2
+    expert_hidden_dim: int = 0
+    shared_expert: bool = False
+    load_balance_coef: float = 0.01  # weight of the routers' load-balancing loss in training
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -39,6 +47,10 @@ class ModelArgs:
             raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
         if not self.hidden_dim:
             self.hidden_dim = 16 * math.ceil(8 * self.dim / 3 / 16)
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if self.n_experts and not self.expert_hidden_dim:
+            self.expert_hidden_dim = 16 * math.ceil(self.hidden_dim / self.top_k / 16)
 
 
 PRESETS: dict[str, ModelArgs] = {
@@ -46,6 +58,9 @@ PRESETS: dict[str, ModelArgs] = {
     "small": ModelArgs(dim=256, n_layers=4, n_heads=8, max_seq_len=256),
     "base": ModelArgs(dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
     "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, max_seq_len=2048),
+    # mixture of experts: top-2 of 8 experts in every block, one shared expert
+    "tiny-moe": ModelArgs(dim=64, n_layers=2, n_heads=4, max_seq_len=128, n_experts=8, top_k=2, shared_expert=True),
+    "small-moe": ModelArgs(dim=256, n_layers=4, n_heads=8, max_seq_len=256, n_experts=8, top_k=2, shared_expert=True),
 }
 
 
@@ -68,8 +83,15 @@ def model_args(
 
 def next_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the model's logits for ``inputs`` against ``targets``, taken in
-    fp32 whatever the compute dtype (a bf16 log-softmax would round the loss itself)."""
+    fp32 whatever the compute dtype (a bf16 log-softmax would round the loss itself).
+    A mixture-of-experts model trains on this plus :func:`load_balance_loss`."""
     return logits_loss(model(inputs), targets)
+
+
+def load_balance_loss(model: nn.Module) -> torch.Tensor | float:
+    """The routers' load-balancing loss of ``model``'s last forward, weighted by
+    ``load_balance_coef`` and summed over its MoE blocks (0.0 for a dense model)."""
+    return sum((m.balance_loss * m.coef for m in model.modules() if isinstance(m, MoE)), 0.0)
 
 
 def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -94,6 +116,9 @@ def tp_plan() -> dict[str, ParallelStyle]:
 
 def check_tp(args: ModelArgs, tp: int) -> None:
     """Raise ``ValueError`` unless ``tp`` ranks can split the heads and hidden units of ``args``."""
+    if args.n_experts and tp > 1:
+        raise ValueError("--tp splits dense feed-forward layers; a mixture-of-experts preset has none: "
+                         "train it with FSDP alone (drop --tp)")
     if args.n_heads % tp:
         raise ValueError(f"--tp {tp} does not divide the model's {args.n_heads} attention heads "
                          "(each tensor-parallel rank computes whole heads): pick a --tp that does, or set --n-heads")
@@ -103,6 +128,9 @@ def check_tp(args: ModelArgs, tp: int) -> None:
 
 def check_pp(args: ModelArgs, pp: int) -> None:
     """Raise ``ValueError`` unless ``pp`` pipeline stages can hold equal shares of the blocks."""
+    if args.n_experts and pp > 1:
+        raise ValueError("--pp hands only the logits to the loss, and a mixture-of-experts preset also "
+                         "trains on its routers' load-balancing loss: drop --pp")
     if args.n_layers % pp:
         raise ValueError(f"--pp {pp} does not divide the model's {args.n_layers} blocks (each pipeline "
                          "stage holds an equal share): pick a --pp that does, or set --n-layers")
@@ -159,14 +187,83 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, hidden_dim: int | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
+        hidden_dim = hidden_dim or args.hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, args.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU experts as 3-D weights, in torchtitan's ``GroupedExperts``
+    layout: ``w1`` (gate) and ``w3`` (up) ``[experts, hidden, dim]``, ``w2`` (down)
+    ``[experts, dim, hidden]``. Each expert's tokens run through ``F.linear`` on ``w[e]``,
+    as transformers' eager experts do (int8 weights: int8 linears, their GEMMs included)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for weight in (self.w1, self.w3, self.w2):
+            nn.init.normal_(weight, std=INIT_STD)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """``x`` ``[tokens, dim]`` sorted by expert, ``tokens_per_expert[e]`` rows each."""
+        outputs = [
+            F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e])
+            for e, rows in enumerate(x.split(tokens_per_expert)) if rows.shape[0]
+        ]
+        return torch.cat(outputs)
+
+
+class MoE(nn.Module):
+    """Token-choice top-k routing over :class:`Experts`, with an optional shared expert.
+
+    The router (``nn.Linear``, one logit per expert) stays in full precision under
+    ``fsdp_int8`` (a linear layer directly under a module with ``num_experts``). Each
+    forward keeps its load-balancing loss, ``n_experts * sum_e f_e * p_e`` (Switch
+    Transformer's; 1.0 when balanced: ``f_e`` the share of routed slots, ``p_e`` the mean
+    router probability of expert ``e``), in ``balance_loss``, and the routed slots per
+    expert in ``tokens_per_expert``.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.coef = args.n_experts, args.top_k, args.load_balance_coef
+        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = Experts(args.dim, args.expert_hidden_dim, args.n_experts)
+        self.shared_expert = (
+            FeedForward(args, hidden_dim=args.expert_hidden_dim) if args.shared_expert else None
+        )
+        self.balance_loss = torch.zeros(())
+        self.tokens_per_expert = torch.zeros(args.n_experts, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = self.router(tokens).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [tokens, k]
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).type_as(x)
+        slots = experts.flatten()
+        counts = torch.bincount(slots, minlength=self.num_experts)
+        self.tokens_per_expert = counts.detach()
+        self.balance_loss = self.num_experts * (counts.float() / slots.numel() * probs.mean(dim=0)).sum()
+        order = slots.argsort(stable=True)
+        routed = self.experts(tokens[order // self.top_k], counts.tolist())
+        per_slot = torch.empty_like(routed)
+        per_slot[order] = routed
+        out = (per_slot.view(-1, self.top_k, x.shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        return out.view_as(x)
 
 
 class TransformerBlock(nn.Module):
@@ -175,7 +272,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoE(args) if args.n_experts else FeedForward(args)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), freqs)
@@ -259,7 +356,8 @@ class Transformer(nn.Module):
             self.freqs.device
         )
         residual = {f"{name}.weight" for name, module in self.named_modules()
-                    if name.endswith(("attention.wo", "feed_forward.w2"))}
+                    if name.endswith(("attention.wo", "feed_forward.w2", "shared_expert.w2"))}
+        residual |= {f"{name}.w2" for name, module in self.named_modules() if isinstance(module, Experts)}
         norms = {f"{name}.weight" for name, module in self.named_modules() if isinstance(module, RMSNorm)}
         for name, param in self.named_parameters():
             if name in norms:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from launch import parallel
-from launch.model import Transformer, logits_loss, next_token_loss
+from launch.model import Transformer, load_balance_loss, logits_loss, next_token_loss
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -29,9 +29,10 @@ class WholeModel:
         self.model = model
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one batch; its loss."""
+        """Forward and backward of one batch (a MoE model's load-balancing loss included);
+        its next-token loss."""
         loss = next_token_loss(self.model, inputs, targets)
-        loss.backward()
+        (loss + load_balance_loss(self.model)).backward()
         return loss.detach()
 
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

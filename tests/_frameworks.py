@@ -78,6 +78,27 @@ def titan_model(*, meta: bool = False) -> nn.Module:
     return model
 
 
+def titan_moe_config(n_layers: int = 2):
+    """torchtitan's Qwen3 MoE (its debugmodel_moe's recipe), shrunk: dim 64, 4 experts of
+    width 64, top 2, 4 heads of 16, 2 kv heads."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm,
+    )
+
+    dim, head_dim = 64, 16
+    return Qwen3Model.Config(
+        vocab_size=VOCAB, dim=dim, norm=_qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(
+            fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim,
+            moe_hidden_dim=64, num_experts=4, top_k=2, attn_backend="flex", moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0),
+        ),
+    )
+
+
 def titan_init(model: nn.Module) -> None:
     """torchtitan's own initialisation (trunc_normal_ on every linear, fused-QKV aware)."""
     with torch.no_grad():

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from _frameworks import VOCAB, titan_config, titan_init, titan_loss
+from _frameworks import VOCAB, titan_config, titan_init, titan_loss, titan_moe_config
 from _models import train_steps
 from torchtitan.components.checkpointer.base import ModelWrapper  # noqa: E402
 from torchtitan.models.common.linear import Linear  # noqa: E402
@@ -273,3 +273,45 @@ def test_export_hf_state_dict_through_torchtitans_adapter_gives_a_hugging_face_l
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5 * ours.abs().max().item())
+
+
+def _qwen3_moe(flavor: str):
+    from torchtitan.models.qwen3 import model_registry
+
+    return model_registry(flavor).model  # _build swaps its FlexAttention for SDPA (CPU backward)
+
+
+def test_converter_makes_torchtitans_moe_experts_int8_and_keeps_routers():
+    converter = titan.Int8LinearConverter.Config().build()
+    model = _build(converter.convert(_qwen3_moe("debugmodel_moe")), "meta")
+    names = _int8_names(model)
+    assert {"layers.0.moe.routed_experts.inner_experts.w1_EFD", "layers.0.moe.routed_experts.inner_experts.w2_EDF",
+            "layers.0.moe.routed_experts.inner_experts.w3_EFD"} <= set(names), names
+    assert not any("router" in n for n in names)  # the router's gate stays in full precision
+    experts = model.layers["0"].moe.routed_experts.inner_experts
+    assert experts.w1_EFD.dim() == 3 and experts.w1_EFD.scale.shape == experts.w1_EFD.shape[:2]
+    # the converter and quantize_ select the same weights
+    assert names == _int8_names(fsdp_int8.quantize_(_build(_qwen3_moe("debugmodel_moe"), "meta")))
+
+
+def test_qwen3_30b_a3b_in_torchtitan_is_over_95_percent_int8():
+    from fsdp_int8._weight.census import int8_census
+
+    converter = titan.Int8LinearConverter.Config().build()
+    census = int8_census(_build(converter.convert(_qwen3_moe("30B-A3B")), "meta"))
+    assert census.total_elements > 30e9 and census.int8_elements / census.total_elements >= 0.95, census
+
+
+def test_torchtitans_moe_trains_on_int8_experts():
+    training = Int8TrainingConfig(stochastic_rounding=False)
+    config = titan.Int8LinearConverter.Config(training=training).build().convert(titan_moe_config())
+    model = _build(config, "meta")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    titan_init(model)
+    experts = model.layers["0"].moe.routed_experts.inner_experts
+    before = experts.w2_EDF.int_data.clone()
+    opt = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses = train_steps(model, titan_loss, opt, tokens, 3)
+    assert losses[-1] < losses[0] and not torch.equal(before, experts.w2_EDF.int_data), losses

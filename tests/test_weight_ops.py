@@ -50,8 +50,8 @@ def test_from_float_and_constructor_errors():
     w, _ = make()
     with pytest.raises(TypeError, match="already quantized"):
         Int8Weight.from_float(w)
-    with pytest.raises(ValueError, match=r"2-D \[out_features, in_features\].*\(2, 3, 4\)"):
-        Int8Weight.from_float(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match=r"2-D \[out_features, in_features\].*3-D expert.*\(2, 3, 4, 5\)"):
+        Int8Weight.from_float(torch.randn(2, 3, 4, 5))
     with pytest.raises(TypeError, match="int8 data and fp32 scales"):
         Int8Weight(torch.zeros(2, 4), torch.zeros(2), dtype=torch.float32, row_len=4)
     with pytest.raises(TypeError, match="outer dtype must be floating"):

@@ -56,19 +56,28 @@ SCALE_BYTES = 4  # one fp32 scale per row
 _FLAG_BYTE = -1  # 0xFF: every scale slot of a flagged shard (an fp32 NaN no computation makes)
 
 
-def padded_rows(full_rows: int, shard_world_size: int) -> int:
-    """Rows every rank sends: ``ceil(full_rows / shard_world_size)`` (torch.chunk's size)."""
-    return ceil_div(full_rows, shard_world_size)
+def padded_rows(full_rows: int, shard_world_size: int, rows_per_index: int = 1) -> int:
+    """Rows every rank sends: torch.chunk's size along dim 0, ``ceil(full_rows /
+    shard_world_size)`` for a 2-D weight. A weight whose dim 0 holds ``rows_per_index``
+    rows per index (a MoE weight ``[experts, out, in]``: ``out``) is chunked by whole
+    indices, ``ceil(experts / shard_world_size)`` of them."""
+    return ceil_div(full_rows // rows_per_index, shard_world_size) * rows_per_index
 
 
-def shard_rows(full_rows: int, shard_world_size: int, coordinate: int) -> int:
+def shard_rows(full_rows: int, shard_world_size: int, coordinate: int, rows_per_index: int = 1) -> int:
     """Rows of FSDP2's dim-0 shard ``coordinate`` of a ``full_rows``-row weight.
 
     ``torch.chunk``'s split: ``padded_rows`` each, the last non-empty shard what is left,
     the shards after it none.
     """
-    size = padded_rows(full_rows, shard_world_size)
+    size = padded_rows(full_rows, shard_world_size, rows_per_index)
     return max(0, min(size, full_rows - coordinate * size))
+
+
+def rows_per_index(weight: Int8Weight) -> int:
+    """Rows under one index of ``weight``'s dim 0: 1 for a 2-D weight, ``out`` for a MoE
+    weight ``[experts, out, in]`` (known from the shape even for a shard of no experts)."""
+    return torch.Size(weight.shape[1:-1]).numel() if weight.dim() > 2 else 1
 
 
 def layout_flag(rows: int, row_len: int, device: torch.device) -> torch.Tensor:
@@ -125,7 +134,7 @@ def pre_all_gather(weight: Int8Weight, mesh: Any) -> tuple[tuple[torch.Tensor, .
     if not torch.compiler.is_compiling():
         WEIGHT_ROUNDING.adopt_shard_coordinate(mesh)
         end_of_step.settle_if_waiting((weight,))
-    rows = padded_rows(weight.full_rows, mesh.size())
+    rows = padded_rows(weight.full_rows, mesh.size(), rows_per_index(weight))
     if _is_expected_shard(weight, mesh):
         wire = pack_rows(weight.int_rows(), weight.scale, rows)
     else:
@@ -140,7 +149,8 @@ def _is_expected_shard(weight: Int8Weight, mesh: Any) -> bool:
     layout = (weight.full_rows, weight.rows, mesh.size())
     if weight.__dict__.get("_checked_layout") == layout:
         return True
-    if weight.rows != shard_rows(weight.full_rows, mesh.size(), _dist.shard_coordinate(mesh)):
+    expected = shard_rows(weight.full_rows, mesh.size(), _dist.shard_coordinate(mesh), rows_per_index(weight))
+    if weight.rows != expected:
         return False
     weight._checked_layout = layout
     return True
@@ -170,6 +180,9 @@ def post_all_gather(
         if not torch.compiler.is_compiling():  # weight-only layers never reach F.linear's check
             hardware.warn_if_slow(gathered.device, param_dtype, int8_matmul=False)
     data, scale = unpack_rows(gathered, full_rows, weight.row_len)
+    if weight.dim() > 2:  # a MoE weight: rows regrouped as [experts, out, in] (views)
+        data = data.view(-1, *weight.shape[1:])
+        scale = scale.view(data.shape[:-1])
     if weight.int8_matmul is None:
         return _dequantized_unshard(data, scale, param_dtype, out, compiled=weight.compiled)
     if out is not None:

@@ -147,11 +147,14 @@ def check_weight(key: str, value: torch.Tensor, *, source: str | None = None,
     check_rows(key, *local_shard(value).read_rows(), source=source)
 
 
-def check_entry(state_dict: dict[str, Any], prefix: str, weight: torch.Tensor, source: str | None = None) -> None:
-    """Check what ``state_dict`` holds for the int8 layer at ``prefix`` whose parameter is
+def check_entry(
+    state_dict: dict[str, Any], prefix: str, weight: torch.Tensor, source: str | None = None, *, name: str = "weight",
+) -> None:
+    """Check what ``state_dict`` holds for the int8 parameter ``name`` of the layer at
+    ``prefix`` (``weight``; an experts module's ``gate_up_proj``, ...), whose value is
     ``weight``: an ``Int8Weight`` (or a shard of one), an int8 ``weight`` + ``weight_scale``
     pair, or a floating weight (rounded to int8 on load: nothing to check)."""
-    key = prefix + "weight"
+    key = prefix + name
     value, scale = state_dict.get(key), state_dict.get(key + SCALE_SUFFIX)
     if value is None:
         if scale is not None:
@@ -174,12 +177,13 @@ def check_entry(state_dict: dict[str, Any], prefix: str, weight: torch.Tensor, s
         )
 
 
-def _int8_layers(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(state-dict prefix, weight)`` of every layer under ``module`` whose weight is int8."""
+def _int8_layers(module: nn.Module, prefix: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(state-dict prefix, parameter name, weight)`` of every int8 parameter under
+    ``module`` (a layer's ``weight``, an experts module's 3-D weights)."""
     for name, sub in module.named_modules(prefix=prefix.rstrip(".")):
-        weight = sub._parameters.get("weight")
-        if weight is not None and isinstance(local_shard(weight), Int8Weight):
-            yield (name + "." if name else ""), weight
+        for param_name, weight in sub._parameters.items():
+            if weight is not None and isinstance(local_shard(weight), Int8Weight):
+                yield (name + "." if name else ""), param_name, weight
 
 
 class CheckInt8Entries:
@@ -203,8 +207,8 @@ class CheckInt8Entries:
         load, checked = _last_check
         if load is error_msgs and any(prefix.startswith(done) for done in checked):
             return
-        for layer_prefix, weight in _int8_layers(module, prefix):
-            check_entry(state_dict, layer_prefix, weight)
+        for layer_prefix, name, weight in _int8_layers(module, prefix):
+            check_entry(state_dict, layer_prefix, weight, name=name)
         # the list itself is held and compared by identity: each later load brings a new one
         _last_check = (error_msgs, (*checked, prefix) if load is error_msgs else (prefix,))
 

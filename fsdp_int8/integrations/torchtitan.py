@@ -42,14 +42,16 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import GroupedExperts
 
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.checkpoint import capture_generators, check_int8_entries, export_full_state_dict, restore_generators
-from fsdp_int8.config import Int8TrainingConfig
-from fsdp_int8.convert import int8_census, int8_parameter
+from fsdp_int8.config import Int8TrainingConfig, expert_weight_names
+from fsdp_int8._weight.census import int8_census
+from fsdp_int8.convert import int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
 
 __all__ = [
@@ -67,11 +69,12 @@ _INT8_CLASSES: dict[type, type] = {}
 
 
 def _int8_class(parent: type) -> type:
-    """``parent`` (a torchtitan ``Linear`` class) whose weight is int8 from ``__init__`` on."""
+    """``parent`` (a torchtitan ``Linear`` class, or ``GroupedExperts``) whose weight (its
+    3-D expert weights) is int8 from ``__init__`` on."""
     if parent in _INT8_CLASSES:
         return _INT8_CLASSES[parent]
 
-    class Int8Linear(parent):  # type: ignore[valid-type, misc]
+    class Int8Module(parent):  # type: ignore[valid-type, misc]
         @dataclass(kw_only=True, slots=True)
         class Config(parent.Config):  # type: ignore[misc, name-defined]
             # a leading underscore keeps it out of torchtitan's config dumps (to_dict)
@@ -82,11 +85,12 @@ def _int8_class(parent: type) -> type:
             super().__init__(config)
             self._fsdp_int8_training = config._int8
             self._fsdp_int8_quantize_gradients = config._quantize_gradients
-            self.weight = int8_parameter(self.weight, config._int8)
+            for name in expert_weight_names(self) or ("weight",):
+                setattr(self, name, int8_parameter(getattr(self, name), config._int8))
 
-    Int8Linear.__name__ = Int8Linear.__qualname__ = f"Int8{parent.__name__}"
-    _INT8_CLASSES[parent] = Int8Linear
-    return Int8Linear
+    Int8Module.__name__ = Int8Module.__qualname__ = f"Int8{parent.__name__}"
+    _INT8_CLASSES[parent] = Int8Module
+    return Int8Module
 
 
 def _is_int8_config(config: Any) -> bool:
@@ -94,7 +98,9 @@ def _is_int8_config(config: Any) -> bool:
 
 
 class Int8LinearConverter(QuantizationConverter):
-    """torchtitan model-config converter: selected linear layers get int8 weights.
+    """torchtitan model-config converter: selected linear layers and MoE experts
+    (``GroupedExperts``: 3-D weights, one scale per expert and output feature) get int8
+    weights; MoE routers stay in full precision.
 
     Use it as torchtitan uses its float8 converter::
 
@@ -123,20 +129,24 @@ class Int8LinearConverter(QuantizationConverter):
     def __init__(self, config: Config) -> None:
         self.config = config
 
-    def _selects(self, fqn: str, linear_config: Any) -> bool:
-        if not issubclass(linear_config._owner, Linear):
+    def _selects(self, fqn: str, module_config: Any, parent: Any) -> bool:
+        if not issubclass(module_config._owner, (Linear, GroupedExperts)):
             return False  # another converter's layer (float8): not ours to change
         if any(part in fqn for part in self.config.filter_fqns):
             return False
         with torch.device("meta"):  # the filter looks at a module: a free one
-            probe = linear_config.build()
-        return self.config.training.should_quantize(probe, fqn)
+            probe = module_config.build()
+        # a MoE router's gate (TokenChoiceTopKRouter.Config has num_experts) stays as it is
+        router = isinstance(getattr(parent, "num_experts", None), int)
+        return self.config.training.should_quantize(probe, fqn, router=router)
 
     def convert(self, model_config: Any) -> Any:
-        """Return ``model_config`` with every selected ``Linear.Config`` made int8."""
+        """Return ``model_config`` with every selected ``Linear.Config`` (and MoE
+        ``GroupedExperts.Config``) made int8."""
         converted = []
-        for fqn, linear_config, parent, attr in list(model_config.traverse(Linear.Config)):
-            if _is_int8_config(linear_config) or not self._selects(fqn, linear_config):
+        found = [*model_config.traverse(Linear.Config), *model_config.traverse(GroupedExperts.Config)]
+        for fqn, linear_config, parent, attr in found:
+            if _is_int8_config(linear_config) or not self._selects(fqn, linear_config, parent):
                 continue
             int8_config = _int8_class(linear_config._owner).Config(
                 **{f.name: getattr(linear_config, f.name) for f in fields(linear_config) if f.init},
@@ -151,7 +161,7 @@ class Int8LinearConverter(QuantizationConverter):
                 setattr(parent, attr, int8_config)
             converted.append(fqn)
         if converted:
-            logger.info("Int8LinearConverter: %d linear layers get int8 weights", len(converted))
+            logger.info("Int8LinearConverter: %d linear and experts layers get int8 weights", len(converted))
         elif not any(_is_int8_config(c) for _, c, _, _ in model_config.traverse(Linear.Config)):
             warnings.warn(
                 "Int8LinearConverter selected no linear layer: the model trains in full "

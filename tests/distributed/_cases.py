@@ -67,16 +67,19 @@ def compare_shards(model: nn.Module, reference: nn.Module, shard_rank: int, shar
     for name, param in weights:
         shard = local_of(param)
         ref = ref_params[name]
+        # FSDP2 chunks dim 0: rows, or whole experts of a MoE weight [experts, out, in]
         rows = list(torch.chunk(ref.int_data, shard_world))
         ref_rows = rows[shard_rank] if shard_rank < len(rows) else ref.int_data[:0]
         ref_scale = torch.chunk(ref.scale, shard_world)
         ref_scale = ref_scale[shard_rank] if shard_rank < len(ref_scale) else ref.scale[:0]
-        assert shard.int_rows().shape == ref_rows.shape, (name, shard.shape, ref_rows.shape)
-        diff = (shard.int_rows().int() - ref_rows.int()).abs()
+        ref_rows, ref_scale = ref_rows.reshape(-1, ref.row_len), ref_scale.reshape(-1)
+        shard_rows, shard_scale = shard.read_rows()
+        assert shard_rows.shape == ref_rows.shape, (name, shard.shape, ref_rows.shape)
+        diff = (shard_rows.int() - ref_rows.int()).abs()
         if diff.numel():
             max_diff = max(max_diff, int(diff.max()))
             scale_err = max(
-                scale_err, float(((shard.scale - ref_scale).abs() / ref_scale.clamp_min(1e-12)).max())
+                scale_err, float(((shard_scale - ref_scale).abs() / ref_scale.clamp_min(1e-12)).max())
             )
         differing += int((diff > 0).sum())
         total += diff.numel()

@@ -32,17 +32,18 @@ _STAGING_HINT = (
 def zeros_in_rows(weight: Int8Weight, size: Sequence[int], dtype, device) -> Int8Weight:
     size = list(size)
     numel = torch.Size(size).numel()
-    if not (len(size) == 2 and size[1] == weight.row_len) and not (
+    if not (len(size) >= 2 and size[-1] == weight.row_len) and not (
         len(size) == 1 and numel % weight.row_len == 0
     ):
         raise NotImplementedError(
             f"cannot make an Int8Weight of shape {size}: it must hold whole rows of "
-            f"{weight.row_len} elements ([rows, {weight.row_len}] or flat)"
-            + (_STAGING_HINT if not size else "")
+            f"{weight.row_len} elements ([rows, {weight.row_len}], [*leading dims, "
+            f"{weight.row_len}] or flat)" + (_STAGING_HINT if not size else "")
         )
     device = device or weight.device
     int_data = torch.zeros(size, dtype=torch.int8, device=device)
-    scale = torch.zeros(numel // weight.row_len, dtype=torch.float32, device=device)
+    scale_shape = size[:-1] if len(size) >= 2 else [numel // weight.row_len]
+    scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
     return weight.derive(int_data, scale, dtype=dtype)
 
 

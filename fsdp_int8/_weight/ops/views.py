@@ -58,7 +58,7 @@ def _as_rows(weight: Int8Weight, start: int, stop: int, *, flat: bool) -> Int8We
     data = weight.int_rows()[start:stop]
     if flat:
         data = data.view(-1)
-    return weight.derive(data, weight.scale[start:stop])
+    return weight.derive(data, weight.scale.view(-1)[start:stop])
 
 
 def _rows_of(weight: Int8Weight, count: int, what: str) -> int:
@@ -322,11 +322,13 @@ def _pad_rows(weight: Int8Weight, pad: Sequence[int], value: float) -> Int8Weigh
     it (every rank with a short shard pads; refusing here would leave the others waiting)."""
     pad = list(pad) + [0] * (2 * weight.dim() - len(pad))
     extra = pad[-1]
-    if value != 0 or any(pad[:-1]) or extra < 0 or weight.dim() > 2:
+    if value != 0 or any(pad[:-1]) or extra < 0:
         raise NotImplementedError(
             f"Int8Weight can only be padded with zero rows at the end of dim 0, got pad={pad} "
             f"and value={value}"
         )
+    if weight.dim() > 2:  # whole zero entries of dim 0 (experts of a MoE weight)
+        return _cat(aten.cat.default, [weight, zeros_in_rows(weight, [extra, *weight.shape[1:]], None, None)])
     rows = _rows_of(weight, extra, "padding")
     zeros = zeros_in_rows(weight, [rows, weight.row_len], None, None)
     return _cat(aten.cat.default, [weight, zeros if weight.dim() == 2 else zeros.view(-1)])

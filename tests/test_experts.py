@@ -1,0 +1,314 @@
+"""Mixture-of-experts weights: 3-D ``Int8Weight`` ``[experts, out, in]`` in one process.
+
+How transformers 5 and torchtitan compute with their experts (one expert's ``F.linear``,
+batched ``bmm``, ``torch._grouped_mm`` on the transposed weight), which modules
+``quantize_`` selects (experts yes, routers no) and the warning for a model that stays
+mostly full precision; optimizers, pickles and loads of 3-D weights.
+
+Exactness: apart from the int8 GEMMs, every expert op computes on the dequantized values
+(``int_data * scale``, exact in fp32), so an int8 model and a plain model holding those
+values give bit-identical losses and gradients; they are compared with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp_int8
+from fsdp_int8 import Int8MatmulConfig, Int8TrainingConfig, Int8Weight, quantize_
+from fsdp_int8._weight.load_checks import Int8LoadError
+from fsdp_int8._weight.census import int8_census
+from launch.model import MoE, ModelArgs, Transformer, load_balance_loss, next_token_loss
+
+
+def _experts_weight(experts: int = 4, out: int = 32, k: int = 16, seed: int = 0) -> nn.Parameter:
+    values = torch.randn(experts, out, k, generator=torch.Generator().manual_seed(seed))
+    return nn.Parameter(Int8Weight.from_float(values), requires_grad=True)
+
+
+def _plain_copy(weight: Int8Weight) -> nn.Parameter:
+    return nn.Parameter(weight.dequantize().detach().clone(), requires_grad=True)
+
+
+def _values_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.dequantize() if isinstance(v, Int8Weight) else v for k, v in model.state_dict().items()}
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops a region runs, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------- the weight
+def test_a_3d_weight_has_one_scale_per_expert_and_output_feature():
+    values = torch.randn(3, 8, 16)
+    values[1, 2] *= 50  # one loud row changes only its own scale
+    weight = Int8Weight.from_float(values)
+    assert weight.shape == (3, 8, 16) and weight.int_data.shape == (3, 8, 16) and weight.scale.shape == (3, 8)
+    for e in range(3):
+        alone = Int8Weight.from_float(values[e])  # each expert as its own 2-D weight
+        assert torch.equal(weight.int_data[e], alone.int_data) and torch.equal(weight.scale[e], alone.scale)
+    assert torch.equal(weight[1].scale, weight.scale[1]) and isinstance(weight[1], Int8Weight)
+    with pytest.raises(ValueError, match=r"2-D \[out_features, in_features\] weights and 3-D expert"):
+        Int8Weight.from_float(torch.randn(2, 3, 4, 5))
+
+
+FORMS = {
+    # transformers' eager loop: F.linear on one expert (an int, or a 0-d tensor from nonzero())
+    "linear_int": lambda w, x, offs: F.linear(x, w[1]),
+    "linear_0d": lambda w, x, offs: F.linear(x, w[torch.tensor(2)]),
+    # transformers' batched_mm: the experts of each token, then bmm
+    "index_bmm": lambda w, x, offs: torch.bmm(w[torch.tensor([0, 3, 3, 1, 2])], x[:5].unsqueeze(-1)).squeeze(-1),
+    # transformers' grouped_mm and torchtitan: transposed, then grouped by token offsets
+    "grouped_mm": lambda w, x, offs: torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1), offs=offs),
+    "F_grouped_mm": lambda w, x, offs: F.grouped_mm(x.bfloat16(), w.bfloat16().mT, offs=offs),
+    "matmul": lambda w, x, offs: torch.matmul(x[:4].unsqueeze(1), w.permute(0, 2, 1)).squeeze(1),
+    "bmm_weight_right": lambda w, x, offs: torch.bmm(x[:4].unsqueeze(1), w.swapaxes(1, 2)).squeeze(1),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_expert_form_equals_the_plain_weight_in_values_and_gradients(form):
+    weight = _experts_weight()
+    plain = _plain_copy(weight)
+    x = torch.randn(11, 16, generator=torch.Generator().manual_seed(1))
+    offs = torch.tensor([3, 5, 9, 11], dtype=torch.int32)
+    out, ref = FORMS[form](weight, x, offs), FORMS[form](plain, x, offs)
+    assert type(out) is torch.Tensor and torch.equal(out, ref)
+    out.float().pow(2).sum().backward()
+    ref.float().pow(2).sum().backward()
+    assert type(weight.grad) is torch.Tensor and torch.equal(weight.grad, plain.grad)
+    assert isinstance(weight, Int8Weight)  # the parameter stays int8
+
+
+def test_a_transposed_2d_weight_is_still_refused():
+    with pytest.raises(NotImplementedError, match="whole int8 rows"):
+        Int8Weight.from_float(torch.randn(8, 16)).t()
+
+
+# ---------------------------------------------------------------- transformers 5
+def _qwen3_moe(implementation: str, **overrides):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False, **overrides,
+    )
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+# the op that shows each experts_implementation ran (transformers falls back silently)
+IMPLEMENTATIONS = {"eager": "linear", "batched_mm": "bmm", "grouped_mm": "_grouped_mm"}
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+def test_qwen3_moe_trains_on_int8_experts_as_on_their_values(implementation):
+    model = quantize_(_qwen3_moe(implementation))
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, Int8Weight) and experts.gate_up_proj.scale.shape == (8, 64)
+    assert type(model.model.layers[0].mlp.gate.weight) is nn.Parameter  # the router: full precision
+    reference = _qwen3_moe(implementation)
+    reference.load_state_dict(_values_of(model))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    with _Ops() as ops:
+        loss = model(ids, labels=ids).loss
+    assert IMPLEMENTATIONS[implementation] in ops.names or implementation == "eager"
+    ref_loss = reference(ids, labels=ids).loss
+    loss.backward()
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if implementation == "batched_mm":
+            # the scatter-add behind w[ids]'s backward may sum an expert's token slots in
+            # another order (seen: 1e-10 on gradients of 1e-4): a few fp32 ulps
+            torch.testing.assert_close(param.grad, ref_params[name].grad, rtol=1e-5, atol=1e-9, msg=name)
+        else:
+            assert torch.equal(param.grad, ref_params[name].grad), name
+    opt = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-2)
+    before = experts.down_proj.dequantize()
+    opt.step()
+    assert isinstance(experts.down_proj, Int8Weight) and not torch.equal(experts.down_proj.dequantize(), before)
+
+
+def test_qwen3_moe_eager_experts_run_int8_gemms():
+    config = Int8TrainingConfig(int8_matmul=Int8MatmulConfig())
+    model = quantize_(_qwen3_moe("eager"), config)
+    reference = _qwen3_moe("eager")
+    reference.load_state_dict(_values_of(model))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    with _Ops() as ops:
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    # every routed expert: 2 GEMMs forward (gate_up, down), 2 x 2 backward
+    assert ops.names.count("_int_mm") >= 6
+    ref_loss = reference(ids, labels=ids).loss
+    # activations rounded to int8 per row: ~0.4% per matmul; the loss of a random model
+    # (ln 128 = 4.85) moves by far less than 1%
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-2
+
+
+def test_transposed_experts_stay_full_precision_with_a_warning():
+    class TransposedExperts(nn.Module):  # transformers' is_transposed layout: [E, in, out]
+        def __init__(self):
+            super().__init__()
+            self.num_experts, self.is_transposed = 4, True
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 32, 64))
+
+    model = nn.Sequential(TransposedExperts(), nn.Linear(64, 64))
+    with pytest.warns(UserWarning, match=r"0 \(its experts are stored transposed"):
+        quantize_(model)
+    assert type(model[0].gate_up_proj) is nn.Parameter
+
+
+# ---------------------------------------------------------------- selection and census
+def test_qwen3_30b_a3b_shape_is_over_95_percent_int8_on_the_meta_device():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(  # Qwen3-30B-A3B's shape
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    census = int8_census(quantize_(model))
+    assert census.total_elements > 30e9
+    assert census.int8_elements / census.total_elements >= 0.95, census
+    routers = [m.gate.weight for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    assert len(routers) == 48 and all(type(w) is nn.Parameter for w in routers)
+
+
+def test_a_model_left_mostly_full_precision_warns_naming_its_largest_parameters():
+    class Unknown(nn.Module):  # 3-D experts under names fsdp_int8 cannot recognise
+        def __init__(self):
+            super().__init__()
+            self.bank = nn.Parameter(torch.randn(16, 64, 64))
+            self.proj = nn.Linear(64, 64)
+
+    with pytest.warns(UserWarning, match=r"only 1 int8 weights, 4,096 of .* \(6%\) int8; the largest "
+                                         r"full-precision parameters are bank \(16, 64, 64\)"):
+        quantize_(Unknown())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model that is mostly int8 says nothing
+        quantize_(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
+
+
+def test_a_launcher_moe_router_stays_full_precision_however_many_experts():
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_experts=32, top_k=2)
+    model = quantize_(Transformer(args))
+    moe = model.layers[0].feed_forward
+    assert isinstance(moe, MoE) and moe.router.out_features == 32
+    assert type(moe.router.weight) is nn.Parameter  # 64 x 32 passes min_features, and still stays
+    assert all(isinstance(getattr(moe.experts, n), Int8Weight) for n in ("w1", "w2", "w3"))
+    # an explicit module_filter decides for routers too
+    everything = quantize_(Transformer(args), Int8TrainingConfig(module_filter=lambda m, n: True))
+    assert isinstance(everything.layers[0].feed_forward.router.weight, Int8Weight)
+
+
+def test_torchtitan_grouped_experts_compute_on_int8_weights():
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.common.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(GroupedExperts.Config(dim=32, hidden_dim=48, num_experts=4))
+    for weight in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD):
+        nn.init.normal_(weight, std=0.02)
+    holder = quantize_(nn.ModuleDict({"experts": experts}))
+    assert {n for n, p in holder.named_parameters() if isinstance(p, Int8Weight)} == {
+        "experts.w1_EFD", "experts.w2_EDF", "experts.w3_EFD"}
+    reference = GroupedExperts(GroupedExperts.Config(dim=32, hidden_dim=48, num_experts=4))
+    reference.load_state_dict(_values_of(experts))
+    x = torch.randn(10, 32)
+    counts = torch.tensor([3, 0, 5, 2])
+    out, ref = experts(x, counts), reference(x, counts)
+    assert torch.equal(out, ref)
+    out.float().sum().backward()
+    ref.float().sum().backward()
+    assert torch.equal(experts.w2_EDF.grad, reference.w2_EDF.grad)
+
+
+# ---------------------------------------------------------------- the launcher's MoE
+def test_the_moe_preset_trains_on_int8_experts_as_on_their_values():
+    args = ModelArgs(dim=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, shared_expert=True)
+    model, reference = Transformer(args), Transformer(args)
+    model.init_weights(0)
+    quantize_(model, Int8TrainingConfig(min_features=1))
+    reference.load_state_dict(_values_of(model))
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for net in (model, reference):
+        loss = next_token_loss(net, tokens[:, :-1], tokens[:, 1:])
+        balance = load_balance_loss(net)
+        (loss + balance).backward()
+        losses.append((loss, balance, net.layers[0].feed_forward.tokens_per_expert))
+    (loss, balance, counts), (ref_loss, ref_balance, ref_counts) = losses
+    assert torch.equal(loss, ref_loss) and torch.equal(balance, ref_balance) and torch.equal(counts, ref_counts)
+    assert int(counts.sum()) == 4 * 16 * 2  # every token routed to top_k = 2 experts
+    # the balance loss is n_experts * sum f_e p_e >= 1 (equality when balanced), times its weight
+    assert balance.item() >= 0.01 * (1 - 1e-6)
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(param.grad, ref.grad), name
+
+
+# ---------------------------------------------------------------- optimizers, pickles, loads
+@pytest.mark.parametrize("optimizer", ["adamw", "int8-adamw-8bit", "int8-adamw-in-backward", "int8-sgd"])
+def test_optimizers_update_3d_weights_in_place(optimizer):
+    weight = _experts_weight()
+    make = {
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+        "int8-adamw-8bit": lambda p: fsdp_int8.Int8AdamW(p, lr=1e-2, state_bits=8),
+        "int8-adamw-in-backward": lambda p: fsdp_int8.Int8AdamW(p, lr=1e-2, state_bits=8, step_in_backward=True),
+        "int8-sgd": lambda p: fsdp_int8.Int8SGD(p, lr=1e-1),
+    }[optimizer]
+    opt = make([weight])
+    before = weight.dequantize().clone()
+    x = torch.randn(6, 16)
+    for _ in range(2):
+        (F.linear(x, weight[1]).sum() + weight.transpose(1, 2).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert isinstance(weight, Int8Weight) and weight.shape == (4, 32, 16) and weight.scale.shape == (4, 32)
+    moved = (weight.dequantize() - before).abs().amax(dim=(1, 2))
+    assert bool((moved > 0).all())  # every expert got the transpose's gradient
+
+
+def test_a_3d_weight_pickles_and_loads_back_bit_exactly():
+    weight = _experts_weight()
+    buffer = io.BytesIO()
+    torch.save({"w": weight}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["w"]
+    assert isinstance(loaded, Int8Weight) and loaded.shape == weight.shape
+    assert torch.equal(loaded.int_data, weight.int_data) and torch.equal(loaded.scale, weight.scale)
+
+
+def test_load_state_dict_checks_3d_entries_and_rounds_plain_ones():
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_experts=4)
+    model = quantize_(Transformer(args))
+    name = "layers.0.feed_forward.experts.w1"
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state[name].int_data[2, 3, 4] = -128
+    before = model.get_parameter(name).int_data.clone()
+    with pytest.raises(Int8LoadError, match=r"experts\.w1: 1 int8 value\(s\) are -128"):
+        model.load_state_dict(state)
+    assert torch.equal(model.get_parameter(name).int_data, before)  # a refused load changes nothing
+    values = _values_of(Transformer(args))  # plain floats: rounded to nearest on the way in
+    model.load_state_dict(values, assign=True)
+    loaded = model.get_parameter(name)
+    assert isinstance(loaded, Int8Weight) and torch.equal(loaded.dequantize(), Int8Weight.from_float(values[name]).dequantize())
