@@ -65,18 +65,21 @@ PRESETS: dict[str, ModelArgs] = {
 
 
 def model_args(
-    preset: str, *, seq_len: int, dim: int | None = None, n_layers: int | None = None, n_heads: int | None = None
+    preset: str, *, seq_len: int, dim: int | None = None, n_layers: int | None = None, n_heads: int | None = None,
+    n_experts: int | None = None,
 ) -> ModelArgs:
     """``PRESETS[preset]`` with the given overrides (``None`` or 0 keeps the preset's) and
     room for sequences of ``seq_len``: the one shape rule of the launcher and benchmarks.
+    ``n_experts`` makes every block's feed-forward a mixture of that many experts.
 
     Raises:
         ValueError: the overrides make an invalid shape (``dim`` not divisible by ``n_heads``).
     """
     fields = dict(PRESETS[preset].__dict__)
-    overrides = {k: v for k, v in (("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads)) if v}
+    overrides = {k: v for k, v in (("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads),
+                                   ("n_experts", n_experts)) if v}
     if overrides:
-        fields.update(overrides, hidden_dim=0)  # 0: recomputed from the (new) width
+        fields.update(overrides, hidden_dim=0, expert_hidden_dim=0)  # 0: recomputed from the (new) width
     fields["max_seq_len"] = max(fields["max_seq_len"], seq_len)
     return ModelArgs(**fields)
 
@@ -200,9 +203,10 @@ class FeedForward(nn.Module):
 
 class Experts(nn.Module):
     """``num_experts`` SwiGLU experts as 3-D weights, in torchtitan's ``GroupedExperts``
-    layout: ``w1`` (gate) and ``w3`` (up) ``[experts, hidden, dim]``, ``w2`` (down)
-    ``[experts, dim, hidden]``. Each expert's tokens run through ``F.linear`` on ``w[e]``,
-    as transformers' eager experts do (int8 weights: int8 linears, their GEMMs included)."""
+    layout and computation: ``w1`` (gate) and ``w3`` (up) ``[experts, hidden, dim]``,
+    ``w2`` (down) ``[experts, dim, hidden]``, each applied to its expert's tokens by one
+    ``torch._grouped_mm`` over the transposed weight (int8 weights with int8 GEMMs: one
+    int8 GEMM per expert)."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
         super().__init__()
@@ -216,13 +220,12 @@ class Experts(nn.Module):
         for weight in (self.w1, self.w3, self.w2):
             nn.init.normal_(weight, std=INIT_STD)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x`` ``[tokens, dim]`` sorted by expert, ``tokens_per_expert[e]`` rows each."""
-        outputs = [
-            F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e])
-            for e, rows in enumerate(x.split(tokens_per_expert)) if rows.shape[0]
-        ]
-        return torch.cat(outputs)
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
 
 
 class MoE(nn.Module):
@@ -257,7 +260,7 @@ class MoE(nn.Module):
         self.tokens_per_expert = counts.detach()
         self.balance_loss = self.num_experts * (counts.float() / slots.numel() * probs.mean(dim=0)).sum()
         order = slots.argsort(stable=True)
-        routed = self.experts(tokens[order // self.top_k], counts.tolist())
+        routed = self.experts(tokens[order // self.top_k], counts)
         per_slot = torch.empty_like(routed)
         per_slot[order] = routed
         out = (per_slot.view(-1, self.top_k, x.shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)

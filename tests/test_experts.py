@@ -164,6 +164,37 @@ def test_qwen3_moe_eager_experts_run_int8_gemms():
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-2
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_grouped_experts_run_the_int8_gemms_of_the_eager_loop(implementation):
+    """transformers' grouped_mm hands torch._grouped_mm the transposed int8 experts: each
+    expert's tokens then run the same int8 GEMMs as the eager loop's F.linear, so the two
+    agree bit for bit. batched_mm (one copy of a whole expert per token) runs on values."""
+    config = Int8TrainingConfig(int8_matmul=Int8MatmulConfig())
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for name in ("eager", implementation):
+        model = quantize_(_qwen3_moe(name), config)
+        with _Ops() as ops:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        runs[name] = (loss, model.model.layers[0].mlp.experts.gate_up_proj.grad, ops.names.count("_int_mm"))
+    (eager_loss, eager_grad, eager_gemms), (loss, grad, gemms) = runs["eager"], runs[implementation]
+    if implementation == "grouped_mm":
+        assert gemms == eager_gemms and torch.equal(loss, eager_loss) and torch.equal(grad, eager_grad)
+    else:  # attention's GEMMs only; the experts' products in the compute dtype
+        assert 0 < gemms < eager_gemms and abs(loss.item() - eager_loss.item()) < 1e-2 * eager_loss.item()
+
+
+def test_a_transposed_int8_gemm_expert_weight_is_the_weight_seen_transposed():
+    weight = Int8Weight.from_float(torch.randn(4, 32, 16), int8_matmul=Int8MatmulConfig())
+    seen = weight.transpose(-2, -1)
+    assert type(seen).__name__ == "ExpertsTransposed" and seen.shape == (4, 16, 32)
+    assert seen.mT is weight and seen.transpose(1, 2) is weight  # back to the weight itself
+    assert torch.equal(seen.sum(dim=0), weight.dequantize().mT.sum(dim=0))  # other ops: on the values
+    with pytest.raises(NotImplementedError, match="takes 2-D tokens, offsets and no bias"):
+        torch._grouped_mm(torch.randn(2, 5, 16), seen, offs=torch.tensor([1, 2, 3, 5], dtype=torch.int32))
+
+
 def test_transposed_experts_stay_full_precision_with_a_warning():
     class TransposedExperts(nn.Module):  # transformers' is_transposed layout: [E, in, out]
         def __init__(self):

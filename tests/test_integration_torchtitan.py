@@ -302,8 +302,11 @@ def test_qwen3_30b_a3b_in_torchtitan_is_over_95_percent_int8():
     assert census.total_elements > 30e9 and census.int8_elements / census.total_elements >= 0.95, census
 
 
-def test_torchtitans_moe_trains_on_int8_experts():
-    training = Int8TrainingConfig(stochastic_rounding=False)
+@pytest.mark.parametrize("int8_matmul", [None, fsdp_int8.Int8MatmulConfig()])
+def test_torchtitans_moe_trains_on_int8_experts(int8_matmul):
+    from _quant import CountIntMM
+
+    training = Int8TrainingConfig(stochastic_rounding=False, int8_matmul=int8_matmul)
     config = titan.Int8LinearConverter.Config(training=training).build().convert(titan_moe_config())
     model = _build(config, "meta")
     model.to_empty(device="cpu")
@@ -313,5 +316,8 @@ def test_torchtitans_moe_trains_on_int8_experts():
     before = experts.w2_EDF.int_data.clone()
     opt = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
-    losses = train_steps(model, titan_loss, opt, tokens, 3)
+    with CountIntMM() as gemms:
+        losses = train_steps(model, titan_loss, opt, tokens, 3)
     assert losses[-1] < losses[0] and not torch.equal(before, experts.w2_EDF.int_data), losses
+    # int8 GEMMs: attention's four linears and each expert's three grouped matmuls, 3 a step
+    assert (gemms.calls > 3 * 3 * 2 * 4) == (int8_matmul is not None), gemms.calls

@@ -15,6 +15,12 @@ per (expert, output feature), and use them in a few forms:
   with ``.bfloat16()`` first, which keeps the int8 bytes), through :class:`_Dequantize`,
   whose gradient for the int8 weight is the gradient for those values: what the
   optimizer then writes back with stochastic rounding.
+* with int8 GEMMs (``Int8MatmulConfig``), the last two dims of the weight swapped
+  (``transpose(-2, -1)``, ``mT``) give an :class:`ExpertsTransposed`, which
+  ``torch._grouped_mm`` / ``F.grouped_mm`` take as their right operand: each expert's
+  rows of tokens then run :mod:`.linear`'s GEMMs against that expert (``torch._int_mm``,
+  one call per expert with tokens; the weight gradient lands in one ``[E, out, in]``
+  tensor). Anything else done with it runs on the values, as above.
 
 The dequantized copy is a transient of the op that needs it (autograd keeps it for the
 backward of a matmul, as it keeps a bf16 weight). Under FSDP2 with weight-only int8 the
@@ -30,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight.linear import grads_of, output_of
 from fsdp_int8._weight.tensor import Int8Weight
 
 EXPERT_DIMS = 3  # [experts, out, in]
@@ -78,6 +85,126 @@ def _on_values(func: Callable) -> Callable:
     return handler
 
 
+class _Int8GroupedMM(torch.autograd.Function):
+    """``out[rows of e] = x[rows of e] @ weight[e]^T`` for the groups of rows ``offs`` ends
+    (``torch._grouped_mm(x, weight.mT, offs=offs)``), each expert through the 2-D GEMMs of
+    :mod:`.linear` (int8 where ``weight.int8_matmul`` says). Rows after the last offset are
+    zero (``torch._grouped_mm`` leaves them unwritten)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: Int8Weight, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.groups = _groups(offs, weight.shape[0])  # one host read of the offsets
+        out = x.new_zeros(x.shape[0], weight.shape[1])
+        for expert, rows in ctx.groups:
+            out[rows] = output_of(x[rows], weight[expert], None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        need_input, need_weight = ctx.needs_input_grad[:2]
+        grad_x = torch.zeros_like(x) if need_input else None
+        grad_w = grad_out.new_zeros(weight.shape, dtype=weight.dtype) if need_weight else None
+        for expert, rows in ctx.groups:
+            x_rows = x[rows].to(grad_out.dtype) if need_weight else None
+            gx, gw = grads_of(grad_out[rows], x_rows, weight[expert], need_input=need_input)
+            if gx is not None:
+                grad_x[rows] = gx
+            if gw is not None:
+                grad_w[expert] = gw
+        return grad_x, grad_w, None
+
+
+def _groups(offs: torch.Tensor, experts: int) -> list[tuple[int, slice]]:
+    """``(expert, its rows)`` of every expert with rows, from ``torch._grouped_mm``'s
+    cumulative ``offs`` (one per expert)."""
+    ends = offs.tolist()
+    if len(ends) != experts:
+        raise ValueError(f"grouped_mm: {len(ends)} offsets for {experts} experts")
+    starts = [0, *ends[:-1]]
+    return [(e, slice(a, b)) for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
+
+
+class ExpertsTransposed(torch.Tensor):
+    """An expert ``Int8Weight`` ``[E, out, in]`` with int8 GEMMs, seen as ``[E, in, out]``:
+    the right operand ``torch._grouped_mm`` takes. It holds the weight, not a copy;
+    grouped matmuls run :class:`_Int8GroupedMM` on it, transposing back gives the weight,
+    and every other op runs on the transposed values (a plain tensor)."""
+
+    @staticmethod
+    def __new__(cls, weight: Int8Weight) -> "ExpertsTransposed":
+        shape = (*weight.shape[:-2], weight.shape[-1], weight.shape[-2])
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=weight.dtype, device=weight.device)
+        self.weight = weight
+        return self
+
+    def __repr__(self) -> str:
+        return f"ExpertsTransposed({self.weight!r})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GROUPED and isinstance(_operand(args, kwargs, 1, "mat_b"), ExpertsTransposed):
+            a, b = _operand(args, kwargs, 0, "mat_a"), _operand(args, kwargs, 1, "mat_b")
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            if offs is None or a.dim() != 2 or kwargs.get("bias") is not None:
+                raise NotImplementedError(
+                    "grouped_mm of int8 experts takes 2-D tokens, offsets and no bias: "
+                    "torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)")
+            return _Int8GroupedMM.apply(a, b.weight, offs)
+        if func in _SWAP_LAST and _swaps_last_two(func, args, kwargs):
+            return args[0].weight
+        if func in _METADATA or getattr(func, "__name__", "") == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map_only(ExpertsTransposed, lambda t: dequantized(t.weight).mT, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(
+            f"{func} reached an ExpertsTransposed below autograd: call it on the expert "
+            "weight's values (.weight.dequantize()) instead")
+
+
+def _operand(args: tuple, kwargs: dict, index: int, name: str):
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _swaps_last_two(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args)`` swaps exactly the last two dims (``transpose(-2, -1)``, ``mT``)."""
+    if func in (torch.Tensor.mT.__get__,):
+        return True
+    dims = [d % 3 for d in (*args[1:3], *kwargs.values()) if isinstance(d, int)]
+    return sorted(dims) == [1, 2]
+
+
+_GROUPED = {torch._grouped_mm, *([F.grouped_mm] if hasattr(F, "grouped_mm") else [])}
+_SWAP_LAST = {torch.transpose, torch.Tensor.transpose, torch.Tensor.mT.__get__}
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.numel,
+             torch.Tensor.is_contiguous, torch.Tensor.__len__, torch.Tensor.data_ptr}
+
+
+def _transposed(weight: Int8Weight) -> torch.Tensor:
+    """``weight`` with its last two dims swapped: an :class:`ExpertsTransposed` where its
+    GEMMs are int8, else its values, transposed."""
+    if weight.dim() == EXPERT_DIMS and weight.int8_matmul is not None and weight.int8_matmul.any_gemm:
+        return ExpertsTransposed(weight)
+    return dequantized(weight).mT
+
+
+def _transpose_handler(func: Callable) -> Callable:
+    on_values = _on_values(func)
+
+    def handler(*args, **kwargs):
+        if func in _SWAP_LAST and _is_experts(args[0]) and _swaps_last_two(func, args, kwargs):
+            return _transposed(args[0])
+        return on_values(*args, **kwargs)
+
+    return handler
+
+
 _MATMULS = [torch.bmm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
             torch.Tensor.__rmatmul__, torch.Tensor.bmm, torch._grouped_mm]
 if hasattr(F, "grouped_mm"):
@@ -86,8 +213,10 @@ _TRANSPOSES = [torch.transpose, torch.Tensor.transpose, torch.Tensor.mT.__get__,
                torch.permute, torch.Tensor.permute, torch.swapaxes, torch.Tensor.swapaxes,
                torch.Tensor.swapdims, torch.swapdims, torch.movedim, torch.Tensor.movedim]
 
-for _func in _MATMULS + _TRANSPOSES:
+for _func in _MATMULS:
     _op_table.implements_function(_func)(_on_values(_func))
+for _func in _TRANSPOSES:
+    _op_table.implements_function(_func)(_transpose_handler(_func))
 
 
 def _indexes_by_tensor(index: Any) -> bool:

@@ -283,6 +283,38 @@ def _int8_grads(g2d: torch.Tensor, weight: Int8Weight, x2d: torch.Tensor):
     return _int8_grad_input(g2d, weight), _int8_grad_weight(g2d, x2d, weight.compiled)
 
 
+def output_of(x2d: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x2d @ weight^T (+ bias)`` for a 2-D weight, as its ``int8_matmul`` says: an int8
+    GEMM, or a transient weight in the compute dtype (one pass, not kept)."""
+    config = weight.int8_matmul
+    if config is not None and config.output:
+        return _int8_output(x2d, weight, bias)
+    out = torch.matmul(x2d, _weight_in(weight, x2d.dtype).t())
+    return out.add_(bias.to(x2d.dtype)) if bias is not None else out
+
+
+def grads_of(
+    g2d: torch.Tensor, x2d: torch.Tensor | None, weight: Int8Weight, *, need_input: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_x, grad_w)`` of ``y = x @ weight^T`` for a 2-D weight, as its ``int8_matmul``
+    says; ``grad_x`` only if ``need_input``, ``grad_w`` only if ``x2d`` is given."""
+    config = weight.int8_matmul
+    int8_input = need_input and config is not None and config.grad_input
+    int8_weight = x2d is not None and config is not None and config.grad_weight
+    if int8_input and int8_weight:  # both int8 GEMMs: one compiled call where it can be
+        return _int8_grads(g2d, weight, x2d)
+    grad_x = grad_w = None
+    if int8_input:
+        grad_x = _int8_grad_input(g2d, weight)
+    elif need_input:
+        grad_x = torch.matmul(g2d, _weight_in(weight, g2d.dtype))
+    if int8_weight:
+        grad_w = _int8_grad_weight(g2d, x2d, weight.compiled)
+    elif x2d is not None:
+        grad_w = g2d.t().matmul(x2d)
+    return grad_x, grad_w
+
+
 def module_output(values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``values``, a fresh result no one else holds, as ``shape`` without being a view of
     it: FSDP2 warns about a module output that is a view, because an in-place op on one
@@ -303,38 +335,20 @@ class _Int8WeightLinear(torch.autograd.Function):
             out = _int8_output_of_rows(qx, sx, weight, bias, x.dtype)
             return module_output(out, (*x.shape[:-1], out.shape[-1]))
         ctx.save_for_backward(x, weight)
-        if config is not None and config.output:
-            out = _int8_output(x2d, weight, bias)
-        else:  # a transient weight in the compute dtype, built in one pass and not kept
-            out = torch.matmul(x2d, _weight_in(weight, x.dtype).t())
-            if bias is not None:
-                out = out.add_(bias.to(x.dtype))
+        out = output_of(x2d, weight, bias)
         return module_output(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         *saved, weight = ctx.saved_tensors
-        config = weight.int8_matmul
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = grad_w = grad_b = None
-        int8_input = ctx.needs_input_grad[0] and config is not None and config.grad_input
+        grad_b = None
         if ctx.int8_input:  # the weight gradient from the forward's int8 rows and scales
+            grad_x, _ = grads_of(g2d, None, weight, need_input=ctx.needs_input_grad[0])
             grad_w = _int8_grad_weight_of_rows(g2d, *saved, weight.compiled)
-            int8_weight, x2d = False, None
         else:
-            int8_weight = ctx.needs_input_grad[1] and config is not None and config.grad_weight
             x2d = saved[0].reshape(-1, saved[0].shape[-1]).to(g2d.dtype) if ctx.needs_input_grad[1] else None
-        if int8_input and int8_weight:  # both int8 GEMMs: one compiled call where it can be
-            grad_x, grad_w = _int8_grads(g2d, weight, x2d)
-        else:
-            if int8_input:
-                grad_x = _int8_grad_input(g2d, weight)
-            elif ctx.needs_input_grad[0]:
-                grad_x = torch.matmul(g2d, _weight_in(weight, g2d.dtype))
-            if int8_weight:
-                grad_w = _int8_grad_weight(g2d, x2d, weight.compiled)
-            elif x2d is not None:
-                grad_w = g2d.t().matmul(x2d)
+            grad_x, grad_w = grads_of(g2d, x2d, weight, need_input=ctx.needs_input_grad[0])
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
         if grad_w is not None:
