@@ -5,7 +5,9 @@
 
 A Hugging Face Llama with Llama-3.2-1B's proportions scaled down (hidden 512, 12 blocks,
 8 query / 2 key-value heads, MLP 2048, vocab 16,000, tied embeddings: ~15% of the
-parameters) trains on 2 gloo ranks, batch 1 x 256 per rank. Each row runs in fresh
+parameters) trains on 2 gloo ranks, batch 1 x 256 per rank; ``--shape qwen3-moe-scaled``
+trains a Qwen3-MoE with Qwen3-30B-A3B's proportions scaled down (64 experts, top 8, 24
+blocks: the experts hold 94.7% of the parameters) instead. Each row runs in fresh
 processes; its second (steady-state) step runs under
 ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which counts every live
 storage by category (sharded / unsharded parameters and gradients, activations,
@@ -86,18 +88,35 @@ SHAPES = {
     # the same proportions at a size the test suite can afford
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=512, tie_word_embeddings=True),
+    # a Hugging Face Qwen3-MoE with Qwen3-30B-A3B's proportions scaled down: 64 experts of
+    # width 96 at hidden 256 (Qwen3: 128 of 768 at 2048), top 8, 24 blocks (48), vocab 4000;
+    # the experts hold 94.7% of the 120M parameters (95.0% in Qwen3-30B-A3B), one block 4%
+    # (2%): a block's gathered experts are the step's largest transient, as there
+    "qwen3-moe-scaled": dict(model="qwen3_moe", hidden_size=256, num_hidden_layers=24, num_attention_heads=8,
+                             num_key_value_heads=2, head_dim=32, intermediate_size=768,
+                             moe_intermediate_size=96, num_experts=64, num_experts_per_tok=8,
+                             vocab_size=4000, tie_word_embeddings=False),
+    "tiny-moe": dict(model="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                     num_experts=8, num_experts_per_tok=2, vocab_size=512, tie_word_embeddings=False),
 }
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EIGHT_BIT_BLOCK = 128  # values per scale of 8-bit Adam states (at most half a row)
 
 
-def llama(shape: dict, seed: int = 0) -> torch.nn.Module:
-    """A Hugging Face Llama of ``shape``, initialised from ``seed`` (same on every rank)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_model(shape: dict, seed: int = 0) -> torch.nn.Module:
+    """A Hugging Face Llama (or, for ``model="qwen3_moe"``, a Qwen3-MoE) of ``shape``,
+    initialised from ``seed`` (same on every rank)."""
+    import transformers
 
+    fields = dict(shape)
+    kind = fields.pop("model", "llama")
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    }[kind]
     torch.manual_seed(seed)
-    config = LlamaConfig(max_position_embeddings=4096, **shape)
-    return LlamaForCausalLM(config)
+    return model_class(config_class(max_position_embeddings=4096, use_cache=False, **fields))
 
 
 def build(
@@ -112,7 +131,7 @@ def build(
     import fsdp_int8
     from fsdp_int8.sharding import find_blocks
 
-    model = llama(shape)
+    model = hf_model(shape)
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if row in ("bf16", "fp32"):
@@ -292,13 +311,17 @@ def _write_json(args: argparse.Namespace, capability, results: dict[tuple[str, b
     """The figures, with what ``benchmarks.what_fits`` needs to scale them."""
     import json
 
-    from benchmarks.what_fits import LlamaShape
+    from benchmarks.what_fits import LlamaShape, MoEShape
 
     shape = SHAPES[args.shape]
-    measured = LlamaShape(
-        args.shape, shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"],
-        shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"], shape["tie_word_embeddings"],
-    )
+    if shape.get("model") == "qwen3_moe":
+        measured = MoEShape.of_hf(args.shape, shape)
+    else:
+        measured = LlamaShape(
+            args.shape, shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"],
+            shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"],
+            shape["tie_word_embeddings"],
+        )
     by_mode = {mode: {row: {k: v for k, v in figures.items() if k not in ("parameters", "where")}
                       for (row, checkpointing), figures in results.items() if checkpointing == (mode == "on")}
                for mode in ("on", "off")}

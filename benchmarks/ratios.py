@@ -4,6 +4,7 @@
     python -m benchmarks.ratios --dim 512               # the issue's second width
     python -m benchmarks.ratios --quick                 # 4 timed steps: a smoke run
     python -m benchmarks.ratios --profile 5             # + where the time goes, per op and step
+    python -m benchmarks.ratios --experts 8             # mixture-of-experts blocks, 8 experts, top 2
 
 Each rank builds every row's model (same initial weights, same data), then runs step 1
 of every row, step 2 of every row, ...: a machine shared with other jobs slows all rows
@@ -58,9 +59,11 @@ DEFAULT_ROWS = ("bf16", "int8-mm", "int8")
 
 
 def shape(settings: dict) -> ModelArgs:
-    """The model of a benchmark's ``settings`` (preset, seq_len, optional dim, n_layers, n_heads)."""
+    """The model of a benchmark's ``settings`` (preset, seq_len, optional dim, n_layers,
+    n_heads, n_experts)."""
     return model_args(settings["preset"], seq_len=settings["seq_len"], dim=settings.get("dim"),
-                      n_layers=settings.get("n_layers"), n_heads=settings.get("n_heads"))
+                      n_layers=settings.get("n_layers"), n_heads=settings.get("n_heads"),
+                      n_experts=settings.get("n_experts"))
 
 
 def build(row: str, args: ModelArgs, *, compile: bool = True) -> torch.nn.Module:
@@ -181,12 +184,13 @@ def measure(settings: dict, world: int = 2) -> dict:
 
 
 def settings_for(dim: int, rows, *, steps: int, warmup: int, n_layers: int = 2, batch_size: int = 4,
-                 seq_len: int = 256, threads: int = 1, profile: int = 0, baseline: str = "bf16") -> dict:
-    """The issue's benchmark shape (``base`` preset at ``dim``, heads of 64) as settings;
-    the ``baseline`` row runs first."""
+                 seq_len: int = 256, threads: int = 1, profile: int = 0, baseline: str = "bf16",
+                 n_experts: int = 0) -> dict:
+    """The issue's benchmark shape (``base`` preset at ``dim``, heads of 64; ``n_experts``:
+    top-2 mixture-of-experts blocks) as settings; the ``baseline`` row runs first."""
     return dict(preset="base", dim=dim, n_layers=n_layers, n_heads=max(1, dim // 64), batch_size=batch_size,
                 seq_len=seq_len, steps=steps, warmup=warmup, threads=threads,
-                rows=list(dict.fromkeys([baseline, *rows])), profile=profile)
+                rows=list(dict.fromkeys([baseline, *rows])), profile=profile, n_experts=n_experts)
 
 
 def default_baseline(device: str = "cpu") -> str:
@@ -217,6 +221,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=0,
+                        help="mixture-of-experts blocks of this many top-2 experts (the launcher's MoE: one "
+                        "torch._grouped_mm per projection; int8-mm rows: one int8 GEMM per expert)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per row")
@@ -238,11 +245,12 @@ def main(argv: list[str] | None = None) -> dict:
     baseline = default_baseline(device) if args.baseline == "auto" else args.baseline
     settings = settings_for(args.dim, args.rows, steps=args.steps, warmup=args.warmup, n_layers=args.n_layers,
                             batch_size=args.batch_size, seq_len=args.seq_len, threads=args.threads,
-                            profile=args.profile, baseline=baseline)
+                            profile=args.profile, baseline=baseline, n_experts=args.experts)
 
     model = shape(settings)
     params = sum(p.numel() for p in Transformer(model).parameters())
-    print(f"model: launcher Transformer, dim {model.dim}, {model.n_layers} blocks, {model.n_heads} heads "
+    experts = f", {model.n_experts} experts (top {model.top_k}) per block" if model.n_experts else ""
+    print(f"model: launcher Transformer, dim {model.dim}, {model.n_layers} blocks, {model.n_heads} heads{experts} "
           f"({params / 1e6:.2f}M params); batch {args.batch_size} x {args.seq_len} per rank; "
           f"{args.world_size} ranks ({device_type_for(args.world_size)}), {args.threads} thread(s) each; "
           f"{args.steps} timed steps after {args.warmup}, rows interleaved step by step")

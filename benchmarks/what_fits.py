@@ -4,6 +4,12 @@ peak memory ``benchmarks.memory`` measured.
     python -m benchmarks.memory --checkpointing on --json memory.json
     python -m benchmarks.what_fits memory.json [--tokens 4096]
 
+Measured on a mixture-of-experts shape (``benchmarks.memory --shape qwen3-moe-scaled``),
+the table is of MoE models instead (Qwen3-30B-A3B, Qwen3-235B-A22B, a DeepSeek-V3-sized
+671B model), with FSDP alone: every block gathers all its experts, so the largest group
+is a MoE block (11 billion elements in DeepSeek-V3, which therefore needs expert
+parallelism, not modelled here).
+
 A step's peak (activation checkpointing on, as measured) is modelled as three terms:
 
 * **sharded state**, ``s`` bytes per parameter per rank: sharded parameters, gradients and
@@ -41,6 +47,7 @@ ACTIVATIONS = ("Activation", "Inputs")
 BLOCK_INPUT_BYTES = 2  # per token per hidden unit per block: a bf16 checkpoint
 RECOMPUTED_BLOCK_BYTES = 34  # per token per hidden unit, one block recomputed in backward
 LOGIT_BYTES = 12  # per token per vocabulary entry: fp32 logits, log-softmax, gradient
+MOE_FFN_BYTES = 6  # per token per routed expert unit of one recomputed MoE block (3 bf16 tensors)
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,74 @@ LLAMA3 = (
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts model's shape: ``attention`` elements per block, ``experts``
+    SwiGLU experts of width ``expert_ffn`` (top ``top_k``) plus ``shared_ffn`` of shared
+    expert width in each MoE block, and ``dense_layers`` leading dense blocks of width
+    ``dense_ffn`` (DeepSeek-V3's first three)."""
+
+    name: str
+    hidden: int
+    layers: int
+    attention: int
+    experts: int
+    expert_ffn: int
+    top_k: int
+    vocab: int
+    shared_ffn: int = 0
+    dense_layers: int = 0
+    dense_ffn: int = 0
+    tied: bool = False
+
+    @property
+    def moe_block(self) -> int:
+        return (self.attention + 3 * self.hidden * (self.experts * self.expert_ffn + self.shared_ffn)
+                + self.hidden * self.experts)
+
+    @property
+    def parameters(self) -> int:
+        dense_block = self.attention + 3 * self.hidden * self.dense_ffn
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return (self.dense_layers * dense_block + (self.layers - self.dense_layers) * self.moe_block
+                + embeddings + (2 * self.layers + 1) * self.hidden)
+
+    @property
+    def largest_group(self) -> int:
+        """Elements of the largest FSDP2 group: a MoE block with all its experts (FSDP alone
+        gathers every expert), or the embedding if larger."""
+        return max(self.vocab * self.hidden, self.moe_block, self.attention + 3 * self.hidden * self.dense_ffn)
+
+    @property
+    def ffn(self) -> int:
+        """Activation width per token of one recomputed block (its routed experts' and shared
+        expert's), for :func:`activation_bytes`."""
+        return self.top_k * self.expert_ffn + self.shared_ffn
+
+    @classmethod
+    def of_hf(cls, name: str, fields: dict) -> "MoEShape":
+        """The shape of a transformers Qwen3-MoE config's fields (``benchmarks.memory``)."""
+        hidden, heads, kv_heads = fields["hidden_size"], fields["num_attention_heads"], fields["num_key_value_heads"]
+        head_dim = fields.get("head_dim", hidden // heads)
+        return cls(name, hidden, fields["num_hidden_layers"], 2 * hidden * head_dim * (heads + kv_heads),
+                   fields["num_experts"], fields["moe_intermediate_size"], fields["num_experts_per_tok"],
+                   fields["vocab_size"], tied=fields.get("tie_word_embeddings", False))
+
+
+def _gqa(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    return 2 * hidden * head_dim * (heads + kv_heads)
+
+
+# DeepSeek-V3's multi-head latent attention: q down / up, kv down / up, output
+_DEEPSEEK_V3_ATTENTION = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+MOE = (
+    MoEShape("Qwen3-30B-A3B", 2048, 48, _gqa(2048, 32, 4, 128), 128, 768, 8, 151_936),
+    MoEShape("Qwen3-235B-A22B", 4096, 94, _gqa(4096, 64, 4, 128), 128, 1536, 8, 151_936),
+    MoEShape("DeepSeek-V3-671B", 7168, 61, _DEEPSEEK_V3_ATTENTION, 256, 2048, 8, 129_280,
+             shared_ffn=2048, dense_layers=3, dense_ffn=18432),
+)
+
+
+@dataclass(frozen=True)
 class Coefficients:
     """One recipe's measured costs (see the module docstring)."""
 
@@ -91,9 +166,12 @@ class Coefficients:
     group: float  # bytes per element of the largest group
 
 
-def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int) -> float:
-    """The activation term for ``tokens`` tokens per GPU (see the module docstring)."""
-    return tokens * (hidden * (BLOCK_INPUT_BYTES * layers + RECOMPUTED_BLOCK_BYTES) + LOGIT_BYTES * vocab)
+def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int, moe_ffn: int = 0) -> float:
+    """The activation term for ``tokens`` tokens per GPU (see the module docstring); a MoE
+    block recomputes ``moe_ffn`` expert units per token more (its top-k experts' gate, up
+    and product in bf16, ``MOE_FFN_BYTES`` each)."""
+    return tokens * (hidden * (BLOCK_INPUT_BYTES * layers + RECOMPUTED_BLOCK_BYTES) + LOGIT_BYTES * vocab
+                     + MOE_FFN_BYTES * moe_ffn)
 
 
 def coefficients(measured: dict) -> dict[str, Coefficients]:
@@ -110,13 +188,15 @@ def coefficients(measured: dict) -> dict[str, Coefficients]:
     return found
 
 
-def peak_bytes(shape: LlamaShape, gpus: int, costs: Coefficients, tokens: int) -> float:
+def peak_bytes(shape: LlamaShape | MoEShape, gpus: int, costs: Coefficients, tokens: int) -> float:
+    moe_ffn = shape.ffn if isinstance(shape, MoEShape) else 0
     return (costs.sharded * shape.parameters / gpus + costs.group * shape.largest_group
-            + activation_bytes(tokens, shape.hidden, shape.layers, shape.vocab))
+            + activation_bytes(tokens, shape.hidden, shape.layers, shape.vocab, moe_ffn))
 
 
-def largest_fitting(gpu_gb: int, gpus: int, costs: Coefficients, tokens: int) -> str:
-    fitting = [s for s in LLAMA3 if peak_bytes(s, gpus, costs, tokens) <= USABLE * gpu_gb * 1e9]
+def largest_fitting(gpu_gb: int, gpus: int, costs: Coefficients, tokens: int,
+                    shapes: tuple = LLAMA3) -> str:
+    fitting = [s for s in shapes if peak_bytes(s, gpus, costs, tokens) <= USABLE * gpu_gb * 1e9]
     if not fitting:
         return "none"
     best = fitting[-1]
@@ -133,8 +213,11 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]
         measured = json.load(handle)
     costs = coefficients(measured)
     shape = measured["shape"]
+    moe = shape.get("model") == "qwen3_moe"  # measured on a MoE: MoE models are estimated
+    shapes, family = (MOE, "mixture-of-experts") if moe else (LLAMA3, "Llama 3")
+    moe_ffn = MoEShape.of_hf("measured", shape).ffn if moe else 0
     predicted = activation_bytes(measured["tokens_per_rank"], shape["hidden_size"], shape["num_hidden_layers"],
-                                 shape["vocab_size"])
+                                 shape["vocab_size"], moe_ffn)
     share = measured["parameters"] / measured["world_size"]
     print(f"# from {args.measured}: {measured['machine']}")
     for row, figures in measured["rows"].items():
@@ -142,14 +225,14 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]
         print(f"# {row}: sharded {costs[row].sharded:.2f} B/param, largest group {costs[row].group:.2f} B/element; "
               f"activations measured {seen / 1e6:.1f} MB, formula {predicted / 1e6:.1f} MB")
     rows = list(costs)
-    print(f"\nLargest Llama 3 model per GPU, {args.tokens} tokens per GPU, activation checkpointing on "
-          f"(estimated peak in brackets)\n")
+    print(f"\nLargest {family} model per GPU, {args.tokens} tokens per GPU, activation checkpointing on, "
+          f"FSDP alone (estimated peak in brackets)\n")
     print("| GPU memory | GPUs | " + " | ".join(rows) + " |")
     print("|---|---:|" + "---|" * len(rows))
     table = {}
     for gpu_gb in GPU_SIZES_GB:
         for gpus in GPU_COUNTS:
-            table[gpu_gb, gpus] = {row: largest_fitting(gpu_gb, gpus, costs[row], args.tokens) for row in rows}
+            table[gpu_gb, gpus] = {row: largest_fitting(gpu_gb, gpus, costs[row], args.tokens, shapes) for row in rows}
             print(f"| {gpu_gb} GB | {gpus} | " + " | ".join(table[gpu_gb, gpus].values()) + " |")
     return table
 

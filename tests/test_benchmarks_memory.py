@@ -46,3 +46,26 @@ def test_tracker_measures_bf16_fsdp2_and_the_lean_recipe_and_what_fits_scales_th
         assert rank(table[80, 8][row]) >= rank(table[40, 8][row]) >= rank(table[24, 8][row])
     shown = capsys.readouterr().out
     assert "| 80 GB | 64 |" in shown and "activations measured" in shown
+
+
+def test_a_mixture_of_experts_shape_is_measured_and_what_fits_scales_it_to_moe_models(capsys, tmp_path):
+    figures = tmp_path / "memory-moe.json"
+    results = memory.main(["--rows", "bf16", "lean", "--checkpointing", "on", "--shape", "tiny-moe",
+                           "--json", str(figures)])
+    bf16, lean = results[("bf16", True)], results[("lean", True)]
+    assert 12.0 <= bf16["after"] < 12.5, bf16  # fp32 parameters and AdamW's two fp32 moments
+    # experts and linears int8 (1 byte + a 4-byte scale per row of 64, or 32 for the
+    # experts' down projection: at most 1.125), 8-bit moments in blocks of 32 (2 + 0.25),
+    # routers and norms (0.4% of the parameters) with fp32 moments: under 4 bytes
+    assert lean["after"] < 4.0, lean
+    table = what_fits.main([str(figures)])
+    shown = capsys.readouterr().out
+    assert "Largest mixture-of-experts model per GPU" in shown
+    order = ["none", *(shape.name for shape in what_fits.MOE)]
+
+    def rank(entry: str) -> int:
+        return order.index(entry.split(" (")[0])
+
+    for fits in table.values():
+        assert rank(fits["lean"]) >= rank(fits["bf16"]), fits
+    assert rank(table[80, 64]["lean"]) >= rank(table[80, 8]["lean"]) >= rank(table[80, 1]["lean"])
