@@ -128,21 +128,27 @@ def compile_wanted(mode: str, dim: int) -> bool:
     return mode == "on" or (mode == "auto" and dim >= COMPILE_FROM_WIDTH)
 
 
-def blocks_wanted(mode: str, device_type: str, *, tp: int = 1, pp: int = 1) -> bool:
+def blocks_wanted(mode: str, device_type: str, *, tp: int = 1, pp: int = 1, experts: bool = False) -> bool:
     """Whether ``--compile`` ``mode`` compiles each transformer block whole
     (``torch.compile(fullgraph=True)`` before sharding, torchtitan's per-block compile).
 
     ``"blocks"``: yes. ``"auto"``: on accelerators, where it is what FSDP2 users run; not
     on CPUs, where inductor's C++ build of every block shape costs each process minutes
     on a few cores, and no CPU speed-up has been measured yet (docs/performance.md). Not
-    with tensor or pipeline parallelism, which are not tested compiled yet.
+    with tensor or pipeline parallelism, which are not tested compiled yet, nor for the
+    launcher's mixture-of-experts blocks (``experts``): they split the tokens by a count
+    read from the router's choices, which one whole graph cannot hold.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"--compile is one of {', '.join(COMPILE_MODES)}, not {mode!r}")
     if mode == "blocks" and (tp > 1 or pp > 1):
         raise ValueError("--compile blocks is not tested with --tp or --pp yet: use --compile on "
                          "(the quantization kernels) or leave --tp / --pp at 1")
-    return mode == "blocks" or (mode == "auto" and device_type != "cpu" and tp == 1 and pp == 1)
+    if mode == "blocks" and experts:
+        raise ValueError("--compile blocks compiles each block as one graph (fullgraph=True), and a "
+                         "mixture-of-experts block splits its tokens by counts the router chooses at run "
+                         "time: use --compile on (the quantization kernels) or off")
+    return mode == "blocks" or (mode == "auto" and device_type != "cpu" and tp == 1 and pp == 1 and not experts)
 
 
 @dataclass(frozen=True)

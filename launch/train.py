@@ -154,7 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 n_heads=args.n_heads)
         check_tp(args.model, args.tp)
         check_pp(args.model, args.pp)
-        blocks_wanted(args.compile, "cpu", tp=args.tp, pp=args.pp)  # refusals; the device decides auto only
+        # refusals; the device decides auto only
+        blocks_wanted(args.compile, "cpu", tp=args.tp, pp=args.pp, experts=bool(args.model.n_experts))
     except ValueError as error:
         parser.error(str(error))
     error = microbatch_error(args)
@@ -247,7 +248,7 @@ def choose_recipe(args: argparse.Namespace, device: torch.device) -> Recipe:
     args.precision, args.compute_dtype, why = resolve_auto(args.precision, args.compute_dtype, device)
     if why and dist.get_rank() == 0:
         print(why, flush=True)
-    blocks = blocks_wanted(args.compile, device.type, tp=args.tp, pp=args.pp)
+    blocks = blocks_wanted(args.compile, device.type, tp=args.tp, pp=args.pp, experts=bool(args.model.n_experts))
     if blocks and args.compile == "auto" and dist.get_rank() == 0:
         print(f"auto on {device.type}: --compile blocks (each transformer block compiled whole)", flush=True)
     return Recipe.of(args.precision, args.compute_dtype, compile_wanted(args.compile, args.model.dim), blocks)

@@ -125,6 +125,9 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path):
         (["--pp", "2", "--microbatches", "1"], "--pp-schedule 1f1b needs at least --pp 2 microbatches"),
         (["--microbatches", "2"], "--microbatches is for pipeline parallelism"),
         (["--compile", "blocks", "--tp", "2"], "--compile blocks is not tested with --tp or --pp yet"),
+        (["--preset", "tiny-moe", "--tp", "2"], "a mixture-of-experts preset has none"),
+        (["--preset", "tiny-moe", "--pp", "2"], "also trains on its routers' load-balancing loss"),
+        (["--preset", "tiny-moe", "--compile", "blocks"], "splits its tokens by counts the router chooses"),
     ],
 )
 def test_bad_input_fails_before_any_process_group(argv, message, monkeypatch, capsys, tmp_path):
@@ -208,6 +211,15 @@ def test_the_lean_recipe_trains_and_resumes(one_process, tmp_path):
     # each step logs the gradient norm its in-backward clipping measured
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 3 and all(r["grad_norm"] > 0 and math.isfinite(r["grad_norm"]) for r in steps), steps
+
+
+@pytest.mark.parametrize("recipe", [["--precision", "int8-mm"], ["--lean"]])
+def test_the_moe_preset_trains_and_resumes(one_process, recipe, tmp_path):
+    out = str(tmp_path / "moe")
+    assert one_process(*SHORT, "--preset", "tiny-moe", *recipe, "--out", out) == 0
+    assert one_process(*SHORT, "--preset", "tiny-moe", *recipe, "--out", out, "--resume", "--steps", "3") == 0
+    steps = [r for r in read_metrics(tmp_path / "moe" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2] and all(math.isfinite(r["loss"]) for r in steps), steps
 
 
 def test_every_step_logs_its_gradient_norm(one_process, tmp_path):
@@ -358,6 +370,9 @@ def test_compiled_blocks_are_a_row_option_of_every_precision_and_a_compile_mode(
     assert not wanted("auto", "cuda", tp=2) and not wanted("auto", "cuda", pp=2)  # not tested compiled yet
     with pytest.raises(ValueError, match="not tested with --tp or --pp"):
         wanted("blocks", "cpu", pp=2)
+    assert not wanted("auto", "cuda", experts=True)  # MoE blocks split tokens by run-time counts
+    with pytest.raises(ValueError, match="mixture-of-experts block splits its tokens"):
+        wanted("blocks", "cuda", experts=True)
 
 
 def _every_precision_trains(rank: int, world: int) -> dict:
