@@ -127,13 +127,16 @@ def check_rows(
 
 
 def as_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """A checkpoint's int8 entry as ``[rows, in]``: flat rows (format version 2) viewed as
-    one row per scale; ``[rows, in]`` rows (version 1) and anything that does not divide
-    into the scales' rows (refused by the checks after this) as they are."""
-    rows = scale.numel()
-    if data.dim() == 1 and rows and data.numel() % rows == 0:
-        return data.view(rows, data.numel() // rows)
-    return data
+    """A checkpoint's int8 entry as rows of its scales: flat rows (format version 2,
+    ``[*lead, rows * in]`` with ``[*lead, rows]`` scales: ``[rows * in]`` for a linear
+    layer, ``[experts, out * in]`` for MoE experts) viewed as ``[*lead, rows, in]``;
+    ``[rows, in]`` rows (version 1) and anything that does not divide into the scales' rows
+    (refused by the checks after this) as they are."""
+    fits = (
+        data.dim() == scale.dim() >= 1 and data.shape[:-1] == scale.shape[:-1]
+        and scale.shape[-1] > 0 and data.shape[-1] % scale.shape[-1] == 0
+    )
+    return data.reshape(*scale.shape, data.shape[-1] // scale.shape[-1]) if fits else data
 
 
 def check_weight(key: str, value: torch.Tensor, *, source: str | None = None,

@@ -6,7 +6,10 @@ An ``Int8Weight`` entry ``<module>.weight`` of a state dict is written as two te
 ``weight = int8.view(out, in) * scale[:, None]``. The rows are flat (format version 2) so
 that a loader that does not know fsdp_int8's method refuses them at its shape check
 instead of loading int8 values as floats; version 1 folders (``[out, in]`` rows) still
-read. Internal: the public side is
+read. A mixture-of-experts weight ``<experts>.gate_up_proj`` (``[E, out, in]``) is flat per
+expert: ``[E, out * in]`` int8 with ``[E, out]`` scales (``<experts>.gate_up_proj_scale``),
+which transformers' own weight conversions split into the model family's per-expert
+entries (:mod:`._hf_conversions`). Internal: the public side is
 :mod:`fsdp_int8.integrations.hf_quantizer`.
 """
 
@@ -27,27 +30,44 @@ __all__ = [
     "QUANT_METHOD",
     "SCALE_SUFFIX",
     "is_int8",
+    "int8_parameter_names",
+    "flat_rows",
     "int8_safetensors_state_dict",
     "state_dict_from_int8_safetensors",
     "add_load_hooks",
-    "state_dict_given_to_save_pretrained",
+    "save_pretrained_argument",
     "tied_and_fp32_modules",
-    "int8_layers_in_checkpoint",
 ]
 
 QUANT_METHOD = "fsdp_int8"  # config.json's quantization_config.quant_method of these folders
 
 
+def int8_parameter_names(module: nn.Module) -> tuple[str, ...]:
+    """Names of ``module``'s own int8 parameters (``Int8Weight``, or a shard of one): a
+    layer's ``weight``, an experts module's 3-D weights (``gate_up_proj``, ``down_proj``)."""
+    return tuple(
+        name for name, param in module._parameters.items()
+        if param is not None and isinstance(local_shard(param), Int8Weight)
+    )
+
+
 def is_int8(module: nn.Module) -> bool:
-    """Whether ``module``'s own ``weight`` is an ``Int8Weight`` (or a shard of one)."""
-    weight = module._parameters.get("weight")
-    return weight is not None and isinstance(local_shard(weight), Int8Weight)
+    """Whether any of ``module``'s own parameters is an ``Int8Weight`` (or a shard of one)."""
+    return bool(int8_parameter_names(module))
+
+
+def flat_rows(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight``'s int8 rows flattened per leading index, and its scales: ``[out * in]``
+    and ``[out]`` for a layer, ``[E, out * in]`` and ``[E, out]`` for experts."""
+    int_rows, scale = weight.read_rows()
+    return int_rows.reshape(*weight.shape[:-2], -1), scale.reshape(weight.shape[:-1])
 
 
 def int8_safetensors_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` with each ``Int8Weight`` entry ``key`` split into ``key`` (its int8
-    rows ``[out, in]``, flattened to ``[out * in]``) and ``key + "_scale"`` (fp32,
-    ``[out]``): what safetensors can write.
+    rows ``[out, in]``, flattened to ``[out * in]``; experts ``[E, out, in]`` flattened per
+    expert to ``[E, out * in]``) and ``key + "_scale"`` (fp32, ``[out]`` / ``[E, out]``):
+    what safetensors can write.
 
     Other entries are kept as they are. The int8 rows and scales are views of the weight's
     own storage (no copy). Raises ``RuntimeError`` for a sharded (DTensor) int8 weight: a
@@ -59,9 +79,7 @@ def int8_safetensors_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]
         if isinstance(value, DTensor) and isinstance(local_shard(value), Int8Weight):
             sharded.append(key)
         elif isinstance(value, Int8Weight):
-            int_rows, scale = value.read_rows()
-            out[key] = int_rows.reshape(-1)
-            out[key + SCALE_SUFFIX] = scale
+            out[key], out[key + SCALE_SUFFIX] = flat_rows(value)
         else:
             out[key] = value
     if sharded:
@@ -73,6 +91,16 @@ def int8_safetensors_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]
             "options=StateDictOptions(full_state_dict=True, cpu_offload=True)))."
         )
     return out
+
+
+def _is_scale_key(key: str, tensors: Mapping[str, Any]) -> bool:
+    """Whether ``key`` holds the row scales of an int8 entry: ``<layer>.weight_scale``, or
+    ``<name>_scale`` beside int8 rows ``<name>`` (an experts module's ``gate_up_proj``)."""
+    rows_key = key.removesuffix(SCALE_SUFFIX)
+    if rows_key == key:
+        return False
+    rows = tensors.get(rows_key)
+    return rows_key.rsplit(".", 1)[-1] == "weight" or (isinstance(rows, torch.Tensor) and rows.dtype == torch.int8)
 
 
 def state_dict_from_int8_safetensors(
@@ -92,8 +120,8 @@ def state_dict_from_int8_safetensors(
     rewrite = "Write the file again with int8_safetensors_state_dict"
     out: dict[str, Any] = {}
     for key, value in tensors.items():
-        rows_key = key.removesuffix(SCALE_SUFFIX)
-        if rows_key != key and rows_key.rsplit(".", 1)[-1] == "weight":  # row scales: with their rows
+        if _is_scale_key(key, tensors):  # row scales: with their rows
+            rows_key = key.removesuffix(SCALE_SUFFIX)
             if rows_key not in tensors:
                 raise refusal(rows_key, source, f"the file holds row scales {key} but no int8 rows", rewrite)
             continue
@@ -110,29 +138,32 @@ def state_dict_from_int8_safetensors(
 
 
 class _LoadInt8Entries:
-    """``load_state_dict`` pre-hook of an int8 layer: a ``weight`` (int8) + ``weight_scale``
-    pair in the state dict becomes one ``Int8Weight``, which then loads like any other.
+    """``load_state_dict`` pre-hook of a module with int8 parameters: for each, a
+    ``<name>`` (int8) + ``<name>_scale`` pair in the state dict (``weight`` +
+    ``weight_scale`` of a layer) becomes one ``Int8Weight``, which then loads like any other.
 
     A picklable object, not a closure: modules holding it still deep-copy and pickle.
     """
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        scale = state_dict.get(prefix + "weight" + SCALE_SUFFIX)
-        data = state_dict.get(prefix + "weight")
-        weight = module._parameters.get("weight")
-        if scale is None or data is None or isinstance(data, Int8Weight) or weight is None:
-            return
-        local = local_shard(weight)
-        if not isinstance(local, Int8Weight) or isinstance(weight, DTensor):
+        for name in int8_parameter_names(module):
+            self._join(module, state_dict, prefix, name)
+
+    @staticmethod
+    def _join(module: nn.Module, state_dict: dict, prefix: str, name: str) -> None:
+        key = prefix + name
+        scale, data, weight = state_dict.get(key + SCALE_SUFFIX), state_dict.get(key), module._parameters[name]
+        if scale is None or data is None or isinstance(data, Int8Weight) or isinstance(weight, DTensor):
             return  # not this hook's layout: load_state_dict reports the keys as it would
+        local = local_shard(weight)
         data = as_rows(data, scale)
-        if data.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != data.shape[:1]:
+        if data.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != data.shape[:-1]:
             raise ValueError(
-                f"{prefix}weight: an int8 checkpoint entry needs int8 rows and fp32 row scales, "
+                f"{key}: an int8 checkpoint entry needs int8 rows and fp32 row scales, "
                 f"got {data.dtype} {tuple(data.shape)} and {scale.dtype} {tuple(scale.shape)}"
             )
-        del state_dict[prefix + "weight" + SCALE_SUFFIX]
-        state_dict[prefix + "weight"] = local.derive(data.to(local.device), scale.to(local.device))
+        del state_dict[key + SCALE_SUFFIX]
+        state_dict[key] = local.derive(data.to(local.device), scale.to(local.device))
 
 
 # a pickled transformers model with int8 layers holds this hook: weights_only loads rebuild it
@@ -140,8 +171,8 @@ torch.serialization.add_safe_globals([_LoadInt8Entries])
 
 
 def add_load_hooks(model: nn.Module) -> None:
-    """Give every int8 layer of ``model`` the pre-hook that loads a ``weight`` +
-    ``weight_scale`` pair (once: a repeated call adds it only to new int8 layers)."""
+    """Give every module of ``model`` with int8 parameters the pre-hook that loads their
+    ``<name>`` + ``<name>_scale`` pairs (once: a repeated call adds it only to new ones)."""
     for module in model.modules():
         # torch keeps each hook wrapped (its `hook` attribute): look through the wrapper
         hooks = [getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()]
@@ -149,22 +180,23 @@ def add_load_hooks(model: nn.Module) -> None:
             module.register_load_state_dict_pre_hook(_LoadInt8Entries())
 
 
-def state_dict_given_to_save_pretrained() -> dict | None:
-    """The ``state_dict`` argument of the ``save_pretrained`` call asking us, if any.
+def save_pretrained_argument(name: str, default: Any = None) -> Any:
+    """Argument ``name`` of the ``save_pretrained`` call asking us (``default`` for any
+    other caller).
 
     transformers 5.23's ``save_pretrained`` replaces its ``state_dict`` argument by what
     ``get_state_dict_and_metadata(model)`` returns (every quantizer's), yet the argument is
     the only full state dict of a sharded model (``Trainer.save_model`` under FSDP gathers
-    it on every rank and passes it on rank 0). It is still bound in the caller's frame,
-    so read it there; any other caller gets ``None``.
+    it on every rank and passes it on rank 0); ``save_original_format`` says whether it
+    reverts the model's weight conversions. Both are still bound in the caller's frame, so
+    read them there: the frame two calls up (0: here, 1: ``get_state_dict_and_metadata``).
     """
-    frame = sys._getframe(2)  # 0: here, 1: get_state_dict_and_metadata, 2: its caller
+    frame = sys._getframe(2)
     try:
         code = frame.f_code
-        if code.co_name != "save_pretrained" or "state_dict" not in code.co_varnames:
-            return None
-        given = frame.f_locals.get("state_dict")
-        return given if isinstance(given, Mapping) else None
+        if code.co_name != "save_pretrained" or name not in code.co_varnames:
+            return default
+        return frame.f_locals.get(name, default)
     finally:
         del frame
 
@@ -179,57 +211,3 @@ def tied_and_fp32_modules(model: nn.Module, keep_embeddings: bool = False) -> li
     if keep_embeddings:
         names = {n for n in names if not isinstance(model.get_submodule(n), nn.Embedding)}
     return sorted(names | set(getattr(model, "_keep_in_fp32_modules", None) or ()))
-
-
-def _unpaired_entries(headers: dict[str, tuple[str, list[int], str]]) -> None:
-    """Refuse int8 rows without row scales, row scales without int8 rows, and scales that
-    are not one per row, in the checkpoint's entries (``key -> (safetensors dtype, shape,
-    file)``), naming the layer and the file."""
-    rewrite = "The folder is damaged or was written by another tool: save it again with save_pretrained"
-    for key, (dtype, shape, file) in headers.items():
-        rows_key = key.removesuffix(SCALE_SUFFIX)
-        if rows_key != key and rows_key.endswith(".weight"):
-            rows = headers.get(rows_key)
-            if rows is None or rows[0] != "I8":
-                found = "no entry" if rows is None else f"{rows[0]} values"
-                raise refusal(rows_key, file, f"the checkpoint holds row scales {key} but {found}, not int8 rows", rewrite)
-            flat = len(rows[1]) == 1 and len(shape) == 1 and shape[0] and rows[1][0] % shape[0] == 0
-            if dtype != "F32" or (shape != rows[1][:1] and not flat):
-                raise refusal(
-                    rows_key, file, f"its int8 rows {rows[1]} need fp32 row scales, one per row, "
-                    f"{key} holds {dtype} {shape}", rewrite,
-                )
-        if dtype == "I8" and key.endswith(".weight") and key + SCALE_SUFFIX not in headers:
-            raise refusal(key, file, f"it holds int8 rows but no row scales ({key + SCALE_SUFFIX} is missing)", rewrite)
-
-
-def int8_layers_in_checkpoint(model: nn.Module, files: list[str] | None) -> dict[str, str] | None:
-    """Names of the model's layers the safetensors ``files`` hold scales for, each with its
-    file (``None``: no safetensors to read, so the config's rule decides). Only the headers
-    are read; int8 rows without scales and scales without int8 rows are refused here."""
-    if not files or not all(str(f).endswith(".safetensors") for f in files):
-        return None
-    from safetensors import safe_open
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-    headers: dict[str, tuple[str, list[int], str]] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for key in handle.keys():
-                entry = handle.get_slice(key)
-                headers[key] = (entry.get_dtype(), list(entry.get_shape()), str(file))
-    _unpaired_entries(headers)
-    keys = [k for k in headers if k.endswith(".weight" + SCALE_SUFFIX)]
-    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    expected = model.state_dict()
-    names: dict[str, str] = {}
-    for key in keys:
-        weight, _ = rename_source_key(key.removesuffix(SCALE_SUFFIX), renamings, [], model.base_model_prefix, expected)
-        if weight not in expected or "." not in weight:
-            raise ValueError(
-                f"the checkpoint holds int8 rows with scales for {key.removesuffix(SCALE_SUFFIX)}, which is "
-                f"not a layer's weight in {type(model).__name__} (a weight it converts on load?)"
-            )
-        names[weight.rsplit(".", 1)[0]] = headers[key][2]
-    return names

@@ -8,12 +8,14 @@ Importing this module registers the quantization method ``"fsdp_int8"`` with tra
   parameters, and quantizes each checkpoint weight as it is read (round to nearest): no
   full-precision copy of the model is ever held, one weight at a time is;
 * ``model.save_pretrained(path)`` writes each int8 weight as two safetensors entries,
-  ``<module>.weight`` (``int8``, ``[out, in]``) and ``<module>.weight_scale`` (``float32``,
-  ``[out]``; ``weight = int8 * scale[:, None]``), and records the method in ``config.json``
-  (``"quantization_config": {"quant_method": "fsdp_int8", ...}``);
+  ``<module>.weight`` (``int8``, the ``[out, in]`` rows flat) and ``<module>.weight_scale``
+  (``float32``, ``[out]``; ``weight = int8 * scale[:, None]``), and records the method in
+  ``config.json`` (``"quantization_config": {"quant_method": "fsdp_int8", ...}``).
+  Experts weights get one such pair per expert and projection, in the model family's
+  checkpoint entries (``mlp.experts.{e}.gate_proj.weight``; :mod:`._hf_conversions`);
 * ``from_pretrained`` of such a folder restores every int8 byte and scale exactly. The
-  checkpoint decides which layers are int8 (those with a ``weight_scale`` entry); one
-  without any loads as the plain model it holds.
+  checkpoint decides which layers are int8 (those with scale entries); one without any
+  loads as the plain model it holds.
 
 A model quantized by :func:`fsdp_int8.quantize_` gets the same behaviour from
 :func:`attach_hf_quantizer`. Every layer it makes int8 also loads the two entries back in
@@ -37,19 +39,23 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from fsdp_int8._weight.load_checks import as_rows, check_rows
 from fsdp_int8._weight.tensor import Int8Weight
-from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig
+from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, expert_weight_names
 from fsdp_int8.convert import parameter_owners, quantize_
+from fsdp_int8.integrations._hf_conversions import (
+    add_scale_conversions,
+    checked_rows,
+    int8_layers_in_checkpoint,
+)
 from fsdp_int8.integrations._hf_layout import (
     QUANT_METHOD,
     SCALE_SUFFIX,
     add_load_hooks,
-    int8_layers_in_checkpoint,
+    int8_parameter_names,
     int8_safetensors_state_dict,
     is_int8,
+    save_pretrained_argument,
     state_dict_from_int8_safetensors,
-    state_dict_given_to_save_pretrained,
     tied_and_fp32_modules,
 )
 
@@ -126,14 +132,15 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         cls, config: Int8TrainingConfig | None = None, model: nn.Module | None = None
     ) -> "Int8TrainingHfConfig":
         """The JSON form of ``config``; with a custom ``module_filter``, ``model`` (already
-        quantized) names the linear layers it left in full precision."""
+        quantized) names the layers (linear, experts) it left in full precision."""
         config = config or Int8TrainingConfig()
         kept = None
         if config.module_filter is not None:
             if model is None:
                 raise ValueError("a module_filter has no JSON form: pass the quantized model to list what it kept")
             candidates = (nn.Linear, nn.Embedding) if config.quantize_embeddings else nn.Linear
-            kept = [n for n, m in model.named_modules() if isinstance(m, candidates) and not is_int8(m)]
+            kept = [n for n, m in model.named_modules()
+                    if not is_int8(m) and (isinstance(m, candidates) or expert_weight_names(m))]
         return cls(
             stochastic_rounding=config.stochastic_rounding, seed=config.seed,
             skip_names=config.skip_names, min_features=config.min_features, modules_to_not_convert=kept,
@@ -184,8 +191,8 @@ class _OnlyThese:
 
 
 class _QuantizeOnLoad(ConversionOps):
-    """Each full-precision checkpoint weight of an int8 layer, rounded to nearest into the
-    layer's (meta) ``Int8Weight`` metadata as soon as it is read."""
+    """Each full-precision checkpoint weight of an int8 parameter (an experts weight whole,
+    ``[E, out, in]``), rounded to nearest into its meta ``Int8Weight``'s metadata when read."""
 
     def __init__(self, hf_quantizer: "Int8TrainingHfQuantizer") -> None:
         self.hf_quantizer = hf_quantizer
@@ -216,8 +223,9 @@ class Int8TrainingHfQuantizer(HfQuantizer):
 
     def __init__(self, quantization_config: Int8TrainingHfConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
-        self._placeholders: dict[str, Int8Weight] = {}  # int8 layer -> its meta weight, while loading
-        self._files: dict[str, str] = {}  # int8 layer -> the safetensors file holding it, while loading
+        self._placeholders: dict[tuple[str, str], Int8Weight] = {}  # (module, int8 param) -> meta weight
+        self._files: dict[str, str] = {}  # module with int8 parameters -> a file holding them, while loading
+        self._checkpoint_files: list[str] = []
         self._plain_checkpoint = False
 
     @property
@@ -240,7 +248,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
 
     def param_needs_quantization(self, model: PreTrainedModel, param_name: str, **kwargs: Any) -> bool:
         module, name = get_module_from_name(model, param_name)
-        return not self.pre_quantized and name == "weight" and is_int8(module)
+        return not self.pre_quantized and name in int8_parameter_names(module)
 
     def _process_model_before_weight_loading(
         self, model: PreTrainedModel, checkpoint_files: list[str] | None = None, **kwargs: Any
@@ -250,7 +258,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
         names = None
         if self.pre_quantized:
             names = int8_layers_in_checkpoint(model, checkpoint_files)
-            self._files = dict(names or {})
+            self._files, self._checkpoint_files = dict(names or {}), [str(f) for f in checkpoint_files or ()]
             if names is not None:
                 if not names:  # a full-precision export: load what it holds
                     self._plain_checkpoint = True
@@ -267,15 +275,20 @@ class Int8TrainingHfQuantizer(HfQuantizer):
                 missed = sorted(n for n in names if not is_int8(model.get_submodule(n)))
                 if missed:
                     raise ValueError(f"the checkpoint holds int8 rows for layers quantize_ cannot make int8: {missed}")
-            # The checkpoint's int8 rows load into `weight`, its scales into this placeholder.
-            for name, module in model.named_modules():
-                if is_int8(module):
-                    self._placeholders[name] = module.weight
-                    scale = torch.empty(module.weight.shape[0], dtype=torch.float32, device="meta")
-                    module.register_parameter("weight" + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
-                    if self.quantization_config.format_version >= 2:  # flat int8 rows on disk
-                        rows = torch.empty(module.weight.numel(), dtype=torch.int8, device="meta")
-                        module.weight = nn.Parameter(rows, requires_grad=False)
+            self._add_placeholders(model)
+
+    def _add_placeholders(self, model: PreTrainedModel) -> None:
+        """Each int8 parameter ``<p>`` gets an int8 tensor of the checkpoint's shape, and a
+        ``<p>_scale`` (which makes transformers convert scales as it converts rows)."""
+        for name, module in model.named_modules():
+            for param_name in int8_parameter_names(module):
+                weight = module._parameters[param_name]
+                self._placeholders[(name, param_name)] = weight
+                scale = torch.empty(weight.shape[:-1], dtype=torch.float32, device="meta")
+                module.register_parameter(param_name + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+                if self.quantization_config.format_version >= 2:  # rows flat per leading index on disk
+                    rows = torch.empty(*weight.shape[:-2], weight.shape[-2:].numel(), dtype=torch.int8, device="meta")
+                    setattr(module, param_name, nn.Parameter(rows, requires_grad=False))
 
     def postprocess_model(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
         if self._plain_checkpoint:
@@ -287,27 +300,32 @@ class Int8TrainingHfQuantizer(HfQuantizer):
         # transformers has tied the weights by now: every holder of a loaded int8 tensor (an
         # output head tied to an int8 embedding) gets the Int8Weight made of it
         owners = parameter_owners(model)
-        for name, placeholder in self._placeholders.items():
+        for (name, param_name), placeholder in self._placeholders.items():
             module = model.get_submodule(name)
-            scale = module._parameters.pop("weight" + SCALE_SUFFIX)
-            data = module.weight
-            if data.dtype != torch.int8 or scale.is_meta:
-                raise ValueError(f"{name}: the checkpoint has no int8 rows with scales for this layer")
-            rows = as_rows(data.detach(), scale)
+            scale = module._parameters.pop(param_name + SCALE_SUFFIX)
+            data = module._parameters[param_name]
+            key = f"{name}.{param_name}"
+            if data.dtype != torch.int8 or data.is_meta or scale.is_meta:
+                raise ValueError(f"{key}: the checkpoint has no int8 rows with scales for this weight")
             # finite, non-negative scales and int8 values in -127..127, before the model is returned
-            check_rows(f"{name}.weight", rows, scale, source=self._files.get(name), shape=tuple(placeholder.shape))
+            rows = checked_rows(model, key, data.detach(), scale.detach(), shape=tuple(placeholder.shape),
+                                source=self._files.get(name), files=self._checkpoint_files)
             weight = nn.Parameter(placeholder.derive(rows.to(scale.device), scale.detach().float()))
             for owner in owners.get(id(data), [name]):
-                model.get_submodule(owner).weight = weight
-        self._placeholders, self._files = {}, {}
+                setattr(model.get_submodule(owner), param_name, weight)
+        self._placeholders, self._files, self._checkpoint_files = {}, {}, []
         self.quantization_config.format_version = _FORMAT_VERSION  # what its next save writes
         add_load_hooks(model)
         return model
 
     def get_state_dict_and_metadata(self, model: PreTrainedModel) -> tuple[dict[str, Any], dict[str, str]]:
         """The state dict ``save_pretrained`` writes: ``int8_safetensors_state_dict`` of the
-        one it was given, or of ``model.state_dict()``."""
-        given = state_dict_given_to_save_pretrained()
+        one it was given, or of ``model.state_dict()``. When ``save_pretrained`` reverts the
+        model's weight conversions (its default), the model gets the conversions of the
+        scales of converted int8 weights (:func:`add_scale_conversions`)."""
+        given = save_pretrained_argument("state_dict")
+        if save_pretrained_argument("save_original_format", True):
+            add_scale_conversions(model)
         return int8_safetensors_state_dict(model.state_dict() if given is None else given), {}
 
 
