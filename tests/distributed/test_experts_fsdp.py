@@ -1,7 +1,7 @@
 """Mixture-of-experts weights under FSDP2, in real processes: 3-D int8 experts sharded on
 the expert dim (expert counts that do not divide the ranks, fewer experts than ranks),
 int8 bytes plus scales in the all-gather, parity with one process, checkpoints at other
-world sizes. One spawn per world size: many cases run inside.
+world sizes, HSDP. One spawn per world size: many cases run inside.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from _cases import (
     compare_shards,
     local_of,
     mean_over_ranks,
+    replicas_differ,
     snapshot,
 )
 from _nets import tiny_transformer
@@ -50,7 +51,7 @@ def _loss(model, tokens: torch.Tensor, *, balance: bool = True) -> torch.Tensor:
     return loss + load_balance_loss(model) if balance else loss
 
 
-def _parity(rank: int, world: int, experts: int, *, reshard: bool, int8_matmul, bf16: bool) -> dict:
+def _parity(rank: int, world: int, experts: int, *, reshard: bool, int8_matmul, bf16: bool, mesh=None) -> dict:
     """An FSDP2 MoE model against one process holding the whole model, same data (each
     rank its slice of the batch); round to nearest, so the two can agree exactly. The
     next-token loss only: the load-balancing loss of half a batch is not half of the whole
@@ -60,7 +61,7 @@ def _parity(rank: int, world: int, experts: int, *, reshard: bool, int8_matmul, 
     config = Int8TrainingConfig(stochastic_rounding=False, min_features=1, int8_matmul=int8_matmul)
     fsdp_int8.quantize_(reference, config)
     fsdp_int8.shard_model(model, config=config, mp_policy=BF16_POLICY if bf16 else None,
-                          reshard_after_forward=reshard)
+                          reshard_after_forward=reshard, mesh=mesh)
     experts_weight = local_of(model.layers[0].feed_forward.experts.w1)
     assert isinstance(experts_weight, Int8Weight) and experts_weight.dim() == 3
     # SGD: its update is proportional to the gradient. AdamW's divides by sqrt(v) and turns
@@ -85,7 +86,8 @@ def _parity(rank: int, world: int, experts: int, *, reshard: bool, int8_matmul, 
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append((mean_over_ranks(loss), ref_loss.item()))
-    return dict(losses=losses, **compare_shards(model, reference, rank, world))
+    shard = (rank, world) if mesh is None else (mesh.get_local_rank(1), mesh.size(1))
+    return dict(losses=losses, **compare_shards(model, reference, *shard))
 
 
 def _gathered_bytes(rank: int, world: int) -> tuple[int, int]:
@@ -150,7 +152,21 @@ def _load(rank: int, world: int, root: str, again: str | None) -> dict:
     assert info.step == 2
     if again:
         fsdp_int8.save_checkpoint(again, model, opt, step=2)
-    return snapshot(model, opt)
+    loaded = snapshot(model, opt)
+    if world == 4:  # and HSDP, 2 replicas of 2 shards: as one process, replicas identical
+        mesh = init_device_mesh(device_type_for(world), (2, 2), mesh_dim_names=("replicate", "shard"))
+        with case("2 x 2 HSDP, 3 experts"):
+            assert_parity(_parity(rank, world, 3, reshard=True, int8_matmul=None, bf16=False, mesh=mesh), bf16=False)
+        with case("2 x 2 HSDP with stochastic rounding: replicas stay identical"):
+            model = _moe(3)
+            fsdp_int8.shard_model(model, mesh=mesh, config=Int8TrainingConfig(min_features=1))
+            opt = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-2, state_bits=8)
+            for step in range(2):
+                _loss(model, _batch(step, world)[2 * rank: 2 * rank + 2]).backward()
+                opt.step()
+                opt.zero_grad()
+            assert not replicas_differ(model, mesh, "replicate")
+    return loaded
 
 
 def test_moe_experts_shard_gather_and_train_as_one_process():
