@@ -68,3 +68,19 @@ def train_steps(model: nn.Module, loss_fn, optimizer: torch.optim.Optimizer, bat
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def assert_same_model(got: nn.Module, want: nn.Module) -> None:
+    """Every int8 byte and scale, and every other parameter, equal; int8 exactly where ``want`` is."""
+    from fsdp_int8 import Int8Weight
+
+    mine = dict(got.named_parameters())
+    assert mine.keys() == dict(want.named_parameters()).keys()
+    for name, param in want.named_parameters():
+        assert type(mine[name]) is type(param), name
+        if isinstance(param, Int8Weight):
+            assert torch.equal(mine[name].int_data, param.int_data), name
+            assert torch.equal(mine[name].scale, param.scale), name
+            assert mine[name].dtype == param.dtype and mine[name].requires_grad, name
+        else:
+            assert torch.equal(mine[name], param), name

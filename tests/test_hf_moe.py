@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _frameworks import VOCAB, tiny_llama  # noqa: E402
+from _models import assert_same_model  # noqa: E402
 
 from fsdp_int8.integrations import hf_quantizer as hfq  # noqa: E402  (registers the method)
 
@@ -65,19 +66,6 @@ def _train(model: nn.Module) -> nn.Module:
         opt.step()
         opt.zero_grad()
     return model
-
-
-def _assert_same_model(got: nn.Module, want: nn.Module) -> None:
-    """Every int8 byte and scale, and every other parameter, equal; int8 exactly where ``want`` is."""
-    mine = dict(got.named_parameters())
-    assert mine.keys() == dict(want.named_parameters()).keys()
-    for name, param in want.named_parameters():
-        assert type(mine[name]) is type(param), name
-        if isinstance(param, Int8Weight):
-            assert torch.equal(mine[name].int_data, param.int_data), name
-            assert torch.equal(mine[name].scale, param.scale), name
-        else:
-            assert torch.equal(mine[name], param), name
 
 
 def _experts(model: nn.Module, layer: int = 0) -> nn.Module:
@@ -175,12 +163,12 @@ def test_quantize_on_load_of_a_full_precision_moe_folder_rounds_each_expert_weig
     reference = AutoModelForCausalLM.from_pretrained(folders["float"])
     want = Int8Weight.from_float(_experts(reference).gate_up_proj)  # round to nearest, per expert and row
     assert torch.equal(gate_up.int_data, want.int_data) and torch.equal(gate_up.scale, want.scale)
-    _assert_same_model(model, fsdp_int8.quantize_(reference))
+    assert_same_model(model, fsdp_int8.quantize_(reference))
 
     # Saved (its loaded conversions gain those of the scales) and loaded back, exactly; saved again, the same file.
     model.save_pretrained(tmp_path / "int8")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
-    _assert_same_model(again, model)
+    assert_same_model(again, model)
     again.save_pretrained(tmp_path / "again")
     first = load_file(tmp_path / "int8" / "model.safetensors")
     second = load_file(tmp_path / "again" / "model.safetensors")
@@ -223,7 +211,7 @@ def test_a_loader_without_the_method_refuses_int8_experts_and_with_it_they_load(
         # the flat per-expert rows fail the shape check of the fused parameters, loudly
         with pytest.raises(RuntimeError, match="mismatched_sizes"):
             AutoModelForCausalLM.from_pretrained(tmp_path)
-    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path), model)
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path), model)
 
 
 def test_a_conversion_that_would_move_int8_values_across_rows_is_refused_and_the_fused_layout_saves(tmp_path):
@@ -242,7 +230,7 @@ def test_a_conversion_that_would_move_int8_values_across_rows_is_refused_and_the
     saved = load_file(tmp_path / "fused" / "model.safetensors")
     assert saved["model.layers.0.mlp.experts.down_proj"].shape == (EXPERTS, HIDDEN * EXPERT_FEATURES)
     assert saved["model.layers.0.mlp.experts.down_proj_scale"].shape == (EXPERTS, HIDDEN)
-    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "fused"), model)
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "fused"), model)
 
 
 def test_a_dense_model_saves_the_flat_layout_and_keeps_its_weight_conversions(tmp_path):
@@ -284,7 +272,7 @@ def test_load_state_dict_takes_the_int8_rows_and_scales_of_experts(folders):
         EXPERTS, 2 * EXPERT_FEATURES)
     model = fsdp_int8.quantize_(tiny_qwen3_moe(seed=1))
     model.load_state_dict(entries)
-    _assert_same_model(model, trained)
+    assert_same_model(model, trained)
     damaged = {**entries, key: entries[key].clone()}
     damaged[key][3, 5] = -128
     with pytest.raises(Int8LoadError, match=r"experts\.gate_up_proj: 1 int8 value\(s\) are -128"):

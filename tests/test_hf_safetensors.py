@@ -21,7 +21,7 @@ from fsdp_int8 import Int8TrainingConfig, Int8Weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _frameworks import VOCAB, hf_loss, tiny_llama  # noqa: E402
-from _models import fibonacci_mod_task  # noqa: E402
+from _models import assert_same_model, fibonacci_mod_task  # noqa: E402
 
 from fsdp_int8.integrations import hf_quantizer as hfq  # noqa: E402  (registers the method)
 
@@ -52,20 +52,6 @@ def tiny_gpt2(seed: int = 0) -> nn.Module:
 
 def _int8(model: nn.Module) -> dict[str, Int8Weight]:
     return {n: p for n, p in model.named_parameters() if isinstance(p, Int8Weight)}
-
-
-def _assert_same_model(got: nn.Module, want: nn.Module) -> None:
-    """Every int8 byte and scale, and every other parameter, equal; int8 exactly where ``want`` is."""
-    mine = dict(got.named_parameters())
-    assert mine.keys() == dict(want.named_parameters()).keys()
-    for name, param in want.named_parameters():
-        assert type(mine[name]) is type(param), name
-        if isinstance(param, Int8Weight):
-            assert torch.equal(mine[name].int_data, param.int_data), name
-            assert torch.equal(mine[name].scale, param.scale), name
-            assert mine[name].dtype == param.dtype and mine[name].requires_grad, name
-        else:
-            assert torch.equal(mine[name], param), name
 
 
 def _train(model: nn.Module, steps: int = 2) -> None:
@@ -114,7 +100,7 @@ def test_save_pretrained_writes_int8_rows_and_scales_and_from_pretrained_restore
     }
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
-    _assert_same_model(reloaded, model)
+    assert_same_model(reloaded, model)
     assert isinstance(reloaded.hf_quantizer, hfq.Int8TrainingHfQuantizer)
     tokens = fibonacci_mod_task(4, 12, vocab=VOCAB)
     assert torch.equal(hf_loss(reloaded, tokens), hf_loss(model, tokens))
@@ -162,7 +148,7 @@ def test_from_pretrained_quantizes_on_the_meta_device_one_weight_at_a_time(tmp_p
     assert seen == [(i, 14 - i, 1) for i in range(14)], seen
     assert all(not w.is_meta for w in _int8(model).values()) and len(_int8(model)) == 14
     # The same bytes as loading in full precision and quantizing afterwards.
-    _assert_same_model(model, fsdp_int8.quantize_(AutoModelForCausalLM.from_pretrained(tmp_path)))
+    assert_same_model(model, fsdp_int8.quantize_(AutoModelForCausalLM.from_pretrained(tmp_path)))
 
 
 def test_a_model_quantized_by_quantize_saves_the_same_way_once_attached(tmp_path):
@@ -175,15 +161,15 @@ def test_a_model_quantized_by_quantize_saves_the_same_way_once_attached(tmp_path
     hfq.attach_hf_quantizer(model)
     _train(model)
     model.save_pretrained(tmp_path / "int8")
-    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "int8"), model)
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "int8"), model)
     model.save_pretrained(tmp_path / "shards", max_shard_size="100KB")  # several files, an index
     assert len([f for f in os.listdir(tmp_path / "shards") if f.endswith(".safetensors")]) > 1
-    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "shards"), model)
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "shards"), model)
     # Trainer's resume: load_state_dict of the safetensors file, int8 rows and scales included.
     fresh = hfq.attach_hf_quantizer(fsdp_int8.quantize_(tiny_llama(seed=1)))
     result = fresh.load_state_dict(load_file(tmp_path / "int8" / "model.safetensors"))
     assert not result.missing_keys and not result.unexpected_keys
-    _assert_same_model(fresh, model)
+    assert_same_model(fresh, model)
     # model.state_dict() is untouched: Int8Weight values, for torch.save, DCP and accelerate.
     state = model.state_dict()
     assert isinstance(state["model.layers.0.mlp.up_proj.weight"], Int8Weight)
@@ -193,7 +179,7 @@ def test_a_model_quantized_by_quantize_saves_the_same_way_once_attached(tmp_path
     buf.seek(0)
     again = fsdp_int8.quantize_(tiny_llama(seed=2))
     again.load_state_dict(torch.load(buf, weights_only=True))
-    _assert_same_model(again, model)
+    assert_same_model(again, model)
 
 
 def test_a_loader_without_the_method_refuses_the_folder_import_fsdp_int8_suffices_and_version_1_folders_still_load(tmp_path):
@@ -246,11 +232,11 @@ def test_a_loader_without_the_method_refuses_the_folder_import_fsdp_int8_suffice
     save_file({k: v.view(int8[k].shape) if k in int8 else v for k, v in tensors.items()},
               old / "model.safetensors", metadata={"format": "pt"})
     reloaded = AutoModelForCausalLM.from_pretrained(old)
-    _assert_same_model(reloaded, model)
+    assert_same_model(reloaded, model)
     reloaded.save_pretrained(tmp_path / "again")
     again = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
     assert again["format_version"] == 2
-    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "again"), model)
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "again"), model)
 
 
 def test_int8_embeddings_and_their_tied_head_save_and_load_exactly(tmp_path):
@@ -270,7 +256,7 @@ def test_int8_embeddings_and_their_tied_head_save_and_load_exactly(tmp_path):
     assert recorded["quantize_embeddings"] is True
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
-    _assert_same_model(reloaded, model)
+    assert_same_model(reloaded, model)
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # tied again, int8
     tokens = fibonacci_mod_task(4, 12, vocab=VOCAB)
     assert torch.equal(hf_loss(reloaded, tokens), hf_loss(model, tokens))
@@ -280,7 +266,7 @@ def test_int8_embeddings_and_their_tied_head_save_and_load_exactly(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(
         tmp_path / "float", quantization_config=hfq.Int8TrainingHfConfig(quantize_embeddings=True)
     )
-    _assert_same_model(
+    assert_same_model(
         loaded, fsdp_int8.quantize_(tiny_llama(tie=True), Int8TrainingConfig(quantize_embeddings=True))
     )
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
@@ -295,7 +281,7 @@ def test_a_custom_module_filter_is_recorded_by_name_and_the_checkpoint_decides(t
     kept = model.config.quantization_config.modules_to_not_convert
     assert "lm_head" in kept and "model.layers.1.self_attn.q_proj" in kept and len(kept) == 9
     model.save_pretrained(tmp_path)
-    _assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path), model)
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path), model)
 
 
 def test_a_full_precision_export_saves_and_loads_as_the_plain_model(tmp_path):
