@@ -137,6 +137,11 @@ def pre_all_gather(weight: Int8Weight, mesh: Any) -> tuple[tuple[torch.Tensor, .
     rows = padded_rows(weight.full_rows, mesh.size(), rows_per_index(weight))
     if _is_expected_shard(weight, mesh):
         wire = pack_rows(weight.int_rows(), weight.scale, rows)
+    elif weight.dim() > 2:
+        # Expert weights not cut into whole experts were sharded on another dim by FSDP2
+        # itself (torchtitan's Shard(1)): every rank's shard is cut so, and every rank
+        # raises here, before the all-gather (whose copy-out would fail on the wire format).
+        raise NotImplementedError(_experts_not_whole(weight, mesh))
     else:
         wire = layout_flag(rows, weight.row_len, weight.int_data.device)
     return (wire,), (weight.full_rows, rows)
@@ -198,6 +203,18 @@ def post_all_gather(
         return None
     # `data` views FSDP2's own output buffer, which it frees; `scale` is ours to hand over.
     return weight.derive(data, scale, dtype=param_dtype), (scale,)
+
+
+def _experts_not_whole(weight: Int8Weight, mesh: Any) -> str:
+    return (
+        f"an int8 expert weight shard of shape {tuple(weight.shape)} on a {mesh.size()}-way FSDP2 "
+        "shard mesh does not hold whole experts: FSDP2 shards int8 experts on dim 0 only (each "
+        "expert's rows travel with their scales in one buffer whose layout FSDP2's dim-1 "
+        "copy-out cannot read). torchtitan shards experts on dim 1 when its FSDP degree for them "
+        "(efsdp x ep with expert parallelism) exceeds the number of experts: train with at "
+        "least as many experts as that (docs/moe.md), or keep the experts in full precision "
+        "(Int8TrainingConfig.module_filter)."
+    )
 
 
 def _unsupported_layout(weight: Int8Weight, flagged: list[int], shards: int) -> str:

@@ -88,6 +88,15 @@ def _int8_class(parent: type) -> type:
             for name in expert_weight_names(self) or ("weight",):
                 setattr(self, name, int8_parameter(getattr(self, name), config._int8))
 
+        def parallelize(self, parallel_dims: Any) -> None:
+            """torchtitan's placement, then: an int8 expert weight cut by expert parallelism
+            (whole experts per ep rank) is the whole weight FSDP2 shards on the efsdp mesh."""
+            super().parallelize(parallel_dims)
+            for name in expert_weight_names(self):
+                local = local_shard(getattr(self, name))
+                if isinstance(local, Int8Weight):
+                    local.full_rows = local.rows
+
     Int8Module.__name__ = Int8Module.__qualname__ = f"Int8{parent.__name__}"
     _INT8_CLASSES[parent] = Int8Module
     return Int8Module

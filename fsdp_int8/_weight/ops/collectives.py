@@ -94,7 +94,8 @@ def _rows_changed_in_transit(weight: Int8Weight, wire: torch.Tensor) -> int:
     """How many rows a receiver rounding ``wire`` to nearest would not get back bit-exactly."""
     received = weight.clone()
     received.assign_(wire, stochastic=False)
-    same = (received.int_rows() == weight.int_rows()).all(dim=1) & (received.scale == weight.scale)
+    (got_rows, got_scale), (rows, scale) = received.read_rows(), weight.read_rows()
+    same = (got_rows == rows).all(dim=1) & (got_scale == scale)
     return int((~same).sum())
 
 

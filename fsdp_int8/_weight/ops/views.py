@@ -121,8 +121,14 @@ def _view_as_shape(weight: Int8Weight, size: Sequence[int]) -> Int8Weight:
 
 
 def _along(weight: Int8Weight, dim: int, take) -> Int8Weight:
-    """A regrouped view's data and scales, both cut by ``take(tensor, dim)`` (leading dim)."""
-    return weight.derive(take(weight.int_data, dim), take(weight.scale, dim))
+    """A regrouped view's data and scales, both cut by ``take(tensor, dim)`` (leading dim).
+    A piece cut along a leading dim other than 0 is no dim-0 shard of any weight
+    (``full_rows`` 0): FSDP2 sharding experts that way (torchtitan's ``Shard(1)``) is then
+    refused at their all-gather, whose wire format holds whole dim-0 entries."""
+    piece = weight.derive(take(weight.int_data, dim), take(weight.scale, dim))
+    if dim != 0:
+        piece.full_rows = 0
+    return piece
 
 
 @_implements(aten.detach.default, aten.alias.default)
