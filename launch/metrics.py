@@ -98,17 +98,19 @@ class RunLog:
             self.metrics.write(event="start", **record)
 
     def step(self, step: int, loss: "torch.Tensor", lr: float, seconds: float, tokens: int, counter: Any,
-             grad_norm: "torch.Tensor | float | None" = None) -> None:
+             grad_norm: "torch.Tensor | float | None" = None, routing: dict[str, float] | None = None) -> None:
         """One training step: its loss, learning rate, time, tokens (all ranks), the bytes
-        its collectives moved (``counter``: a ``CollectiveCounter``) and the global gradient
-        norm before clipping (``None``: not measured, no clipping)."""
+        its collectives moved (``counter``: a ``CollectiveCounter``), the global gradient
+        norm before clipping (``None``: not measured, no clipping) and, for a
+        mixture-of-experts model, how evenly its routers spread the tokens (``routing``)."""
         if not self.enabled:  # the loss stays on the device: no sync on the other ranks
             return
         loss, gathered = loss.item(), counter.total_bytes("all_gather_single")
         self.progress.update(step, loss, tokens / seconds, gathered)
         norm = {} if grad_norm is None else {"grad_norm": float(grad_norm)}
         self.metrics.write(step=step, loss=loss, lr=lr, seconds=seconds, tokens_per_s=tokens / seconds,
-                           all_gather_bytes=gathered, collective_bytes=counter.total_bytes(), **norm)
+                           all_gather_bytes=gathered, collective_bytes=counter.total_bytes(), **norm,
+                           **(routing or {}))
 
     def validation(self, step: int, val: float) -> None:
         if self.enabled:

@@ -91,6 +91,19 @@ def next_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
     return logits_loss(model(inputs), targets)
 
 
+def routing_stats(model: nn.Module) -> dict[str, float]:
+    """How evenly the last forward's routers spread this rank's tokens, for the log: the
+    load-balancing loss (mean over MoE blocks, unweighted: 1.0 when balanced) and the
+    busiest expert's tokens over the mean (max over blocks: 1.0 when balanced). Empty for
+    a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    if not blocks:
+        return {}
+    balance = sum(float(m.balance_loss) for m in blocks) / len(blocks)
+    busiest = max(float(m.tokens_per_expert.max() / m.tokens_per_expert.float().mean()) for m in blocks)
+    return {"balance_loss": balance, "expert_load_max": busiest}
+
+
 def load_balance_loss(model: nn.Module) -> torch.Tensor | float:
     """The routers' load-balancing loss of ``model``'s last forward, weighted by
     ``load_balance_coef`` and summed over its MoE blocks (0.0 for a dense model)."""

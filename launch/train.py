@@ -43,7 +43,7 @@ from fsdp_int8.hardware import device_type_for
 from launch import parallel, pipeline, run_dir
 from launch.data import Corpus, load_corpus, sample_batch
 from launch.metrics import RunLog, bits_per_byte, plot_losses, read_metrics
-from launch.model import PRESETS, Transformer, check_pp, check_tp, model_args
+from launch.model import PRESETS, Transformer, check_pp, check_tp, model_args, routing_stats
 from launch.precisions import (AUTO, COMPILE_MODES, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, blocks_wanted,
                                build_model, compile_wanted, resolve_auto)
 
@@ -212,7 +212,8 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
         optimizer.zero_grad()
         if args.step_in_backward:  # the norm the hooks measured during this step's backward
             grad_norm = optimizer.grad_norm
-        log.step(step, loss, lr, time.perf_counter() - began, tokens_per_step, counter, grad_norm)
+        log.step(step, loss, lr, time.perf_counter() - began, tokens_per_step, counter, grad_norm,
+                 routing_stats(model) if log.enabled else None)
 
         done = step + 1
         if done % args.eval_every == 0 or done == args.steps:

@@ -291,8 +291,8 @@ def test_the_moe_preset_trains_on_int8_experts_as_on_their_values():
     (loss, balance, counts), (ref_loss, ref_balance, ref_counts) = losses
     assert torch.equal(loss, ref_loss) and torch.equal(balance, ref_balance) and torch.equal(counts, ref_counts)
     assert int(counts.sum()) == 4 * 16 * 2  # every token routed to top_k = 2 experts
-    # the balance loss is n_experts * sum f_e p_e >= 1 (equality when balanced), times its weight
-    assert balance.item() >= 0.01 * (1 - 1e-6)
+    # the balance loss, n_experts * sum f_e p_e (1.0 when balanced) times its weight 0.01
+    assert 0.005 < balance.item() < 0.05
     for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(param.grad, ref.grad), name
 

@@ -220,6 +220,9 @@ def test_the_moe_preset_trains_and_resumes(one_process, recipe, tmp_path):
     assert one_process(*SHORT, "--preset", "tiny-moe", *recipe, "--out", out, "--resume", "--steps", "3") == 0
     steps = [r for r in read_metrics(tmp_path / "moe" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in steps] == [0, 1, 2] and all(math.isfinite(r["loss"]) for r in steps), steps
+    # each step logs how evenly the routers spread the tokens (1.0 when balanced; the
+    # busiest expert holds at least the mean)
+    assert all(r["balance_loss"] > 0 and r["expert_load_max"] >= 1.0 for r in steps), steps
 
 
 def test_every_step_logs_its_gradient_norm(one_process, tmp_path):
