@@ -99,7 +99,7 @@ def routing_stats(model: nn.Module) -> dict[str, float]:
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if not blocks:
         return {}
-    balance = sum(float(m.balance_loss) for m in blocks) / len(blocks)
+    balance = sum(float(m.balance_loss.detach()) for m in blocks) / len(blocks)
     busiest = max(float(m.tokens_per_expert.max() / m.tokens_per_expert.float().mean()) for m in blocks)
     return {"balance_loss": balance, "expert_load_max": busiest}
 
