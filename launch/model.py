@@ -58,8 +58,9 @@ PRESETS: dict[str, ModelArgs] = {
     "small": ModelArgs(dim=256, n_layers=4, n_heads=8, max_seq_len=256),
     "base": ModelArgs(dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
     "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, max_seq_len=2048),
-    # mixture of experts: top-2 of 8 experts in every block, one shared expert
-    "tiny-moe": ModelArgs(dim=64, n_layers=2, n_heads=4, max_seq_len=128, n_experts=8, top_k=2, shared_expert=True),
+    # mixture of experts: top-2 of 4 experts in every block (the demo's size), and top-2 of 8
+    # with one shared expert
+    "tiny-moe": ModelArgs(dim=64, n_layers=2, n_heads=4, max_seq_len=128, n_experts=4, top_k=2),
     "small-moe": ModelArgs(dim=256, n_layers=4, n_heads=8, max_seq_len=256, n_experts=8, top_k=2, shared_expert=True),
 }
 
