@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_int8._weight.census import int8_census, warn_if_mostly_full_precision
 from fsdp_int8._dist import is_sharded, local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
+from fsdp_int8._weight.census import int8_census, warn_if_mostly_full_precision
 from fsdp_int8._weight.conv1d import int8_conv1d_, why_not_convertible
 from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embedding
 from fsdp_int8._weight.load_checks import add_check_hook

@@ -24,8 +24,8 @@ from fsdp_int8._dist import (
 )
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.all_gather import TENSOR_PARALLEL_UNSUPPORTED
-from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8._weight.census import int8_census
+from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import logger, parameter_owners, quantize_
 from fsdp_int8.parallel import int8_tp_plan
 

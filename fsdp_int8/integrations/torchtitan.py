@@ -47,10 +47,10 @@ from torchtitan.models.common.moe import GroupedExperts
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
+from fsdp_int8._weight.census import int8_census
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.checkpoint import capture_generators, check_int8_entries, export_full_state_dict, restore_generators
 from fsdp_int8.config import Int8TrainingConfig, expert_weight_names
-from fsdp_int8._weight.census import int8_census
 from fsdp_int8.convert import int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
 
