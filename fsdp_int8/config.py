@@ -96,7 +96,8 @@ class Int8TrainingConfig:
             torchtitan's MoE experts, whose 3-D weights ``[experts, out, in]`` get one
             scale per expert and output feature). Only ``nn.Linear`` modules,
             experts modules and transformers' ``Conv1D`` modules (GPT-2) are
-            offered (a MoE router stays in full precision); a ``Conv1D`` has ``nx`` (in) and ``nf`` (out) features, not
+            offered (a MoE router stays in full precision); a ``Conv1D`` has ``nx``
+            (in) and ``nf`` (out) features, not
             ``in_features`` / ``out_features``. PEFT adapter layers (LoRA's ``lora_A`` /
             ``lora_B``) are never offered: they stay in full precision.
         skip_names: Last name components that stay in full precision (output heads,
@@ -200,6 +201,13 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def counts_experts(owner: object) -> bool:
+    """Whether ``owner`` (a module or a module's config) has an int ``num_experts``: an
+    experts module, or a MoE block or router, whose direct ``nn.Linear`` children are
+    routers."""
+    return isinstance(getattr(owner, "num_experts", None), int)
+
+
 def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
     """Names of ``module``'s own mixture-of-experts weights, ``()`` if it has none.
 
@@ -213,7 +221,7 @@ def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
     (:func:`why_experts_stay_full_precision` says so).
     """
     experts = getattr(module, "num_experts", None)
-    if not isinstance(experts, int) or experts < 1 or getattr(module, "is_transposed", False):
+    if not counts_experts(module) or experts < 1 or getattr(module, "is_transposed", False):
         return ()
     return tuple(
         name for name, param in module._parameters.items()
@@ -223,7 +231,7 @@ def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
 
 def why_experts_stay_full_precision(module: nn.Module) -> str | None:
     """Why an experts-like module's 3-D weights are not offered to quantization, or ``None``."""
-    if getattr(module, "is_transposed", False) and isinstance(getattr(module, "num_experts", None), int):
+    if getattr(module, "is_transposed", False) and counts_experts(module):
         return (
             "its experts are stored transposed ([experts, in, out]): fsdp_int8 keeps one scale "
             "per expert and output feature, which that layout does not hold in rows"

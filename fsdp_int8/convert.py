@@ -18,7 +18,9 @@ from fsdp_int8._weight.conv1d import int8_conv1d_, why_not_convertible
 from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embedding
 from fsdp_int8._weight.load_checks import add_check_hook
 from fsdp_int8._weight.tensor import Int8Weight
-from fsdp_int8.config import Int8TrainingConfig, expert_weight_names, is_conv1d, why_experts_stay_full_precision
+from fsdp_int8.config import (
+    Int8TrainingConfig, counts_experts, expert_weight_names, is_conv1d, why_experts_stay_full_precision,
+)
 
 __all__ = ["quantize_", "init_int8_weights_"]
 
@@ -92,7 +94,7 @@ def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
     found = _Targets([], [], [], [])
     seen: set[int] = set()
     routers = {
-        id(child) for parent in model.modules() if isinstance(getattr(parent, "num_experts", None), int)
+        id(child) for parent in model.modules() if counts_experts(parent)
         for child in parent.children() if isinstance(child, nn.Linear)
     }
     for name, module in model.named_modules(remove_duplicate=False):

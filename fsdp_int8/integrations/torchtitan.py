@@ -50,7 +50,7 @@ from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.census import int8_census
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.checkpoint import capture_generators, check_int8_entries, export_full_state_dict, restore_generators
-from fsdp_int8.config import Int8TrainingConfig, expert_weight_names
+from fsdp_int8.config import Int8TrainingConfig, counts_experts, expert_weight_names
 from fsdp_int8.convert import int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
 
@@ -146,8 +146,7 @@ class Int8LinearConverter(QuantizationConverter):
         with torch.device("meta"):  # the filter looks at a module: a free one
             probe = module_config.build()
         # a MoE router's gate (TokenChoiceTopKRouter.Config has num_experts) stays as it is
-        router = isinstance(getattr(parent, "num_experts", None), int)
-        return self.config.training.should_quantize(probe, fqn, router=router)
+        return self.config.training.should_quantize(probe, fqn, router=counts_experts(parent))
 
     def convert(self, model_config: Any) -> Any:
         """Return ``model_config`` with every selected ``Linear.Config`` (and MoE
