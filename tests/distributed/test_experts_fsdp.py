@@ -112,8 +112,26 @@ def _gathered_bytes(rank: int, world: int) -> tuple[int, int]:
 INT8_GEMMS = Int8MatmulConfig(grad_weight=False)
 
 
+def _scatter_experts(rank: int, world: int) -> None:
+    """``distribute_tensor`` scatters a 3-D int8 weight from rank 0 (torchtitan's expert
+    parallelism does for a model initialised before it is parallelized): each rank gets
+    its experts' bytes and scales exactly."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(device_type_for(world), (world,))
+    values = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(0))
+    whole = Int8Weight.from_float(values)
+    local = distribute_tensor(whole, mesh, [Shard(0)]).to_local()
+    mine = slice(2 * rank, 2 * rank + 2)
+    assert isinstance(local, Int8Weight)
+    assert torch.equal(local.int_data, whole.int_data[mine]) and torch.equal(local.scale, whole.scale[mine])
+
+
 def _fsdp_cases(rank: int, world: int) -> tuple[int, int]:
     from _quant import CountIntMM
+
+    with case("distribute_tensor of int8 experts"):
+        _scatter_experts(rank, world)
 
     for experts in (3, 1):  # 3 experts on 2 ranks: shards of 2 and 1; 1 expert: rank 1 holds none
         for reshard in (True, False):
