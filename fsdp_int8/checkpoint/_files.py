@@ -29,9 +29,12 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fsync_file(path: Path) -> None:
-    """Flush a written file to disk."""
-    with open(path, "rb+") as f:
+def write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and flush it to disk: a full disk raises ``OSError``
+    (ENOSPC) here, at the write or at the flush."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
         os.fsync(f.fileno())
 
 
@@ -47,10 +50,11 @@ def fsync_dir(path: Path) -> None:
 def write_atomically(path: Path, text: str) -> None:
     """Replace ``path`` with ``text``: readers see the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        write_durably(tmp, text.encode())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written file left beside the real one
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -117,6 +121,13 @@ def looks_like_checkpoint(path: Path) -> bool:
 
 
 # ---------------------------------------------------------------- saving
+def remove_checkpoint(path: Path) -> None:
+    """Delete checkpoint ``path``, its manifest first: one interrupted here no longer looks
+    complete."""
+    (path / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def temporary_dir(final: Path, token: str) -> Path:
     """The directory a save of ``final`` writes into (``token`` must be the same on every rank)."""
     return final.parent / f".tmp-{final.name}-{token}"

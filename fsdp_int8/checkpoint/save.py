@@ -1,16 +1,19 @@
 """``save_checkpoint``: every rank checks that its state is finite, writes its shards and
 generator states into a temporary directory; rank 0 adds the manifest, renames it into
-place and prunes by write order."""
+place and prunes by write order. After each stage the ranks decide together whether it
+worked, so a failure on one rank (a full disk) is raised on every rank at once."""
 
 from __future__ import annotations
 
+import io
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint import CheckpointException
 
 from fsdp_int8 import _dist
 from fsdp_int8._version import __version__
@@ -39,7 +42,10 @@ def save_checkpoint(
 
     Nothing is written if any floating parameter or optimizer state (an int8 weight's
     scales included) holds NaN or Inf on any rank: every rank raises the same
-    :class:`CheckpointError`, and ``latest`` still names the previous checkpoint.
+    :class:`CheckpointError`, and ``latest`` still names the previous checkpoint. So does
+    a failure while writing on any rank (a full disk, dcp's own errors): every rank raises
+    the same :class:`CheckpointError` naming the failing ranks, their files and the causes,
+    the partial files are removed, and the process group stays usable.
 
     Args:
         directory: The checkpoint root.
@@ -59,7 +65,8 @@ def save_checkpoint(
     Raises:
         ValueError: ``step < 0`` or ``keep < 1``.
         TypeError: ``optimizer`` is no optimizer and forwards to none.
-        CheckpointError: NaN or Inf in the state (naming the first entries).
+        CheckpointError: NaN or Inf in the state (naming the first entries); a failure
+            to write on any rank.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -75,34 +82,95 @@ def save_checkpoint(
     final = _files.step_dir(Path(directory), step)
     tmp = _files.temporary_dir(final, _dist.broadcast_from_rank0(uuid.uuid4().hex))
     rank = _dist.rank()
-    if rank == 0:
-        _files.create_temporary_dir(tmp)
-    _dist.barrier()
-
-    _dcp.save(state, tmp)
+    stage = _Stages(final, tmp)
+    stage(f"creating {tmp}", lambda: _files.create_temporary_dir(tmp) if rank == 0 else None)
+    # dcp's own collectives raise its CheckpointException on every rank alike
+    stage(f"writing {tmp}/__{{rank}}_*.distcp (and .metadata on rank 0) through "
+          "torch.distributed.checkpoint", lambda: _dcp.save(state, tmp))
     rng_path = _files.rng_file(tmp, rank)
-    torch.save(capture_generators(model), rng_path)
-    _files.fsync_file(rng_path)
-    _dist.barrier()  # every rank's files are written
+    stage(f"writing {rng_path}", lambda: _files.write_durably(rng_path, _serialized(capture_generators(model))))
     # each rank's files and int8 keys (pipeline stages hold other keys)
-    gathered = _dist.gather_to_rank0((_files.describe_files(tmp, rank), _dcp.int8_keys(state["model"])))
-    if rank == 0:
-        manifest = {
-            "format": _files.FORMAT,
-            "step": step,
-            "sequence": _files.next_sequence(final.parent),  # write order, for keep
-            **sharding_layout(model),  # world_size, mesh_shape (the dp mesh's), tensor_parallel
-            "int8_keys": sorted({key for _, keys in gathered for key in keys}),
-            "extra": extra or {},
-            "versions": {"torch": torch.__version__, "fsdp_int8": __version__},
-            "files": {k: v for files, _ in gathered for k, v in files.items()},
-        }
-        _files.write_manifest(tmp, manifest)
-        _files.publish(tmp, final)
-        if keep is not None:
-            _files.prune(final.parent, keep, newest=final)
+    mine = stage(f"reading back its files in {tmp}", lambda: _files.describe_files(tmp, rank))
+    gathered = _dist.gather_to_rank0((mine, _dcp.int8_keys(state["model"])))
+    layout = sharding_layout(model)  # world_size, mesh_shape (the dp mesh's), tensor_parallel
+    stage(f"writing {tmp / _files.MANIFEST}",
+          lambda: _files.write_manifest(tmp, _manifest(final, step, layout, extra, gathered)) if rank == 0 else None)
+    stage(f"publishing {tmp} as {final}", lambda: _files.publish(tmp, final) if rank == 0 else None)
+    if rank == 0 and keep is not None:
+        _files.prune(final.parent, keep, newest=final)
     _dist.barrier()
     return final
+
+
+def _manifest(final: Path, step: int, layout: dict, extra: dict | None, gathered: list) -> dict:
+    """The manifest of checkpoint ``final`` (on rank 0): ``gathered`` holds each rank's
+    files and int8 keys."""
+    return {
+        "format": _files.FORMAT,
+        "step": step,
+        "sequence": _files.next_sequence(final.parent),  # write order, for keep
+        **layout,
+        "int8_keys": sorted({key for _, keys in gathered for key in keys}),
+        "extra": extra or {},
+        "versions": {"torch": torch.__version__, "fsdp_int8": __version__},
+        "files": {k: v for files, _ in gathered for k, v in files.items()},
+    }
+
+
+def _serialized(value: Any) -> bytes:
+    """``torch.save``'s bytes of ``value``: written by :func:`_files.write_durably`, a full
+    disk raises ``OSError`` (ENOSPC), not torch's archive writer's own message."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+class _Stages:
+    """Runs each stage of a save on every rank and decides together whether it worked.
+
+    One gather after each stage: a stage that fails on any rank (a full disk while one rank
+    writes its generator states, while rank 0 writes the manifest, or inside dcp) raises
+    the same :class:`CheckpointError` on every rank, naming each failing rank, its file
+    and the cause, and no rank waits in a collective the others skipped. The temporary
+    directory is removed (space back on a full disk); ``latest`` and every published
+    checkpoint stay as they were, and the process group stays usable.
+    """
+
+    def __init__(self, final: Path, tmp: Path) -> None:
+        self.final, self.tmp = final, tmp
+
+    def __call__(self, doing: str, action: Callable[[], Any]) -> Any:
+        """``action()``'s result; ``doing`` says what it does (``{rank}``: a rank's number)."""
+        result, problem = None, None
+        try:
+            result = action()
+        except (Exception, CheckpointException) as error:  # dcp's is a BaseException
+            problem = _failures(error, doing)
+        problems = sorted({p for p in _dist.all_gather(problem) if p})
+        if problems:
+            if _dist.rank() == 0:
+                _files.remove_checkpoint(self.tmp)
+            _dist.barrier()  # the removal is done before any rank raises
+            raise CheckpointError(
+                f"checkpoint {self.final} was not saved: {'; '.join(problems)}. Nothing was "
+                "published: latest and the existing checkpoints are unchanged, and the partial "
+                "files are removed. Free disk space (ENOSPC, errno 28: the disk or a quota is "
+                "full) or fix the cause, then save again"
+            )
+        return result
+
+
+def _failures(error: BaseException, doing: str) -> str:
+    """Each failing rank, what it was doing and why: dcp's ``CheckpointException`` holds
+    every rank's cause (the same on every rank), any other error is this rank's own."""
+    if isinstance(error, CheckpointException):
+        causes = {rank: cause for rank, (cause, _) in error.failures.items()}
+    else:
+        causes = {_dist.rank(): error}
+    return "; ".join(
+        f"rank {rank}: {doing.replace('{rank}', str(rank))}: {type(cause).__name__}: {cause}"
+        for rank, cause in sorted(causes.items())
+    )
 
 
 def _merge_param_groups(state: dict[str, Any]) -> None:

@@ -1,0 +1,100 @@
+"""Checkpoints that go wrong on one rank, on 2 ranks, one spawn.
+
+A full disk (``OSError`` ENOSPC, raised by ``os.fsync`` on one rank for one file: where a
+disk or quota that runs out during a write shows up at the latest) while rank 1 writes its
+dcp shards, while rank 1 writes its generator states and while rank 0 writes the
+manifest: every rank raises the same ``CheckpointError`` at once, naming the rank, the
+file and the cause; nothing is published, no temporary folder is left, and a later save
+and collectives work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fnmatch
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_int8
+from fsdp_int8.checkpoint import CheckpointError
+from fsdp_int8.testing import run_distributed
+
+from _cases import assert_identical, case, sharded_mlp, snapshot, train_step_batches
+
+# Each rank gives up on a peer that never reaches a collective after this long (the
+# process group's own timeout is 30 min); a refused save must be far quicker.
+PROMPT_S = 20
+
+
+@contextlib.contextmanager
+def _disk_full(rank: int, pattern: str) -> Iterator[None]:
+    """On ``rank``, ``os.fsync`` of a file whose path matches ``pattern`` fails as a full disk does."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if dist.get_rank() == rank and fnmatch.fnmatch(os.readlink(f"/proc/self/fd/{fd}"), pattern):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    os.fsync = fsync
+    try:
+        yield
+    finally:
+        os.fsync = real
+
+
+def _faults(rank: int, world: int, root: str) -> dict:
+    root = Path(root)
+    model, opt = sharded_mlp()
+    train_step_batches(model, opt, 0, 1)
+    fsdp_int8.save_checkpoint(root, model, opt, step=1)
+    at_one = snapshot(model, opt)
+    train_step_batches(model, opt, 1, 1)
+    messages = {}
+    for where, failing, pattern, names in [
+        ("dcp shards", 1, "*/__1_*.distcp", r"__1_\*\.distcp"),
+        ("generator states", 1, "*/rng/rank_00001.pt", r"rng/rank_00001\.pt"),
+        ("manifest", 0, "*/.manifest.json.*.tmp", r"manifest\.json"),
+    ]:
+        with case(f"disk full on rank {failing} while it writes the {where}"):
+            start = time.monotonic()
+            with _disk_full(failing, pattern), pytest.raises(CheckpointError) as refused:
+                fsdp_int8.save_checkpoint(root, model, opt, step=2)
+            assert time.monotonic() - start < PROMPT_S, "the refusal was not prompt"
+            message = str(refused.value)
+            assert f"rank {failing}: writing " in message and f"rank {1 - failing}:" not in message, message
+            assert "No space left on device" in message and "OSError" in message, message
+            assert re.search(names, message), message
+            messages[where] = message
+            dist.barrier()
+            assert not list(root.glob(".tmp-*")), "the partial save was left behind"
+            assert not (root / "step_00000002").exists()
+            assert fsdp_int8.checkpoint.latest_checkpoint(root).name == "step_00000001"
+
+    with case("after the refusals: collectives, a save and a load work"):
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        assert total.item() == 3.0
+        fsdp_int8.save_checkpoint(root, model, opt, step=2)
+        at_two = snapshot(model, opt)
+        fresh, fresh_opt = sharded_mlp()
+        assert fsdp_int8.load_checkpoint(root, fresh, fresh_opt).step == 2
+        assert_identical(at_two, snapshot(fresh, fresh_opt), "the save after the refusals")
+        assert fsdp_int8.load_checkpoint(root, fresh, fresh_opt, step=1).step == 1
+        assert_identical(at_one, snapshot(fresh, fresh_opt), "the checkpoint before the refusals")
+    return messages
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_with_the_same_error():
+    with tempfile.TemporaryDirectory() as root:
+        messages = run_distributed(_faults, 2, root, timeout=180)
+    assert messages[0] == messages[1]  # the same error on every rank
