@@ -45,14 +45,6 @@ def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return _dist.all_ranks_true([torch.stack([t.isfinite().all() for t in group]).all() for group in groups.values()])
 
 
-def tensor_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value of one local tensor is finite, on this rank only: one host sync
-    (the optimizer's step inside backward checks each gradient as it arrives)."""
-    if not tensor.numel() or bool(norms_finite([tensor])):
-        return True
-    return bool(tensor.isfinite().all())  # the norm may only have overflowed
-
-
 def norms_finite(group: list[torch.Tensor]) -> torch.Tensor:
     """Whether every tensor of one device and dtype has a finite 2-norm: a 0-dim bool
     tensor on their device (no host sync).

@@ -17,8 +17,11 @@ What cannot be done inside backward is refused, never skipped silently:
   gradient alone.
 
 A non-finite gradient is never written: that parameter (weight and states) is left as
-it was, and ``step()`` raises :class:`~fsdp_int8.guard.NonFiniteGradientError` on every
-rank, saying that the other parameters were already updated.
+it was on every rank, and ``step()`` raises :class:`~fsdp_int8.guard.NonFiniteGradientError`
+on every rank, saying that the other parameters were already updated. The verdict is the
+parameter's, not a shard's: each hook all-reduces its gradient's squared norm (one scalar,
+the same collective ``max_grad_norm`` reads), so a NaN that FSDP2's reduce-scatter puts
+in one rank's rows makes every rank skip the parameter before any rank writes it.
 
 Clipping by the global gradient norm of the same step is impossible inside backward (the
 first parameters are updated before the last gradients exist). ``max_grad_norm`` clips
@@ -30,8 +33,8 @@ carried. So the estimate assumes the rest of the step keeps the previous step's
 proportions: it is exact whenever the gradient's shape over the parameters holds, a
 spike raises it from the first parameter that carries one, and the last parameter is
 clipped by the step's exact norm. The first step, with no previous one, uses ``S``
-alone. Each hook all-reduces its gradient's squared norm (one scalar; replicated shards
-counted once), so every rank scales a parameter alike. ``step()`` keeps the step's norm
+alone. The squared norm each hook all-reduces (replicated shards counted once) makes
+every rank scale a parameter alike. ``step()`` keeps the step's norm
 in each parameter group's ``"previous_grad_norm"`` and each parameter's squared norm in
 its state's ``"previous_grad_norm_sq"``, so checkpoints resume the rule exactly.
 
@@ -54,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
-from fsdp_int8.guard import NonFiniteGradientError, tensor_finite
+from fsdp_int8.guard import NonFiniteGradientError
 from fsdp_int8.optim._hooks import watch_new
 
 if TYPE_CHECKING:
@@ -177,12 +180,13 @@ class InBackward:
             "use step_in_backward=False",
         )
         group = optimizer.param_groups[self._group_index[id(param)]]
-        squares = self._squared_norm(param) if self._max_grad_norm is not None else None
-        finite = tensor_finite(local_shard(param.grad)) if squares is None else math.isfinite(squares)
-        if not finite:
+        # one verdict on every rank: the squared norm is all-reduced, so a NaN in any rank's
+        # shard makes it NaN everywhere, and no rank writes a parameter another rank skips
+        squares = self._squared_norm(param)
+        if not math.isfinite(squares):
             self._skipped.append(id(param))
         else:
-            if squares is not None:
+            if self._max_grad_norm is not None:
                 self._clip(param, squares)
             optimizer.update_params([param], group)
             self._updated.add(id(param))

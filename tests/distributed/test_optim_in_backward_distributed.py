@@ -4,7 +4,9 @@ sync off on all micro-batches but the last) each give the weights and optimizer 
 stepping after backward, bit for bit, with stochastic rounding and 8-bit states; a plain
 parameter in a multi-process run (DDP's case) is refused, ``clip_grad_norm_`` of
 gradients applied inside backward raises, ``max_grad_norm``'s global norm is torch's and a
-checkpoint resumes its clipping exactly. ``Int8AdamW(grad_dtype=bf16)``
+checkpoint resumes its clipping exactly; a NaN in one rank's gradient, whichever rank's
+shard it reaches, leaves the parameter unchanged on every rank (with and without
+``max_grad_norm``). ``Int8AdamW(grad_dtype=bf16)``
 (gradients kept in bf16 until the step) equals rounding the fp32 gradients by hand, and
 torch's ``clip_grad_norm_`` works on its gradients."""
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -19,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8TrainingConfig
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
+from fsdp_int8.guard import NonFiniteGradientError
 from fsdp_int8.optim._in_backward import is_applied
 from fsdp_int8.testing import device_type_for, run_distributed
 
@@ -88,6 +92,64 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
             assert torch.equal(x.int_data, y.int_data) and torch.equal(x.scale, y.scale), f"{what}: {key}"
         else:
             assert torch.equal(x, y), f"{what}: {key}"
+
+
+class _TwoBranches(nn.Module):
+    """A norm-like weight (1-D, plain) and an int8 linear, each reading the input directly,
+    so that a NaN put into one branch's output gradient reaches that branch's weight only."""
+
+    def __init__(self, dim: int = 8, rows: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+        self.lin = nn.Linear(dim, rows, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * self.norm, self.lin(x)
+
+
+class _Poisonable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_TwoBranches()])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[0](x)
+
+
+def _nan_on_one_rank_skips_everywhere(rank: int, world: int, target: str, column: int,
+                                      max_grad_norm: float | None) -> None:
+    """A clean step, then a step whose gradient of ``target`` holds NaN at output column
+    ``column`` on rank 1's batch only: after FSDP2's reduce-scatter the NaN is in one
+    rank's shard (rows ``column``), and every rank must still skip the whole parameter."""
+    torch.manual_seed(0)
+    model = fsdp_int8.shard_model(_Poisonable(), config=Int8TrainingConfig(min_features=1, seed=5))
+    block = model.layers[0]
+    param = block.norm if target == "norm" else block.lin.weight
+    other = block.lin.weight if target == "norm" else block.norm
+    opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True, max_grad_norm=max_grad_norm)
+    data = torch.Generator().manual_seed(rank)
+
+    def backward(poison: bool) -> None:
+        outputs = model(torch.randn(4, 8, generator=data))
+        if poison and rank == 1:
+            hit = outputs[0 if target == "norm" else 1]
+            hit.register_hook(lambda g: g.index_fill(-1, torch.tensor([column]), float("nan")))
+        sum(out.square().mean() for out in outputs).backward()
+
+    def snapshot(p: torch.Tensor) -> dict:
+        state = {k: local_of(v).clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+        return {"weight": local_of(p).detach().clone(), **state}
+
+    backward(poison=False)
+    opt.step()
+    opt.zero_grad()
+    before, other_step = snapshot(param), float(opt.state[other]["step"])
+    backward(poison=True)
+    with pytest.raises(NonFiniteGradientError, match="NaN or Inf"):
+        opt.step()
+    opt.zero_grad()
+    _assert_same(snapshot(param), before, f"rank {rank}: {target} after a NaN in rows {column}")
+    assert float(opt.state[other]["step"]) == other_step + 1  # the clean parameter was stepped
 
 
 def _in_backward_equals_after(rank: int, world: int, directory: str) -> None:
@@ -173,6 +235,12 @@ def _in_backward_equals_after(rank: int, world: int, directory: str) -> None:
         step(model, opt, 2)
         step(resumed, resumed_opt, 2)
         assert_identical(snapshot(model, opt), snapshot(resumed, resumed_opt), "resumed")
+    # rows 0-3 of each weight are rank 0's shard, rows 4-7 rank 1's
+    for target, column in (("norm", 1), ("norm", 6), ("lin", 1), ("lin", 6)):
+        for max_grad_norm in (None, 1.0):
+            with case(f"a NaN in rank 1's gradient of {target}, rows {column}, max_grad_norm={max_grad_norm}: "
+                      "every rank skips the parameter"):
+                _nan_on_one_rank_skips_everywhere(rank, world, target, column, max_grad_norm)
     with case("step_in_backward: clip_grad_norm_ of the FSDP2 model raises instead of clipping nothing"):
         model = _build("fsdp", world)
         opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
