@@ -192,6 +192,74 @@ def test_a_saver_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+class _Crash(BaseException):
+    """A process killed here: no ``except Exception`` of the save runs its clean-up."""
+
+
+def test_resaving_a_step_survives_a_crash_at_every_rename(tmp_path, monkeypatch):
+    """Re-saving an existing step (a rolled-back run, a second run in the same folder),
+    killed at each rename, replace or removal of the save: ``latest`` always resolves to a
+    complete checkpoint of that step (the old copy or the new one), it loads, and the next
+    save keeps it as ``step_00000002``."""
+    import shutil
+
+    old, old_opt = _trained(seed=0)
+    new, new_opt = _trained(seed=1)
+    copies = {}
+    for seed, model in ((0, old), (1, new)):
+        copies[seed] = {k: (v.int_data.clone(), v.scale.clone()) for k, v in model.state_dict().items()
+                        if isinstance(v, Int8Weight)}
+    real = {"rename": os.rename, "replace": os.replace, "rmtree": shutil.rmtree}
+    point = 0
+    while True:
+        root = tmp_path / f"crash_{point}"
+        save_checkpoint(root, old, old_opt, step=1)
+        save_checkpoint(root, old, old_opt, step=2)
+        calls = 0
+
+        def crashing(name):
+            def call(*args, **kwargs):
+                nonlocal calls
+                calls += 1
+                if calls == point + 1:
+                    raise _Crash(name)
+                return real[name](*args, **kwargs)
+            return call
+
+        monkeypatch.setattr(os, "rename", crashing("rename"))
+        monkeypatch.setattr(os, "replace", crashing("replace"))
+        monkeypatch.setattr(shutil, "rmtree", crashing("rmtree"))
+        try:
+            save_checkpoint(root, new, new_opt, step=2)  # the re-save
+            crashed = False
+        except (_Crash, CheckpointError):  # dcp turns a crash inside it into its own error
+            crashed = True
+        finally:
+            monkeypatch.undo()
+        found = fsdp_int8.checkpoint.latest_checkpoint(root)
+        assert found is not None, f"crash at call {point}: no checkpoint found"
+        fresh = fsdp_int8.quantize_(_mlp(seed=5))
+        info = load_checkpoint(root, fresh)
+        assert info.step == 2, f"crash at call {point}: latest resolves to step {info.step}"
+        weights = {k: (v.int_data, v.scale) for k, v in fresh.state_dict().items() if isinstance(v, Int8Weight)}
+        which = [seed for seed, saved in copies.items()
+                 if all(all(map(torch.equal, saved[k], weights[k])) for k in saved)]
+        assert len(which) == 1, f"crash at call {point}: step 2 holds neither copy"
+        save_checkpoint(root, new, new_opt, step=3)  # the next save: repairs, deletes no complete copy
+        assert fsdp_int8.checkpoint.latest_checkpoint(root).name == "step_00000003"
+        again = fsdp_int8.quantize_(_mlp(seed=5))
+        load_checkpoint(root, again, step=2)
+        _assert_same_weights(fresh, again)
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001", "step_00000002", "step_00000003"]
+        if not crashed:
+            assert which == [1]  # the finished re-save replaced the old copy
+            break
+        point += 1
+    # crashes were injected in dcp's rename, the manifest's replace, the two renames of the
+    # publish, the replace of latest and the removal of the old copy
+    assert point >= 6
+
+
 # ---------------------------------------------------------------- issue 14: reliability
 def _state_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     """Everything a load could change: weights (int8 bytes and scales), optimizer state and

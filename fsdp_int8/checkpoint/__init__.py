@@ -11,6 +11,8 @@ Layout of a checkpoint root (see docs/checkpoints.md)::
         __0_0.distcp ...      each rank's shards (int8 data + scales, optimizer states)
         rng/rank_00000.pt     each rank's stochastic-rounding and torch generator states
       .tmp-step_00000200-*/   a save in progress (or killed): never read, removed by the next save
+      .old-step_00000100-*/   the old copy of a step being re-saved, until the new one is in place
+                              (put back by the next save if a crash left the step without it)
 
 A save writes everything into a temporary directory and renames it into place only when
 every rank has finished and the manifest is on disk, so a process killed mid-save leaves

@@ -16,6 +16,7 @@ from fsdp_int8.checkpoint.errors import CheckpointError
 FORMAT = "fsdp_int8.checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+_ASIDE = ".old-"  # the old copy of a step being re-saved, until the new one is in place
 _HASH_CHUNK = 1 << 22
 
 
@@ -134,11 +135,15 @@ def temporary_dir(final: Path, token: str) -> Path:
 
 
 def create_temporary_dir(tmp: Path) -> None:
-    """Create ``tmp`` and its root (on one rank), first removing what killed saves left."""
+    """Create ``tmp`` and its root (on one rank), first repairing what an interrupted
+    publish left (:func:`recover`) and removing what killed saves left."""
     root = tmp.parent
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):  # left by a killed save: never complete
-        shutil.rmtree(stale, ignore_errors=True)
+    recover(root)
+    for stale in root.glob(".tmp-*"):  # a save that never published: never named by latest
+        remove_checkpoint(stale)
+    for stale in root.glob(f".{LATEST}.*.tmp"):  # a pointer a crash left unwritten
+        stale.unlink(missing_ok=True)
     rng_file(tmp, 0).parent.mkdir(parents=True)
 
 
@@ -147,18 +152,53 @@ def write_manifest(path: Path, manifest: dict) -> None:
     write_atomically(path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
 
+def _aside_dirs(root: Path, name: str = "step_*") -> list[Path]:
+    """The folders a re-save of checkpoint ``name`` set its previous copy aside in."""
+    return sorted(root.glob(f"{_ASIDE}{name}-*"))
+
+
 def publish(tmp: Path, final: Path) -> None:
-    """Rename the finished ``tmp`` to ``final`` (replacing an older save of that step) and
-    point ``latest`` at it."""
+    """Rename the finished ``tmp`` to ``final`` and point ``latest`` at it.
+
+    Re-saving a step that exists moves the old copy aside first (a folder cannot be
+    renamed over a full one) and removes it only after the new one is in place and
+    ``latest`` is written. A crash between the renames leaves ``final`` missing and its
+    complete old copy aside: :func:`complete_copy` finds it there (so ``latest`` still
+    resolves to a complete checkpoint) and the next save's :func:`recover` puts it back.
+    """
     fsync_dir(tmp)
-    if final.exists():  # re-saving a step: move the old one aside first
-        old = final.parent / f".tmp-old-{final.name}-{uuid.uuid4().hex}"
+    root = final.parent
+    old = root / f"{_ASIDE}{final.name}-{uuid.uuid4().hex}" if final.exists() else None
+    if old is not None:
         os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    write_atomically(final.parent / LATEST, final.name + "\n")
+    os.rename(tmp, final)
+    write_atomically(root / LATEST, final.name + "\n")  # also flushes the renames to disk
+    if old is not None:
+        remove_checkpoint(old)
+
+
+def complete_copy(path: Path) -> Path:
+    """Where checkpoint ``path`` is complete: ``path`` itself or, after a re-save of its
+    step was interrupted between its renames, the old copy it set aside (``path`` if
+    neither is: callers report it)."""
+    if is_complete(path):
+        return path
+    aside = [p for p in _aside_dirs(path.parent, path.name) if is_complete(p)]
+    return max(aside, key=sequence) if aside else path
+
+
+def recover(root: Path) -> None:
+    """Put back (on one rank, before a save) each complete copy an interrupted re-save set
+    aside whose checkpoint is not complete in place; remove the copies a finished re-save
+    replaced. No complete checkpoint that ``latest`` can resolve to is removed."""
+    for old in sorted(_aside_dirs(root), key=sequence, reverse=True):  # the newest copy wins
+        final = root / old.name[len(_ASIDE):].rsplit("-", 1)[0]
+        if is_complete(old) and not is_complete(final):
+            remove_checkpoint(final)  # what is there holds no manifest: never complete
+            os.rename(old, final)
+            fsync_dir(root)
+        else:
+            remove_checkpoint(old)
 
 
 def next_sequence(root: Path) -> int:
@@ -175,7 +215,7 @@ def prune(root: Path, keep: int, newest: Path) -> None:
     protected = {newest.name, latest_name(root)}
     for stale in complete_checkpoints(root)[:-keep]:
         if stale.name not in protected:
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_checkpoint(stale)
 
 
 # ---------------------------------------------------------------- loading

@@ -61,12 +61,14 @@ class CheckpointInfo:
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``directory``, or ``None`` if there is none.
 
-    The one ``latest`` names; without a valid pointer, the most recently written one.
+    The one ``latest`` names (or, if a re-save of its step was interrupted between its
+    renames, the complete old copy set aside); without a valid pointer, the most recently
+    written one.
     """
     root = Path(directory)
     name = _files.latest_name(root)
-    if name and _files.is_complete(root / name):
-        return root / name
+    if name and _files.is_complete(found := _files.complete_copy(root / name)):
+        return found  # its folder, or its old copy while a re-save of its step publishes
     complete = _files.complete_checkpoints(root) if root.is_dir() else []
     return complete[-1] if complete else None
 
@@ -74,7 +76,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 def _resolve(directory: str | os.PathLike, step: int | None) -> Path:
     root = Path(directory)
     if step is not None:
-        path = _files.step_dir(root, step)
+        path = _files.complete_copy(_files.step_dir(root, step))
     elif _files.looks_like_checkpoint(root):
         path = root  # a checkpoint directory itself
     else:
