@@ -272,6 +272,38 @@ def test_int8_embeddings_and_their_tied_head_save_and_load_exactly(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+def test_a_tie_saved_from_a_gathered_state_dict_is_written_once_and_a_folder_holding_it_twice_loads_tied(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_int8._weight.load_checks import Int8LoadError
+
+    model = fsdp_int8.quantize_(tiny_llama(tie=True), Int8TrainingConfig(quantize_embeddings=True))
+    _train(model)
+    model.save_pretrained(tmp_path / "one")
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    # A gathered full state dict (FSDP's get_model_state_dict, accelerate's get_state_dict)
+    # holds each end of the tie as its own tensor: the folder is still one process's.
+    copies = {key: value.clone() for key, value in model.state_dict().items()}
+    assert copies["lm_head.weight"] is not copies["model.embed_tokens.weight"]
+    model.save_pretrained(tmp_path / "gathered", state_dict=copies)
+    assert load_file(tmp_path / "gathered" / "model.safetensors").keys() == one.keys()
+
+    # A folder holding both ends (int8 rows and scales twice, as such saves wrote them
+    # without the rule above) loads exactly, tied, when the copies agree ...
+    twice = dict(one, **{"lm_head.weight": one["model.embed_tokens.weight"].clone(),
+                         "lm_head.weight_scale": one["model.embed_tokens.weight_scale"].clone()})
+    save_file(twice, tmp_path / "one" / "model.safetensors", metadata={"format": "pt"})
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "one")
+    assert_same_model(reloaded, model)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    # ... and is refused, naming the tie, when the scales differ (the rows alone are equal).
+    twice["lm_head.weight_scale"][3] *= 2
+    save_file(twice, tmp_path / "one" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Int8LoadError, match="lm_head.weight .* tied to model.embed_tokens.weight"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "one")
+
+
 def test_a_custom_module_filter_is_recorded_by_name_and_the_checkpoint_decides(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -29,7 +29,7 @@ from fsdp_int8._dist import local_shard
 from fsdp_int8._weight.load_checks import SCALE_SUFFIX, Int8LoadError, as_rows, check_rows, refusal
 from fsdp_int8._weight.tensor import Int8Weight
 
-__all__ = ["add_scale_conversions", "checked_rows", "int8_layers_in_checkpoint"]
+__all__ = ["add_scale_conversions", "check_tied_copy", "checked_rows", "int8_layers_in_checkpoint"]
 
 _REWRITE = "The folder is damaged or was written by another tool: save it again with save_pretrained"
 
@@ -203,6 +203,24 @@ def checked_rows(
     except Int8LoadError as refused:
         raise _refusal_of_entry(model, key, data, scale, files, refused) from None
     return rows
+
+
+def check_tied_copy(key: str, scale: torch.Tensor, weight: Int8Weight, source_key: str, file: str | None) -> None:
+    """Accept the row scales ``scale`` that a checkpoint holds for int8 parameter ``key``
+    when ``from_pretrained`` tied ``key`` to ``source_key`` (``weight``, made from that
+    entry) if they are ``weight``'s own. A folder written from a gathered full state dict
+    can hold both ends of a tie; transformers ties them when their int8 rows are equal,
+    and this compares their scales.
+
+    Raises:
+        Int8LoadError: the scales differ, so the two entries are different weights.
+    """
+    if not torch.equal(scale.to(weight.scale.device, torch.float32).reshape(weight.scale.shape), weight.scale):
+        raise refusal(
+            key, file, f"it is tied to {source_key} and holds the same int8 rows with other row scales",
+            "Load it with tie_word_embeddings=False to keep two weights, or save the folder again from the "
+            "model that trained it",
+        )
 
 
 def _refusal_of_entry(

@@ -37,6 +37,7 @@ __all__ = [
     "add_load_hooks",
     "save_pretrained_argument",
     "tied_and_fp32_modules",
+    "without_tied_copies",
 ]
 
 QUANT_METHOD = "fsdp_int8"  # config.json's quantization_config.quant_method of these folders
@@ -211,3 +212,37 @@ def tied_and_fp32_modules(model: nn.Module, keep_embeddings: bool = False) -> li
     if keep_embeddings:
         names = {n for n in names if not isinstance(model.get_submodule(n), nn.Embedding)}
     return sorted(names | set(getattr(model, "_keep_in_fp32_modules", None) or ()))
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether state-dict entries ``a`` and ``b`` hold the same bytes (int8 rows and scales
+    of int8 weights, the values of plain tensors); sharded entries never compare equal."""
+    if isinstance(a, DTensor) or isinstance(b, DTensor) or type(a) is not type(b):
+        return False
+    if isinstance(a, Int8Weight):
+        return a.shape == b.shape and torch.equal(a.int_data, b.int_data) and torch.equal(a.scale, b.scale)
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def without_tied_copies(state_dict: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    """``state_dict`` without the entries of ``model``'s tied weights (``{target: source}``
+    in ``model.all_tied_weights_keys``, the target one parameter with its source) that
+    repeat their source's bytes.
+
+    A gathered full state dict (``get_model_state_dict(..., full_state_dict=True)``,
+    ``accelerator.get_state_dict``, ``Trainer.save_model`` under FSDP) holds each end of a
+    tie as its own tensor, which ``save_pretrained`` writes twice (it drops only entries
+    sharing storage); without the copy the folder is one process's: the source alone. A
+    copy whose bytes differ is kept.
+    """
+    out = dict(state_dict)
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target not in out or source not in out or out[target] is out[source]:
+            continue  # one tensor under both names: save_pretrained drops the target itself
+        try:
+            tied = model.get_parameter(target) is model.get_parameter(source)
+        except AttributeError:  # not parameters of this model
+            continue
+        if tied and _same_values(out[target], out[source]):
+            del out[target]
+    return out

@@ -43,20 +43,11 @@ from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, expert_weight_names
 from fsdp_int8.convert import parameter_owners, quantize_
 from fsdp_int8.integrations._hf_conversions import (
-    add_scale_conversions,
-    checked_rows,
-    int8_layers_in_checkpoint,
+    add_scale_conversions, check_tied_copy, checked_rows, int8_layers_in_checkpoint,
 )
 from fsdp_int8.integrations._hf_layout import (
-    QUANT_METHOD,
-    SCALE_SUFFIX,
-    add_load_hooks,
-    int8_parameter_names,
-    int8_safetensors_state_dict,
-    is_int8,
-    save_pretrained_argument,
-    state_dict_from_int8_safetensors,
-    tied_and_fp32_modules,
+    QUANT_METHOD, SCALE_SUFFIX, add_load_hooks, int8_parameter_names, int8_safetensors_state_dict, is_int8,
+    save_pretrained_argument, state_dict_from_int8_safetensors, tied_and_fp32_modules, without_tied_copies,
 )
 
 __all__ = [
@@ -300,17 +291,22 @@ class Int8TrainingHfQuantizer(HfQuantizer):
         # transformers has tied the weights by now: every holder of a loaded int8 tensor (an
         # output head tied to an int8 embedding) gets the Int8Weight made of it
         owners = parameter_owners(model)
+        made: dict[int, str] = {}  # each Int8Weight made here -> its entry
         for (name, param_name), placeholder in self._placeholders.items():
             module = model.get_submodule(name)
             scale = module._parameters.pop(param_name + SCALE_SUFFIX)
             data = module._parameters[param_name]
             key = f"{name}.{param_name}"
+            if id(data) in made:  # tied to an entry made above: its own scales must be that one's
+                check_tied_copy(key, scale.detach(), data, made[id(data)], self._files.get(name))
+                continue
             if data.dtype != torch.int8 or data.is_meta or scale.is_meta:
                 raise ValueError(f"{key}: the checkpoint has no int8 rows with scales for this weight")
             # finite, non-negative scales and int8 values in -127..127, before the model is returned
             rows = checked_rows(model, key, data.detach(), scale.detach(), shape=tuple(placeholder.shape),
                                 source=self._files.get(name), files=self._checkpoint_files)
             weight = nn.Parameter(placeholder.derive(rows.to(scale.device), scale.detach().float()))
+            made[id(weight)] = key
             for owner in owners.get(id(data), [name]):
                 setattr(model.get_submodule(owner), param_name, weight)
         self._placeholders, self._files, self._checkpoint_files = {}, {}, []
@@ -320,13 +316,15 @@ class Int8TrainingHfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model: PreTrainedModel) -> tuple[dict[str, Any], dict[str, str]]:
         """The state dict ``save_pretrained`` writes: ``int8_safetensors_state_dict`` of the
-        one it was given, or of ``model.state_dict()``. When ``save_pretrained`` reverts the
-        model's weight conversions (its default), the model gets the conversions of the
-        scales of converted int8 weights (:func:`add_scale_conversions`)."""
+        one it was given (less the copies of tied weights a gathered state dict holds:
+        :func:`without_tied_copies`), or of ``model.state_dict()``. When ``save_pretrained``
+        reverts the model's weight conversions (its default), the model gets the
+        conversions of the scales of converted int8 weights (:func:`add_scale_conversions`)."""
         given = save_pretrained_argument("state_dict")
         if save_pretrained_argument("save_original_format", True):
             add_scale_conversions(model)
-        return int8_safetensors_state_dict(model.state_dict() if given is None else given), {}
+        state = model.state_dict() if given is None else without_tied_copies(given, model)
+        return int8_safetensors_state_dict(state), {}
 
 
 def attach_hf_quantizer(model: PreTrainedModel, config: Int8TrainingConfig | None = None) -> PreTrainedModel:

@@ -1,5 +1,6 @@
 """Frameworks on 2 gloo ranks, in one spawn: plain DDP around a quantized model (replicas
-stay bit-identical), Hugging Face Llama with tied embeddings under ``shard_model``, the
+stay bit-identical), Hugging Face Llama with tied embeddings under ``shard_model`` (int8
+embeddings too: saved from the gathered state dict, loaded exactly in a fresh process), the
 stock transformers ``Trainer`` and accelerate saving int8 weights (DDP, as accelerate
 picks on CPU, and FSDP2), torchtitan's Llama built on the meta device, initialised by
 torchtitan and checkpointed through its own fused-QKV state-dict hooks, and GPT-2's Conv1D
@@ -9,6 +10,7 @@ layers sharded (tests/test_gpt2.py's body, in this spawn so it costs no spawn of
 from __future__ import annotations
 
 import copy
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -97,6 +99,28 @@ def _tied_llama_under_fsdp(rank: int, root: str) -> dict:
                 assert torch.equal(reloaded[key], value), key
         dist.barrier()
     return {"loss": losses[-1]}
+
+
+def _int8_embeddings_tied_gathered_save(rank: int, root: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The documented sharded save of a tied head with int8 embeddings: the trained int8
+    rows and scales (rank 0's, gathered), for the fresh-process load of the caller."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    with case("HF Llama, int8 embeddings tied to the head: save_pretrained of the gathered state dict"):
+        model = fsdp_int8.shard_model(tiny_llama(tie=True), config=Int8TrainingConfig(quantize_embeddings=True))
+        assert model.lm_head.weight is model.model.embed_tokens.weight and len(int8_params(model)) == 15
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_steps(model, hf_loss, opt, fibonacci_mod_task(8, 16, vocab=VOCAB, seed=rank), 2)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model.save_pretrained(root, state_dict=full, is_main_process=rank == 0)
+        trained = {n: local_of(p.full_tensor()) for n, p in int8_params(model)}  # a collective
+        dist.barrier()
+        if rank == 0:  # one process's layout: the tie once, under the embedding
+            layout = {n + suffix for n, p in model.named_parameters()
+                      for suffix in (("", "_scale") if isinstance(local_of(p), Int8Weight) else ("",))}
+            assert load_file(f"{root}/model.safetensors").keys() == layout
+    return {n: (w.int_data, w.scale) for n, w in trained.items()}
 
 
 class _Patterns(torch.utils.data.Dataset):
@@ -252,14 +276,35 @@ def _frameworks(rank: int, world: int, root: str) -> dict:
     return {
         "ddp": _ddp_replicas(rank),
         "llama": _tied_llama_under_fsdp(rank, f"{root}/llama"),
+        "tied_int8": _int8_embeddings_tied_gathered_save(rank, f"{root}/tied_int8"),
         "hf": _hf_trainer_and_accelerate(rank, f"{root}/hf"),
         "titan": _torchtitan_meta_init_and_checkpoint(rank, f"{root}/titan"),
     }
 
 
+# A fresh process with fsdp_int8 imported loads the folder: its int8 rows and scales, and the tie.
+_FRESH_LOAD = (
+    "import sys, torch, fsdp_int8; from transformers import AutoModelForCausalLM; "
+    "model = AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+    "assert model.lm_head.weight is model.model.embed_tokens.weight; "
+    "torch.save({n: (p.int_data, p.scale) for n, p in model.named_parameters() "
+    "if type(p).__name__ == 'Int8Weight'}, sys.argv[2])"
+)
+
+
 def test_frameworks_on_two_ranks():
     with tempfile.TemporaryDirectory() as root:
         zero, one = run_distributed(_frameworks, 2, root)
+        loaded = subprocess.run(
+            [sys.executable, "-c", _FRESH_LOAD, f"{root}/tied_int8", f"{root}/loaded.pt"],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert loaded.returncode == 0, loaded.stderr[-3000:]
+        rows = torch.load(f"{root}/loaded.pt", weights_only=True)
+    trained = zero["tied_int8"]  # every int8 byte and scale as trained on 2 ranks
+    assert rows.keys() == trained.keys() and "model.embed_tokens.weight" in rows
+    for name, (data, scale) in trained.items():
+        assert torch.equal(rows[name][0], data) and torch.equal(rows[name][1], scale), name
     for name, replica in zero["ddp"].items():  # DDP replicas: bit-identical, every byte
         differing = [k for k, v in replica.items() if not torch.equal(v, one["ddp"][name][k])]
         assert not differing, f"DDP ({name}): replicas drifted apart in {differing}"
