@@ -128,27 +128,28 @@ def compile_wanted(mode: str, dim: int) -> bool:
     return mode == "on" or (mode == "auto" and dim >= COMPILE_FROM_WIDTH)
 
 
-def blocks_wanted(mode: str, device_type: str, *, tp: int = 1, pp: int = 1, experts: bool = False) -> bool:
+def blocks_wanted(mode: str, device_type: str, *, tp: int = 1, pp: int = 1, fp32_experts: bool = False) -> bool:
     """Whether ``--compile`` ``mode`` compiles each transformer block whole
     (``torch.compile(fullgraph=True)`` before sharding, torchtitan's per-block compile).
 
     ``"blocks"``: yes. ``"auto"``: on accelerators, where it is what FSDP2 users run; not
     on CPUs, where inductor's C++ build of every block shape costs each process minutes
     on a few cores, and no CPU speed-up has been measured yet (docs/performance.md). Not
-    with tensor or pipeline parallelism, which are not tested compiled yet, nor for the
-    launcher's mixture-of-experts blocks (``experts``): they split the tokens by a count
-    read from the router's choices, which one whole graph cannot hold.
+    with tensor or pipeline parallelism, which are not tested compiled yet, nor for
+    mixture-of-experts blocks computing in fp32 (``fp32_experts``): torch compiles
+    ``torch._grouped_mm`` for bf16 operands only.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"--compile is one of {', '.join(COMPILE_MODES)}, not {mode!r}")
     if mode == "blocks" and (tp > 1 or pp > 1):
         raise ValueError("--compile blocks is not tested with --tp or --pp yet: use --compile on "
                          "(the quantization kernels) or leave --tp / --pp at 1")
-    if mode == "blocks" and experts:
-        raise ValueError("--compile blocks compiles each block as one graph (fullgraph=True), and a "
-                         "mixture-of-experts block splits its tokens by counts the router chooses at run "
-                         "time: use --compile on (the quantization kernels) or off")
-    return mode == "blocks" or (mode == "auto" and device_type != "cpu" and tp == 1 and pp == 1 and not experts)
+    if mode == "blocks" and fp32_experts:
+        raise ValueError("--compile blocks with a mixture-of-experts preset needs bf16 compute: torch "
+                         "compiles torch._grouped_mm for bf16 operands only. Use --compute-dtype bf16 "
+                         "(and a bf16 or int8 --precision), or --compile on")
+    return mode == "blocks" or (mode == "auto" and device_type != "cpu" and tp == 1 and pp == 1
+                                and not fp32_experts)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,14 @@ class Recipe:
         if not precision.int8:
             return cls(precision, None, False, blocks)
         return cls(precision, compute_dtype, compile and not blocks, blocks)
+
+    @property
+    def computes_in_fp32(self) -> bool:
+        """Whether its matmuls run in fp32: an fsdp_int8 precision with fp32 compute, or a
+        baseline without a bf16 policy."""
+        if self.precision.int8:
+            return self.compute_dtype == "fp32"
+        return self.precision.policy is None or self.precision.policy.param_dtype != torch.bfloat16
 
     @property
     def name(self) -> str:

@@ -155,7 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         check_tp(args.model, args.tp)
         check_pp(args.model, args.pp)
         # refusals; the device decides auto only
-        blocks_wanted(args.compile, "cpu", tp=args.tp, pp=args.pp, experts=bool(args.model.n_experts))
+        fp32 = args.precision == "fp32" or args.compute_dtype == "fp32"
+        blocks_wanted(args.compile, "cpu", tp=args.tp, pp=args.pp, fp32_experts=fp32 and bool(args.model.n_experts))
     except ValueError as error:
         parser.error(str(error))
     error = microbatch_error(args)
@@ -249,7 +250,9 @@ def choose_recipe(args: argparse.Namespace, device: torch.device) -> Recipe:
     args.precision, args.compute_dtype, why = resolve_auto(args.precision, args.compute_dtype, device)
     if why and dist.get_rank() == 0:
         print(why, flush=True)
-    blocks = blocks_wanted(args.compile, device.type, tp=args.tp, pp=args.pp, experts=bool(args.model.n_experts))
+    fp32 = Recipe.of(args.precision, args.compute_dtype).computes_in_fp32
+    blocks = blocks_wanted(args.compile, device.type, tp=args.tp, pp=args.pp,
+                           fp32_experts=fp32 and bool(args.model.n_experts))
     if blocks and args.compile == "auto" and dist.get_rank() == 0:
         print(f"auto on {device.type}: --compile blocks (each transformer block compiled whole)", flush=True)
     return Recipe.of(args.precision, args.compute_dtype, compile_wanted(args.compile, args.model.dim), blocks)

@@ -8,6 +8,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_int8._quant import kernels as _kernels
@@ -30,8 +31,20 @@ def dequantize_rowwise(
     return absmax_dequantize(q, scale, dtype=dtype, compiled=compiled)
 
 
+def dispatch_into_own_ops(mode: TorchDispatchMode, func, args: tuple, kwargs: dict | None):
+    """``func(*args, **kwargs)`` for ``mode``'s ``__torch_dispatch__``; fsdp_int8's own
+    custom ops (the experts' grouped GEMMs) run their Python body under ``mode``, so that
+    it sees the aten ops they run too."""
+    opdef = _maybe_get_opdef(func)
+    if opdef is not None and func.namespace == "fsdp_int8":
+        with mode:
+            return opdef._init_fn(*args, **(kwargs or {}))
+    return func(*args, **(kwargs or {}))
+
+
 class CountIntMM(TorchDispatchMode):
-    """Counts aten._int_mm where aten sees it: below every Python wrapper of ours."""
+    """Counts aten._int_mm where aten sees it: below every Python wrapper of ours, inside
+    fsdp_int8's custom ops too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +53,7 @@ class CountIntMM(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._int_mm.default:
             self.calls += 1
-        return func(*args, **(kwargs or {}))
+        return dispatch_into_own_ops(self, func, args, kwargs)
 
 
 class CompiledRuns:

@@ -27,6 +27,8 @@ from fsdp_int8._weight.load_checks import Int8LoadError
 from fsdp_int8._weight.census import int8_census
 from launch.model import MoE, ModelArgs, Transformer, load_balance_loss, next_token_loss
 
+from _quant import dispatch_into_own_ops
+
 
 def _experts_weight(experts: int = 4, out: int = 32, k: int = 16, seed: int = 0) -> nn.Parameter:
     values = torch.randn(experts, out, k, generator=torch.Generator().manual_seed(seed))
@@ -42,7 +44,8 @@ def _values_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class _Ops(TorchDispatchMode):
-    """The aten ops a region runs, by name."""
+    """The aten ops a region runs, by name, those inside fsdp_int8's own custom ops (the
+    grouped GEMMs) included."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,7 +53,7 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
+        return dispatch_into_own_ops(self, func, args, kwargs)
 
 
 # ---------------------------------------------------------------- the weight

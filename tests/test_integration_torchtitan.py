@@ -7,6 +7,7 @@ tests/distributed/test_examples.py."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -321,3 +322,31 @@ def test_torchtitans_moe_trains_on_int8_experts(int8_matmul):
     assert losses[-1] < losses[0] and not torch.equal(before, experts.w2_EDF.int_data), losses
     # int8 GEMMs: attention's four linears and each expert's three grouped matmuls, 3 a step
     assert (gemms.calls > 3 * 3 * 2 * 4) == (int8_matmul is not None), gemms.calls
+
+
+@pytest.mark.parametrize("int8_matmul", [None, fsdp_int8.Int8MatmulConfig()])
+def test_torchtitans_moe_blocks_compile_whole_like_eager(int8_matmul):
+    """Each block ``torch.compile(fullgraph=True)``d, torchtitan's per-block compile: the
+    experts' grouped GEMMs are one opaque op each (their per-expert loop reads the offsets
+    at run time), so a block is one graph with no break, and ``aot_eager`` (the eager
+    kernels through AOTAutograd) gives the eager loss and gradients bit for bit."""
+    from torch._dynamo.utils import counters
+
+    training = Int8TrainingConfig(stochastic_rounding=False, int8_matmul=int8_matmul)
+    model = _build(titan.Int8LinearConverter.Config(training=training).build().convert(titan_moe_config()), "meta")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    titan_init(model)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, fullgraph=True, backend="aot_eager")
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses = [titan_loss(m, tokens) for m in (eager, model)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1]), losses
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    for (name, theirs), (_, ours) in zip(eager.named_parameters(), model.named_parameters()):
+        assert torch.equal(theirs.grad, ours.grad), name

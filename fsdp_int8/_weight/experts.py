@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8.config import Int8MatmulConfig
 from fsdp_int8._weight.linear import grads_of, output_of
 from fsdp_int8._weight.tensor import Int8Weight
 
@@ -85,35 +86,87 @@ def _on_values(func: Callable) -> Callable:
     return handler
 
 
+def _experts_weight(int_data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                    gemms: list[bool], compiled: bool) -> Int8Weight:
+    """The expert weight over ``int_data`` / ``scale`` with the int8 GEMMs ``gemms`` says
+    (``[output, grad_input, grad_weight]``): what the grouped-matmul ops below rebuild from
+    the plain tensors a custom op takes."""
+    output, grad_input, grad_weight = gemms
+    config = Int8MatmulConfig(output=output, grad_input=grad_input, grad_weight=grad_weight)
+    return Int8Weight(int_data, scale, dtype=dtype, row_len=int_data.shape[-1], int8_matmul=config,
+                      compiled=compiled)
+
+
+def _gemms(weight: Int8Weight) -> list[bool]:
+    config = weight.int8_matmul
+    return [config.output, config.grad_input, config.grad_weight]
+
+
+# The grouped GEMMs are custom ops: torch.compile keeps each one opaque (one node, as it
+# keeps torch._grouped_mm), so a compiled block holds the per-expert loop, whose bounds
+# are read from the offsets at run time, without a graph break.
+@torch.library.custom_op("fsdp_int8::int8_grouped_mm", mutates_args=())
+def _grouped_output(x: torch.Tensor, int_data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                    dtype: torch.dtype, gemms: list[bool], compiled: bool) -> torch.Tensor:
+    """``torch._grouped_mm(x, weight.mT, offs=offs)``: each expert's rows of ``x`` through
+    :func:`.linear.output_of` against that expert. Rows after the last offset are zero
+    (``torch._grouped_mm`` leaves them unwritten)."""
+    weight = _experts_weight(int_data, scale, dtype, gemms, compiled)
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    for expert, rows in _groups(offs, weight.shape[0]):
+        out[rows] = output_of(x[rows], weight[expert], None)
+    return out
+
+
+@_grouped_output.register_fake
+def _(x, int_data, scale, offs, dtype, gemms, compiled):
+    return x.new_empty(x.shape[0], int_data.shape[1])
+
+
+@torch.library.custom_op("fsdp_int8::int8_grouped_mm_backward", mutates_args=())
+def _grouped_grads(grad_out: torch.Tensor, x: torch.Tensor, int_data: torch.Tensor, scale: torch.Tensor,
+                   offs: torch.Tensor, dtype: torch.dtype, gemms: list[bool], compiled: bool,
+                   need_input: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_w)`` of :func:`_grouped_output`, each expert through
+    :func:`.linear.grads_of`; an empty tensor for a gradient not needed."""
+    weight = _experts_weight(int_data, scale, dtype, gemms, compiled)
+    grad_x = torch.zeros_like(x) if need_input else x.new_empty(0)
+    grad_w = grad_out.new_zeros(weight.shape, dtype=dtype) if need_weight else grad_out.new_empty(0)
+    for expert, rows in _groups(offs, weight.shape[0]):
+        x_rows = x[rows].to(grad_out.dtype) if need_weight else None
+        gx, gw = grads_of(grad_out[rows], x_rows, weight[expert], need_input=need_input)
+        if gx is not None:
+            grad_x[rows] = gx
+        if gw is not None:
+            grad_w[expert] = gw
+    return grad_x, grad_w
+
+
+@_grouped_grads.register_fake
+def _(grad_out, x, int_data, scale, offs, dtype, gemms, compiled, need_input, need_weight):
+    grad_x = torch.empty_like(x) if need_input else x.new_empty(0)
+    grad_w = grad_out.new_empty(int_data.shape, dtype=dtype) if need_weight else grad_out.new_empty(0)
+    return grad_x, grad_w
+
+
 class _Int8GroupedMM(torch.autograd.Function):
-    """``out[rows of e] = x[rows of e] @ weight[e]^T`` for the groups of rows ``offs`` ends
-    (``torch._grouped_mm(x, weight.mT, offs=offs)``), each expert through the 2-D GEMMs of
-    :mod:`.linear` (int8 where ``weight.int8_matmul`` says). Rows after the last offset are
-    zero (``torch._grouped_mm`` leaves them unwritten)."""
+    """``torch._grouped_mm(x, weight.mT, offs=offs)`` for an expert ``Int8Weight`` with int8
+    GEMMs, through the custom ops above; the weight's gradient is a plain ``[E, out, in]``
+    tensor, what the optimizer writes back."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: Int8Weight, offs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.groups = _groups(offs, weight.shape[0])  # one host read of the offsets
-        out = x.new_zeros(x.shape[0], weight.shape[1])
-        for expert, rows in ctx.groups:
-            out[rows] = output_of(x[rows], weight[expert], None)
-        return out
+        ctx.save_for_backward(x, weight, offs)
+        ctx.dtype, ctx.gemms, ctx.compiled = weight.dtype, _gemms(weight), weight.compiled
+        return _grouped_output(x, weight.int_data, weight.scale, offs, weight.dtype, ctx.gemms, weight.compiled)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, offs = ctx.saved_tensors
         need_input, need_weight = ctx.needs_input_grad[:2]
-        grad_x = torch.zeros_like(x) if need_input else None
-        grad_w = grad_out.new_zeros(weight.shape, dtype=weight.dtype) if need_weight else None
-        for expert, rows in ctx.groups:
-            x_rows = x[rows].to(grad_out.dtype) if need_weight else None
-            gx, gw = grads_of(grad_out[rows], x_rows, weight[expert], need_input=need_input)
-            if gx is not None:
-                grad_x[rows] = gx
-            if gw is not None:
-                grad_w[expert] = gw
-        return grad_x, grad_w, None
+        grad_x, grad_w = _grouped_grads(grad_out, x, weight.int_data, weight.scale, offs, ctx.dtype,
+                                        ctx.gemms, ctx.compiled, need_input, need_weight)
+        return grad_x if need_input else None, grad_w if need_weight else None, None
 
 
 def _groups(offs: torch.Tensor, experts: int) -> list[tuple[int, slice]]:
@@ -141,6 +194,13 @@ class ExpertsTransposed(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"ExpertsTransposed({self.weight!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["weight"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: None, outer_size: Any, outer_stride: Any) -> "ExpertsTransposed":
+        return ExpertsTransposed(inner["weight"])
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -183,7 +243,8 @@ def _swaps_last_two(func, args: tuple, kwargs: dict) -> bool:
 _GROUPED = {torch._grouped_mm, *([F.grouped_mm] if hasattr(F, "grouped_mm") else [])}
 _SWAP_LAST = {torch.transpose, torch.Tensor.transpose, torch.Tensor.mT.__get__}
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.numel,
-             torch.Tensor.is_contiguous, torch.Tensor.__len__, torch.Tensor.data_ptr}
+             torch.Tensor.is_contiguous, torch.Tensor.__len__, torch.Tensor.data_ptr,
+             torch.Tensor.element_size, torch.Tensor.storage_offset}
 
 
 def _transposed(weight: Int8Weight) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import fsdp_int8
@@ -74,15 +75,17 @@ def _mesh(layout: str | None):
 
 def _train(rank: int, config: Int8TrainingConfig, *, compile_: str | None, backend: str,
            reshard: bool = True, checkpoint: str | None = None, int8_gradients: bool = False,
-           layout: str | None = None) -> list[float]:
+           layout: str | None = None, moe: bool = False) -> list[float]:
     """Losses of 3 AdamW steps. ``compile_``: ``None`` (eager), ``"before"`` (each block's
     ``Module.compile`` before ``shard_model``, torchtitan's order) or ``"after"`` (each block
     replaced by ``torch.compile(block)`` after ``shard_model``). ``checkpoint``: each block
     under full activation checkpointing inside the compiled region (``"inside"``), around
     it (``"outside"``), or under op-level selective checkpointing inside it
     (``"selective"``, :func:`_save_matmuls`); ``int8_gradients``: the int8 gradient
-    reduce-scatter; ``layout``: see :func:`_mesh`."""
-    model = tiny_transformer(dim=64, vocab_size=64)
+    reduce-scatter; ``layout``: see :func:`_mesh`; ``moe``: every block a top-2 of 4
+    experts mixture (3-D int8 experts, ``torch._grouped_mm``), computing in bf16 (torch's
+    ``_grouped_mm`` compiles for bf16 operands only)."""
+    model = tiny_transformer(dim=64, vocab_size=64, n_experts=4 if moe else 0)
     wrap = {"inside": checkpoint_wrapper, "selective": _selective}.get(checkpoint)
     if wrap is not None:
         for index, block in enumerate(model.layers):
@@ -94,7 +97,8 @@ def _train(rank: int, config: Int8TrainingConfig, *, compile_: str | None, backe
         for index, block in enumerate(model.layers):
             model.layers[index] = checkpoint_wrapper(block)
     fsdp_int8.shard_model(model, config=config, reshard_after_forward=reshard, mesh=_mesh(layout),
-                          tp_plan=block_tp_plan() if layout == "tp" else None)
+                          tp_plan=block_tp_plan() if layout == "tp" else None,
+                          mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if moe else None)
     if int8_gradients:
         enable_quantized_reduce_scatter(model)
     if compile_ == "after":
@@ -128,6 +132,9 @@ def _compiled_like_eager(rank: int, world: int) -> None:
         ("int8 matmuls, Module.compile before shard_model, full activation checkpointing inside, "
          "int8 gradient reduce-scatter", INT8_MM, "before", {"checkpoint": "inside", "int8_gradients": True}),
         ("weight-only, compiled after shard_model", WEIGHT_ONLY, "after", {}),
+        ("mixture of experts, int8 matmuls, compiled after shard_model", INT8_MM, "after", {"moe": True}),
+        ("mixture of experts, weight-only, Module.compile before shard_model", WEIGHT_ONLY, "before",
+         {"moe": True}),
     ]
     if FULL_MATRIX:  # each option alone, FSDP2 keeping the weights gathered, other meshes
         cases += [
@@ -148,6 +155,12 @@ def _compiled_like_eager(rank: int, world: int) -> None:
             ("int8 matmuls, Module.compile before shard_model, tensor parallelism", INT8_MM, "before",
              {"layout": "tp"}),
             ("weight-only, tensor parallelism", WEIGHT_ONLY, "after", {"layout": "tp"}),
+            ("mixture of experts, int8 matmuls, Module.compile before shard_model", INT8_MM, "before",
+             {"moe": True}),
+            ("mixture of experts, int8 matmuls, reshard_after_forward=False", INT8_MM, "after",
+             {"moe": True, "reshard": False}),
+            ("mixture of experts, int8 matmuls, HSDP", INT8_MM, "after", {"moe": True, "layout": "hsdp"}),
+            ("mixture of experts, weight-only, compiled after shard_model", WEIGHT_ONLY, "after", {"moe": True}),
         ]
     eager: dict[tuple, list[float]] = {}
     for backend in backends:

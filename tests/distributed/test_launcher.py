@@ -127,7 +127,8 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path):
         (["--compile", "blocks", "--tp", "2"], "--compile blocks is not tested with --tp or --pp yet"),
         (["--preset", "tiny-moe", "--tp", "2"], "a mixture-of-experts preset has none"),
         (["--preset", "tiny-moe", "--pp", "2"], "also trains on its routers' load-balancing loss"),
-        (["--preset", "tiny-moe", "--compile", "blocks"], "splits its tokens by counts the router chooses"),
+        (["--preset", "tiny-moe", "--compile", "blocks", "--compute-dtype", "fp32"],
+         "mixture-of-experts preset needs bf16 compute"),
     ],
 )
 def test_bad_input_fails_before_any_process_group(argv, message, monkeypatch, capsys, tmp_path):
@@ -373,9 +374,12 @@ def test_compiled_blocks_are_a_row_option_of_every_precision_and_a_compile_mode(
     assert not wanted("auto", "cuda", tp=2) and not wanted("auto", "cuda", pp=2)  # not tested compiled yet
     with pytest.raises(ValueError, match="not tested with --tp or --pp"):
         wanted("blocks", "cpu", pp=2)
-    assert not wanted("auto", "cuda", experts=True)  # MoE blocks split tokens by run-time counts
-    with pytest.raises(ValueError, match="mixture-of-experts block splits its tokens"):
-        wanted("blocks", "cuda", experts=True)
+    # torch compiles torch._grouped_mm for bf16 operands only: fp32 MoE blocks stay eager
+    assert not wanted("auto", "cuda", fp32_experts=True)
+    with pytest.raises(ValueError, match="mixture-of-experts preset needs bf16 compute"):
+        wanted("blocks", "cuda", fp32_experts=True)
+    assert precisions.Recipe.of("fp32").computes_in_fp32 and precisions.Recipe.of("int8", "fp32").computes_in_fp32
+    assert not precisions.Recipe.of("bf16").computes_in_fp32 and not precisions.Recipe.of("int8-mm").computes_in_fp32
 
 
 def _every_precision_trains(rank: int, world: int) -> dict:
