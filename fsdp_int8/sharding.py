@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
@@ -173,6 +173,24 @@ def _check_unsharded(model: nn.Module) -> None:
     )
 
 
+def _check_offload(offload_policy: object) -> None:
+    """Refuse what is no FSDP2 offload policy, and pinned host memory without an accelerator
+    (torch pins only for one: FSDP2 would fail inside ``fully_shard`` without saying why)."""
+    if offload_policy is None:
+        return
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            "offload_policy must be a torch.distributed.fsdp OffloadPolicy (CPUOffloadPolicy(...)) "
+            f"or None, got {offload_policy!r}"
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory and not torch.accelerator.is_available():
+        raise ValueError(
+            "CPUOffloadPolicy(pin_memory=True) pins host memory for copies to an accelerator, and "
+            "this process has none (torch pins memory only for one): pass "
+            "CPUOffloadPolicy(pin_memory=False)"
+        )
+
+
 def _resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
     """The mesh to shard over: the one given (it must hold this rank), or all ranks."""
     if not dist.is_initialized():
@@ -281,6 +299,7 @@ def shard_model(
     reshard_after_forward: bool = True,
     blocks: BlockSpec | None = None,
     tp_plan: dict[str, ParallelStyle] | None = None,
+    offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
     """Quantize ``model`` and shard it with FSDP2: each embedding, each block, then the root.
 
@@ -314,15 +333,24 @@ def shard_model(
         tp_plan: Module names relative to each block (``"self_attn.q_proj"``, ``*``
             wildcards) to torch ``ParallelStyle``s, as in torchtitan's and Hugging Face's
             Llama plans. Needs a mesh with a ``"tp"`` dim.
+        offload_policy: FSDP2's ``CPUOffloadPolicy``: the sharded parameters (int8 rows and
+            scales), their gradients and the optimizer step stay in host memory; each
+            all-gather copies the int8 shard to the mesh's device (the compute device;
+            default mesh: the accelerator, also for a model on the CPU). Materialise a meta
+            model on the CPU (``to_empty(device="cpu")``). ``pin_memory=True`` needs an
+            accelerator (``ValueError``). Default: no offload.
 
     Returns:
         ``model``, now an ``FSDPModule``.
     """
     _check_reshard_after_forward(reshard_after_forward)
     _check_unsharded(model)
+    _check_offload(offload_policy)
     param = next(model.parameters(), None)
+    # offloaded parameters live on the CPU whatever the compute device: the mesh's is the accelerator
     device_type = (
-        param.device.type if param is not None and param.device.type != "meta"
+        param.device.type
+        if param is not None and param.device.type != "meta" and not isinstance(offload_policy, CPUOffloadPolicy)
         else device_type_for()
     )
     mesh = _resolve_mesh(mesh, device_type)
@@ -342,7 +370,8 @@ def shard_model(
         _parallelize_blocks(found, tp_mesh, tp_plan)
     seed_weight_rounding(config.seed, dp_mesh)
 
-    options = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    options = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+                   offload_policy=offload_policy or OffloadPolicy())
     for index, group in enumerate(groups):
         last = index == len(groups) - 1
         fully_shard(group, reshard_after_forward=reshard_after_forward and not last, **options)

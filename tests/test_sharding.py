@@ -290,6 +290,22 @@ def test_bool_reshard_after_forward_passes_the_check(value):
         fsdp_int8.shard_model(LayersModel(), reshard_after_forward=value)
 
 
+def test_offload_policy_checks_come_first():
+    # no process group needed: the argument is checked before the mesh is made
+    assert not dist.is_initialized()
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    with pytest.raises(TypeError, match=r"offload_policy must be .*OffloadPolicy.*got 'cpu'"):
+        fsdp_int8.shard_model(LayersModel(), offload_policy="cpu")
+    if not torch.accelerator.is_available():  # torch pins host memory only for an accelerator
+        model = LayersModel()
+        with pytest.raises(ValueError, match=r"pin_memory=False"):
+            fsdp_int8.shard_model(model, offload_policy=CPUOffloadPolicy())
+        assert not any(isinstance(p, Int8Weight) for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"init_process_group"):  # a valid policy passes
+        fsdp_int8.shard_model(LayersModel(), offload_policy=CPUOffloadPolicy(pin_memory=False))
+
+
 # ---------------------------------------------------------------- torchtitan layouts, tied weights
 class DictLayersModel(nn.Module):
     """torchtitan style: blocks in an ``nn.ModuleDict`` keyed "0", "1", ..."""

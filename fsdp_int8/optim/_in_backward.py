@@ -216,6 +216,9 @@ class InBackward:
         wide = torch.float32 if grad.device.type == "mps" else torch.float64
         squares = torch.linalg.vector_norm(local_shard(grad), dtype=wide).square() / copies
         if isinstance(grad, DTensor) and _dist.is_distributed():
+            # where the process group takes tensors: a gradient offloaded to the CPU (FSDP2's
+            # CPUOffloadPolicy) is all-reduced on the accelerator under NCCL
+            squares = squares.to(_dist.collective_device())
             with _dist.released_by_backend(squares):
                 dist.all_reduce(squares)
         return float(squares)

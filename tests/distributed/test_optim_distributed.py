@@ -1,7 +1,8 @@
 """The fused int8 optimizers on FSDP2 (DTensor) parameters, in real processes.
 
 One 2-rank spawn runs the training cases: parity with a single process, no collective
-in a step, the optimizer state dict APIs, save / load / exact resume. A 4-rank spawn
+in a step, the optimizer state dict APIs, save / load / exact resume, and FSDP2's CPU
+offload (``shard_model(offload_policy=...)``) against the same run without it. A 4-rank spawn
 loads the 2-rank checkpoint, and so does the test process itself into the unsharded
 model (one rank, full tensors, no process group: the strictest resharding, and no spawn
 to pay for). MLPNet(hidden=33): 33 rows never divide 2 or 4 ranks (uneven shards), and
@@ -16,6 +17,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -124,8 +126,45 @@ def _check_8bit_layout(snapshot: dict) -> None:
     assert states["head.bias.exp_avg"].dtype == torch.float32  # 1-D: fp32 states
 
 
+def _offload_run(rank: int, make_opt, offload: bool) -> tuple[list[float], dict]:
+    """4 steps of MLPNet(hidden=33) (stochastic rounding), with or without CPU offload:
+    each rank's losses and its shards and states."""
+    torch.manual_seed(0)
+    policy = CPUOffloadPolicy(pin_memory=False) if offload else None
+    model = fsdp_int8.shard_model(MLPNet(hidden=33), config=Int8TrainingConfig(seed=7, min_features=1),
+                                  offload_policy=policy)
+    opt = make_opt(model.parameters())
+    losses = []
+    for step in range(4):
+        x, y = _batch(step)
+        loss = F.mse_loss(model(_mine(x)), _mine(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    weights = [local_of(p) for p in (model.layers[0].up.weight, model.layers[1].down.weight)]
+    assert all(isinstance(w, Int8Weight) and w.device.type == "cpu" for w in weights), weights
+    return losses, snapshot(model, opt)
+
+
+OFFLOAD_OPTIMIZERS = {
+    "Int8AdamW 8-bit states": _adamw8,
+    "Int8AdamW step_in_backward, max_grad_norm": lambda params: Int8AdamW(
+        params, lr=1e-2, state_bits=8, block_size=BLOCK, step_in_backward=True, max_grad_norm=0.5),
+    "torch.optim.AdamW": lambda params: torch.optim.AdamW(params, lr=1e-2),
+}
+
+
 def _two_ranks(rank: int, world: int, root: str) -> dict:
     out: dict = {}
+    for name, make_opt in OFFLOAD_OPTIMIZERS.items():
+        with case(f"CPU offload, {name}: the losses, shards and states of the run without it"):
+            # bit for bit: on a CPU mesh offload's host copies are no-ops, so every op and
+            # every rounding draw is the same (int8 shards and the step already on the host)
+            offloaded, plain = _offload_run(rank, make_opt, True), _offload_run(rank, make_opt, False)
+            assert offloaded[0] == plain[0], (offloaded[0], plain[0])
+            assert_identical(plain[1], offloaded[1], "offloaded")
+            out[f"offload {name}"] = offloaded[0]
     for name, make_opt in OPTIMIZERS.items():
         with case(f"parity {name}"):
             out[f"parity {name}"] = _parity(rank, world, make_opt)
