@@ -14,6 +14,8 @@ restored, and the caller keeps (or reseeds) a stream seeded for the layout it ru
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +27,13 @@ from fsdp_int8 import _dist
 from fsdp_int8._quant.generators import WEIGHT_ROUNDING
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8._weight.tensor_parallel import rounding_generator
+from fsdp_int8.checkpoint.errors import CheckpointError
 from fsdp_int8.gradients.install import installed_quantized_reduce_scatter
 
-__all__ = ["capture_generators", "restore_generators", "sharding_layout", "layout_name", "data_parallel_mesh"]
+__all__ = [
+    "capture_generators", "restore_generators", "sharding_layout", "layout_name", "data_parallel_mesh",
+    "read_generators", "restored_everywhere",
+]
 
 
 def data_parallel_mesh(model: nn.Module) -> tuple[DeviceMesh | None, int]:
@@ -104,7 +110,7 @@ def restore_generators(state: dict[str, Any], model: nn.Module, *, saved_layout:
         Whether the states were restored (``False``: another layout, or none known; nothing
         changed, and the caller keeps or reseeds the streams it has).
     """
-    if state.get("layout", saved_layout) != layout_name(sharding_layout(model)):
+    if _layout_of(state, saved_layout) != layout_name(sharding_layout(model)):
         return False
     WEIGHT_ROUNDING.set_state(state["rounding"])
     torch.set_rng_state(state["torch"])
@@ -114,3 +120,70 @@ def restore_generators(state: dict[str, Any], model: nn.Module, *, saved_layout:
     if gradients is not None and "gradient_rounding" in state:
         gradients.set_rng_state(state["gradient_rounding"])
     return True
+
+
+def _layout_of(state: dict[str, Any], saved_layout: str | None) -> str | None:
+    return state.get("layout", saved_layout)
+
+
+def _cause(error: Exception) -> str:
+    """torch.load's error in one line, without its advice to load with
+    ``weights_only=False`` (which runs whatever a damaged or foreign file holds)."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+    text = " ".join(text.split())
+    return f"{type(error).__name__}: {text.split('. ')[0][:200]}"
+
+
+def read_generators(file: Path) -> dict[str, Any] | None:
+    """This rank's generator states saved in ``file`` (a :func:`capture_generators`
+    state); ``None`` if there is no such file.
+
+    Raises:
+        CheckpointError: the file cannot be read as generator states, naming the rank and
+            the file.
+    """
+    if not file.is_file():
+        return None
+    try:
+        state = torch.load(file, weights_only=True)
+    except Exception as error:  # a damaged file: each torch.load error is its own type
+        problem = _cause(error)
+    else:
+        problem = None if isinstance(state, dict) and {"rounding", "torch"} <= state.keys() else (
+            f"it holds a {type(state).__name__}, not the generator states save_checkpoint writes"
+        )
+    if problem is None:
+        return state
+    raise CheckpointError(
+        f"rank {_dist.rank()}: the generator states in {file} cannot be read ({problem}): the "
+        "file is damaged or not one save_checkpoint wrote; restore it from a copy"
+    )
+
+
+def restored_everywhere(
+    state: dict[str, Any] | None, model: nn.Module, saved_layout: str | None, where: Path
+) -> dict[str, Any] | None:
+    """``state`` if every rank has generator states of this run's layout to restore, else
+    ``None`` on every rank: ranks that restored their streams beside ranks that reseeded
+    theirs would draw from unrelated streams. Collective. A checkpoint that holds states
+    for some ranks only is warned about, naming them."""
+    ours = layout_name(sharding_layout(model))
+    if state is None:
+        reason = "no generator states"
+    elif _layout_of(state, saved_layout) != ours:
+        reason = f"generator states of layout {_layout_of(state, saved_layout)}, not this run's {ours}"
+    else:
+        reason = None
+    reasons = _dist.all_gather(reason)
+    if not any(reasons):
+        return state
+    if not all(reasons):  # mixed: some ranks could restore
+        listed = "; ".join(f"rank {rank} has {why}" for rank, why in enumerate(reasons) if why)
+        warnings.warn(
+            f"checkpoint {where}: {listed}, so no rank restores its generator states (every rank "
+            "reseeds them): training continues from the saved weights, not bit-identically",
+            stacklevel=3,
+        )
+    return None

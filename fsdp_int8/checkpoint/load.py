@@ -36,7 +36,9 @@ from fsdp_int8.checkpoint._generator_states import (
     capture_generators,
     data_parallel_mesh,
     layout_name,
+    read_generators,
     restore_generators,
+    restored_everywhere,
 )
 from fsdp_int8.checkpoint._optimizers import innermost_optimizer
 from fsdp_int8.checkpoint.errors import CheckpointError, listing
@@ -196,12 +198,6 @@ def _saved_layout(manifest: dict | None) -> str | None:
     )
 
 
-def _read_generators(path: Path) -> dict | None:
-    """This rank's saved generator states (``None``: the checkpoint has none for it)."""
-    rng_path = _files.rng_file(path, _dist.rank())
-    return torch.load(rng_path, weights_only=True) if rng_path.is_file() else None
-
-
 def _read(path: Path, state: dict, verified: bool) -> dict | None:
     """Read ``state``'s entries and this rank's generator states; every rank raises the
     same error if any rank fails (a rank's file can be damaged alone)."""
@@ -209,7 +205,7 @@ def _read(path: Path, state: dict, verified: bool) -> dict | None:
     try:
         with _as_checkpoint_error(path, "reading"):
             _dcp.load(state, path)
-            generators = _read_generators(path)
+            generators = read_generators(_files.rng_file(path, _dist.rank()))
     except CheckpointError as error:
         problem = str(error)
     problems = sorted({p for p in _dist.all_gather(problem) if p})
@@ -369,6 +365,7 @@ def load_checkpoint(
     _refuse(path, fit, strict, "this model" if optimizer is None else "this model and optimizer")
     read = _to_read(copies, prefix, fit, stored)
     generators = _read(path, read, verified=manifest is not None and verify)
+    generators = restored_everywhere(generators, model, _saved_layout(manifest), path)  # on all ranks or none
     refused = _dcp.refused_int8_entries(copies["model"], loaded, path)  # scales, -127..127
     if refused:
         raise CheckpointError(f"checkpoint {path} holds invalid int8 weights: {listing(refused)}")

@@ -6,6 +6,10 @@ dcp shards, while rank 1 writes its generator states and while rank 0 writes the
 manifest: every rank raises the same ``CheckpointError`` at once, naming the rank, the
 file and the cause; nothing is published, no temporary folder is left, and a later save
 and collectives work.
+
+Generator files on load: a damaged one is refused on every rank, naming the rank and the
+file (without torch's advice to load with ``weights_only=False``); one deleted together
+with its manifest entry restores no rank's streams (not rank 0's alone), with a warning.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -91,10 +97,52 @@ def _faults(rank: int, world: int, root: str) -> dict:
         assert_identical(at_two, snapshot(fresh, fresh_opt), "the save after the refusals")
         assert fsdp_int8.load_checkpoint(root, fresh, fresh_opt, step=1).step == 1
         assert_identical(at_one, snapshot(fresh, fresh_opt), "the checkpoint before the refusals")
+    messages.update(_generator_files(rank, root))
+    return messages
+
+
+def _generator_files(rank: int, root: Path) -> dict:
+    model, opt = sharded_mlp()
+    before = snapshot(model, opt)
+    messages = {}
+    for damage in ("zeroed header", "truncated", "foreign content"):
+        with case(f"rank 1's generator file {damage}"):
+            copy = root / f"damaged_{damage.replace(' ', '_')}"
+            if rank == 0:
+                shutil.copytree(root / "step_00000002", copy)
+                rng = copy / "rng" / "rank_00001.pt"
+                data = rng.read_bytes()
+                if damage == "foreign content":
+                    torch.save([1, 2, 3], rng)
+                else:
+                    rng.write_bytes(bytes(64) + data[64:] if damage == "zeroed header" else data[: len(data) // 2])
+            dist.barrier()
+            with pytest.raises(CheckpointError) as refused:
+                fsdp_int8.load_checkpoint(copy, model, opt, verify=False)  # verify would catch it first
+            message = str(refused.value)
+            assert f"rank 1: the generator states in {copy}/rng/rank_00001.pt cannot be read" in message, message
+            assert "weights_only" not in message and "rank 0:" not in message, message
+            assert_identical(before, snapshot(model, opt), "after the refused load")
+            messages[damage] = message
+
+    with case("rank 1's generator file deleted with its manifest entry: no rank restores"):
+        copy = root / "one_generator_file"
+        if rank == 0:
+            shutil.copytree(root / "step_00000002", copy)
+            (copy / "rng" / "rank_00001.pt").unlink()
+            manifest = json.loads((copy / "manifest.json").read_text())
+            del manifest["files"]["rng/rank_00001.pt"]
+            (copy / "manifest.json").write_text(json.dumps(manifest))
+        dist.barrier()
+        with pytest.warns(UserWarning, match=r"rank 1 has no generator states, so no rank restores"):
+            info = fsdp_int8.load_checkpoint(copy, model, opt)
+        assert not info.rng_restored, "rank 0 restored its streams while rank 1 reseeded"
+        with case("the control: the intact checkpoint restores on every rank"):
+            assert fsdp_int8.load_checkpoint(root / "step_00000002", model, opt).rng_restored
     return messages
 
 
 def test_a_save_that_fails_on_one_rank_fails_on_every_rank_with_the_same_error():
     with tempfile.TemporaryDirectory() as root:
         messages = run_distributed(_faults, 2, root, timeout=180)
-    assert messages[0] == messages[1]  # the same error on every rank
+    assert messages[0] == messages[1]  # the same errors on every rank
