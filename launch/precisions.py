@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import fsdp_int8
@@ -285,7 +285,8 @@ def resolve_auto(precision: str, compute_dtype: str, device: torch.device) -> tu
 def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, seed: int = 0,
                 replicas: int = 1, full_init: bool = False, mesh: DeviceMesh | None = None,
                 stage: tuple[int, int] = (0, 1), quantize_embeddings: bool = False,
-                activation_checkpointing: bool = False, int8_gathered_weights: bool = False) -> Transformer:
+                activation_checkpointing: bool = False, int8_gathered_weights: bool = False,
+                cpu_offload: bool = False) -> Transformer:
     """The launcher's Transformer of shape ``args``, sharded over all ranks for ``recipe``.
 
     Weights come from ``Transformer.init_weights(seed)`` (fsdp_int8's stochastic rounding
@@ -318,6 +319,8 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
             int8 and dequantizes a transient copy per matmul (``Int8MatmulConfig`` with no
             int8 GEMM): the same values, half the gathered bytes. Int8-matmul precisions
             gather int8 anyway.
+        cpu_offload: FSDP2's ``CPUOffloadPolicy``: the shards, gradients and optimizer step
+            live in host memory (pinned when ``device`` is an accelerator), built there.
     """
     device = torch.device(device)
     precision = recipe.precision
@@ -325,6 +328,9 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         raise ValueError(f"quantize_embeddings needs an int8 precision, not {precision.name}")
     if int8_gathered_weights and not precision.int8:
         raise ValueError(f"int8_gathered_weights needs an int8 precision, not {precision.name}")
+    if cpu_offload and precision.family == "torchao":
+        raise ValueError("torchao's int8 weights are not run with CPU offload: drop cpu_offload")
+    offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else None
     if precision.family == "torchao" and not full_init:
         raise ValueError("torchao's int8 weights are built from initialised weights: pass full_init=True")
     mesh = mesh or parallel.device_mesh(device.type, replicas=replicas)
@@ -356,7 +362,7 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=int8_matmul, compile=recipe.compile,
                                               quantize_embeddings=quantize_embeddings)
         fsdp_int8.shard_model(model, mesh=mesh, config=config, mp_policy=_COMPUTE_POLICY[recipe.compute_dtype],
-                              tp_plan=tp_plan() if tensor_parallel else None)
+                              tp_plan=tp_plan() if tensor_parallel else None, offload_policy=offload)
         if precision.int8_gradients:
             enable_quantized_reduce_scatter(model, seed=seed)
     else:
@@ -365,14 +371,15 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
             from torchao.quantization import quantize_
 
             quantize_(model, int8_weight_only_quantized_training())
-        _fully_shard(model, mesh, precision.policy)
+        _fully_shard(model, mesh, precision.policy, offload)
     if not full_init:
-        model.to_empty(device=device)
+        model.to_empty(device="cpu" if cpu_offload else device)  # FSDP2 offloads shards that are on the host
         model.init_weights(seed)  # each rank's piece of the whole model's init (any mesh, any device)
     return model
 
 
-def _fully_shard(model: Transformer, mesh: DeviceMesh, policy: MixedPrecisionPolicy | None) -> None:
+def _fully_shard(model: Transformer, mesh: DeviceMesh, policy: MixedPrecisionPolicy | None,
+                 offload: CPUOffloadPolicy | None = None) -> None:
     """Plain FSDP2 in the groups ``shard_model`` makes (the embedding, each block, then the
     root: norm and head), so a baseline gathers and reduces what an fsdp_int8 run does.
     The last block and the root stay gathered after forward: backward needs them first.
@@ -381,7 +388,8 @@ def _fully_shard(model: Transformer, mesh: DeviceMesh, policy: MixedPrecisionPol
         for block in model.blocks():
             parallelize_module(block, mesh["tp"], tp_plan())
     groups = [*([model.tok_embeddings] if model.tok_embeddings is not None else []), *model.blocks()]
-    options = dict(mesh=parallel.dp_mesh(mesh), mp_policy=policy or MixedPrecisionPolicy())
+    options = dict(mesh=parallel.dp_mesh(mesh), mp_policy=policy or MixedPrecisionPolicy(),
+                   offload_policy=offload or OffloadPolicy())
     for index, group in enumerate(groups):
         fully_shard(group, reshard_after_forward=index < len(groups) - 1, **options)
     fully_shard(model, reshard_after_forward=False, **options)

@@ -108,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="the lean-memory recipe in one word: --optimizer int8-adamw-8bit --step-in-backward "
                        "--quantize-embeddings --int8-gathered-weights --activation-checkpointing (clipping by the "
                        "step's gradient norm as estimated when each gradient arrives; docs/memory.md)")
+    train.add_argument("--cpu-offload", action="store_true", help="FSDP2's CPU offload: sharded weights, gradients, "
+                       "optimizer states and the step in host memory (the GPU holds gathered groups only; docs/memory.md)")
     train.add_argument("--replicas", type=int, default=1,
                        help="HSDP: replicate the sharded model over this many groups of ranks")
     train.add_argument("--tp", type=int, default=1,
@@ -159,10 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         blocks_wanted(args.compile, "cpu", tp=args.tp, pp=args.pp, fp32_experts=fp32 and bool(args.model.n_experts))
     except ValueError as error:
         parser.error(str(error))
-    error = microbatch_error(args)
-    if error:
-        parser.error(error)
-    error = parallel.layout_error(int(os.environ.get("WORLD_SIZE", 1)), tp=args.tp, pp=args.pp, replicas=args.replicas)
+    error = microbatch_error(args) or parallel.layout_error(
+        int(os.environ.get("WORLD_SIZE", 1)), tp=args.tp, pp=args.pp, replicas=args.replicas)
     if error:
         parser.error(error)
     return args
@@ -181,7 +181,7 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
                         stage=parallel.pipeline_stage(mesh),  # with --pp: this rank's stage of the model
                         quantize_embeddings=args.quantize_embeddings,
                         activation_checkpointing=args.activation_checkpointing,
-                        int8_gathered_weights=args.int8_gathered_weights)
+                        int8_gathered_weights=args.int8_gathered_weights, cpu_offload=args.cpu_offload)
     run = pipeline.runner(model, mesh, device, microbatches=args.microbatches, schedule=args.pp_schedule)
     optimizer = make_optimizer(args, model)
     # a stage holds its part of the checkpoint's keys: the other stages' are no error
