@@ -10,12 +10,16 @@ an --out that holds another run's checkpoints unless told which.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +28,21 @@ from fsdp_int8.checkpoint import latest_checkpoint, load_checkpoint
 
 RUN_RECORD = "run.json"  # in --out: the torchrun job whose checkpoints are there
 CHECKPOINTS = "checkpoints"  # in --out
+MANIFEST = "manifest.json"  # in each checkpoint: save_checkpoint's record, with the launcher's `extra`
+
+# The flags a resume must repeat: what the checkpoint's model and optimizer states are
+# (model shape, int8 or float weights and embedding, optimizer and its state bits) or how
+# its weights train (precision, compute dtype, int8 GEMMs or gathered weights, the step
+# inside backward, bf16 gradients, and --lean, which sets several of them). Weight decay
+# is kept in the optimizer's parameter groups, which a load takes from the checkpoint.
+# Every other flag (steps, batch size, learning rate, clipping, seed, layout, logging,
+# checkpointing, compile) may change on a resume.
+RECIPE_FLAGS = ("preset", "dim", "n_layers", "n_heads", "lean", "precision", "compute_dtype", "quantize_embeddings",
+                "int8_gathered_weights", "optimizer", "step_in_backward", "bf16_grads", "weight_decay")
+
+
+class RecipeMismatch(ValueError):
+    """A resume with other recipe flags (:data:`RECIPE_FLAGS`) than its checkpoint's run."""
 
 
 def restarted_by_torchrun() -> bool:
@@ -127,3 +146,63 @@ def resume(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         raise ValueError(f"the checkpoint in {out / CHECKPOINTS} lacks {len(info.missing_keys)} of this "
                          f"model's entries, e.g. {info.missing_keys[:3]}")
     return info.step
+
+
+def recipe_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The :data:`RECIPE_FLAGS` of a run (``args`` as ``parse_args`` and ``choose_recipe``
+    left them: ``--lean`` expanded, ``auto`` resolved; the model's shape as built), which
+    its checkpoints record."""
+    recipe = {name: getattr(args, name) for name in RECIPE_FLAGS}
+    recipe.update(dim=args.model.dim, n_layers=args.model.n_layers, n_heads=args.model.n_heads)
+    return recipe
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_recipe(out: Path, recipe: dict[str, Any],
+                 parse: Callable[[list[str]], argparse.Namespace] | None = None) -> None:
+    """Refuse to resume ``out``'s latest checkpoint with other :data:`RECIPE_FLAGS` than
+    the run that saved it: ``recipe`` is this run's (:func:`recipe_of`).
+
+    The checkpoint's flags are those its manifest records under ``extra["recipe"]``; a
+    checkpoint recording only its command line (``extra["argv"]``) has it read by
+    ``parse`` (flags it left at ``auto`` are not compared: what they resolved to is not
+    recorded). Nothing to compare (no checkpoint, no record) passes.
+
+    Raises:
+        RecipeMismatch: one line per differing flag, and what to do.
+    """
+    found = latest_checkpoint(out / CHECKPOINTS)
+    if found is None:
+        return
+    try:
+        extra = json.loads((found / MANIFEST).read_text()).get("extra") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # no readable manifest: the load says what is wrong with the checkpoint
+    saved, argv = extra.get("recipe"), extra.get("argv")
+    if saved is None and parse is not None and isinstance(argv, list):
+        saved = _recipe_in(argv, parse)
+    if not isinstance(saved, dict):
+        return
+    differing = [name for name in RECIPE_FLAGS
+                 if name in saved and saved[name] != "auto" and saved[name] != recipe[name]]
+    if not differing:
+        return
+    lines = "\n".join(f"  {_flag(n)}: checkpoint {saved[n]}, this run {recipe[n]}" for n in differing)
+    command = f" (its command line: {' '.join(argv)})" if isinstance(argv, list) else ""
+    raise RecipeMismatch(
+        f"{found} was saved by a run with other recipe flags than this one:\n{lines}\n"
+        f"Resuming would change what its model or optimizer hold or how they train. Rerun with the "
+        f"checkpoint's flags{command}, or start a fresh run: another --out, or --overwrite"
+    )
+
+
+def _recipe_in(argv: list[str], parse: Callable[[list[str]], argparse.Namespace]) -> dict[str, Any] | None:
+    """The recipe flags of a recorded command line; ``None`` if it no longer parses."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage text of a refusal
+            return recipe_of(parse(argv))
+    except (SystemExit, ValueError):
+        return None

@@ -174,6 +174,8 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
     rank, world, device = setup_distributed()
     recipe = choose_recipe(args, device)
     out = Path(args.out)
+    if mode == "resume":  # on every rank, before --out is claimed: a refused resume leaves it as it was
+        run_dir.check_recipe(out, run_dir.recipe_of(args), parse_args)
     run_dir.prepare(out, mode)  # --out is this job's (and emptied for --overwrite) before any rank reads it
     mesh = parallel.device_mesh(device.type, tp=args.tp, replicas=args.replicas, pp=args.pp)
     data_index, data_ranks = parallel.data_rank(mesh)  # tensor-parallel peers and pipeline stages train on one batch
@@ -222,7 +224,7 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
             log.validation(done, val)
         if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
             fsdp_int8.save_checkpoint(out / run_dir.CHECKPOINTS, model, optimizer, step=done, keep=args.keep,
-                                      extra={"argv": sys.argv[1:]})
+                                      extra={"argv": args.argv, "recipe": run_dir.recipe_of(args)})
     log.close(args.steps, val)
     if rank == 0:
         report(args, world, loss.item(), val)
@@ -374,6 +376,7 @@ def report(args: argparse.Namespace, world: int, last_loss: float, val: float | 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what checkpoints record
     if "RANK" not in os.environ:
         print("launch.train runs under torchrun, e.g.: torchrun --nproc_per_node 2 -m launch.train", file=sys.stderr)
         return 2
@@ -392,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         train(args, corpus, mode)
         gc.collect()  # free the model's FSDP state before the process group goes (gloo aborts at exit otherwise)
         dist.barrier()
+    except run_dir.RecipeMismatch as error:  # every rank refuses; one says why
+        if dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

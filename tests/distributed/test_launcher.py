@@ -216,6 +216,53 @@ def test_the_lean_recipe_trains_and_resumes(one_process, tmp_path):
     assert len(steps) == 3 and all(r["grad_norm"] > 0 and math.isfinite(r["grad_norm"]) for r in steps), steps
 
 
+def test_a_resume_with_other_recipe_flags_is_refused_naming_each_one(one_process, capsys, tmp_path):
+    import json
+
+    lean, plain = str(tmp_path / "lean"), str(tmp_path / "plain")
+    assert one_process(*SHORT, "--lean", "--grad-clip", "0", "--out", lean) == 0
+    assert one_process(*SHORT, "--optimizer", "int8-adamw-8bit", "--grad-clip", "0", "--out", plain) == 0
+    capsys.readouterr()
+
+    def refused(out: str, *argv: str) -> str:
+        assert one_process(*SHORT, *argv, "--grad-clip", "0", "--out", out, "--resume", "--steps", "3") == 2
+        error = capsys.readouterr().err
+        assert "Rerun with the checkpoint's flags" in error and "--overwrite" in error, error
+        assert len(error) < 1500 and "CheckpointError" not in error, error  # one short message
+        return error
+
+    # the lean run's checkpoint, resumed with its optimizer alone (the embedding would go
+    # float), or with none of the recipe (the optimizer's state would not fit)
+    error = refused(lean, "--optimizer", "int8-adamw-8bit")
+    for line in ("--lean: checkpoint True, this run False", "--quantize-embeddings: checkpoint True, this run False",
+                 "--step-in-backward: checkpoint True, this run False",
+                 "--int8-gathered-weights: checkpoint True, this run False"):
+        assert line in error, error
+    assert "--optimizer:" not in error and "--precision:" not in error, error  # only what differs
+    error = refused(lean)
+    assert "--lean: checkpoint True, this run False" in error
+    assert "--optimizer: checkpoint int8-adamw-8bit, this run adamw" in error, error
+    # the other direction: a checkpoint with a float embedding resumed with --lean
+    error = refused(plain, "--lean")
+    assert "--lean: checkpoint False, this run True" in error, error
+    assert "--quantize-embeddings: checkpoint False, this run True" in error, error
+    # a checkpoint recording only its command line is compared through it
+    manifest = next((tmp_path / "plain" / "checkpoints").glob("step_*")) / "manifest.json"
+    record = json.loads(manifest.read_text())
+    assert record["extra"]["argv"][-2:] == ["--out", plain]
+    del record["extra"]["recipe"]
+    manifest.write_text(json.dumps(record))
+    assert "--lean: checkpoint False, this run True" in refused(plain, "--lean")
+    # nothing of the refused resumes was trained or written
+    assert [p.name for p in (tmp_path / "lean" / "checkpoints").glob("step_*")] == ["step_00000002"]
+    assert max(r["step"] for r in read_metrics(tmp_path / "lean" / "metrics.jsonl")) == 2
+
+    # the same recipe resumes; other flags (steps, learning rate, seed) may change
+    assert one_process(*SHORT, "--lean", "--grad-clip", "0", "--out", lean, "--resume", "--steps", "3",
+                       "--lr", "1e-3", "--seed", "1") == 0
+    assert read_metrics(tmp_path / "lean" / "metrics.jsonl")[-1]["step"] == 3
+
+
 @pytest.mark.parametrize("recipe", [["--precision", "int8-mm"], ["--lean"]])
 def test_the_moe_preset_trains_and_resumes(one_process, recipe, tmp_path):
     out = str(tmp_path / "moe")
