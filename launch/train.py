@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     except run_dir.RecipeMismatch as error:  # every rank refuses; one says why
         if dist.get_rank() == 0:
-            print(f"error: {error}", file=sys.stderr)
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        dist.barrier()  # torchrun ends the other ranks when one exits: not before rank 0 has said it
         return 2
     finally:
         if dist.is_initialized():
