@@ -9,14 +9,24 @@ step counters and generators as they were: the caller can skip the batch.
 
 :class:`~fsdp_int8.Int8AdamW` and :class:`~fsdp_int8.Int8SGD` run this check themselves;
 :func:`guard_finite_steps` adds it to any ``torch.optim`` optimizer.
+
+The first step of every optimizer (``torch.optim``'s, ours, anyone's) is also refused when
+it holds a parameter that ``quantize_`` or ``shard_model`` replaced: those give the model
+new parameter objects, so an optimizer built before them would update tensors the model no
+longer reads and train nothing, silently. They mark the objects they replaced (an
+attribute) and register one global step pre-hook, which looks at an optimizer's
+parameters once, at its first step.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_int8 import _dist
@@ -86,3 +96,40 @@ def guard_finite_steps(optimizer: torch.optim.Optimizer) -> RemovableHandle:
         check_finite_gradients(opt)
 
     return optimizer.register_step_pre_hook(hook)
+
+
+_REPLACED_BY = "_fsdp_int8_replaced_by"  # on a parameter object: the function that replaced it
+_checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # first step passed
+_replaced_hook: RemovableHandle | None = None
+
+
+def refuse_steps_on_replaced(original: Iterable[torch.Tensor], model: nn.Module, by: str) -> None:
+    """Mark each of ``original`` (``model``'s parameters before ``by`` ran) that ``model`` no
+    longer holds, so that an optimizer holding one is refused at its first step; register
+    the global step pre-hook that checks (once per process)."""
+    global _replaced_hook
+    kept = {id(param) for param in model.parameters()}
+    for param in original:
+        if id(param) not in kept:
+            setattr(param, _REPLACED_BY, by)
+    if _replaced_hook is None:
+        _replaced_hook = register_optimizer_step_pre_hook(_refuse_replaced)
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Raise at an optimizer's first step if it holds a parameter marked as replaced."""
+    if optimizer in _checked_optimizers:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            by = getattr(param, _REPLACED_BY, None)
+            if by is not None:
+                name = type(optimizer).__name__
+                raise RuntimeError(
+                    f"{name}.step() refused: the optimizer holds parameters that {by} replaced "
+                    f"(shape {tuple(param.shape)}, ...). {by} gives the model new parameter objects, "
+                    "so this optimizer would update tensors the model no longer uses and train "
+                    f"nothing. Build the optimizer after {by}: {by}(model, ...), then "
+                    f"{name}(model.parameters(), ...)."
+                )
+    _checked_optimizers.add(optimizer)

@@ -27,6 +27,7 @@ from fsdp_int8._weight.all_gather import TENSOR_PARALLEL_UNSUPPORTED
 from fsdp_int8._weight.census import int8_census
 from fsdp_int8.config import Int8TrainingConfig
 from fsdp_int8.convert import logger, parameter_owners, quantize_
+from fsdp_int8.guard import refuse_steps_on_replaced
 from fsdp_int8.parallel import int8_tp_plan
 
 __all__ = ["shard_model", "find_blocks", "BlockSpec"]
@@ -364,6 +365,7 @@ def shard_model(
             "or a predicate."
         )
     groups = _groups_below_root(model, found)  # before quantizing, too
+    original = list(model.parameters())  # FSDP2 replaces them: an optimizer holding one is refused
     config = config or Int8TrainingConfig()
     quantize_(model, config)
     if tp_mesh is not None:
@@ -377,6 +379,7 @@ def shard_model(
         fully_shard(group, reshard_after_forward=reshard_after_forward and not last, **options)
     # Backward needs the root's parameters (norm, head) first: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **options)
+    refuse_steps_on_replaced(original, model, "shard_model")
     _report_int8(model)
     return model
 

@@ -97,3 +97,23 @@ def test_the_check_tells_huge_finite_gradients_from_non_finite_ones(dtype):
         tensor[2, 3] = bad
         assert not _all_finite([finite[1], tensor]), bad
         assert not _all_finite([torch.full((4,), huge, dtype=dtype), tensor]), bad
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.AdamW(params, lr=1e-2),
+    lambda params: fsdp_int8.Int8AdamW(params, lr=1e-2),
+], ids=["torch AdamW", "Int8AdamW"])
+def test_an_optimizer_built_before_quantize_is_refused_at_its_first_step(make):
+    # quantize_ gives the model new weight objects: an optimizer built before holds the
+    # old ones, and without the refusal its steps move the model's int8 weights by 0.0
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    early = make(model.parameters())
+    fsdp_int8.quantize_(model, fsdp_int8.Int8TrainingConfig(min_features=1))
+    model(torch.randn(2, 8)).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"quantize_ replaced.*Build the optimizer after quantize_"):
+        early.step()
+    late = make(model.parameters())
+    before = model[0].weight.int_data.clone()
+    late.step()
+    assert not torch.equal(before, model[0].weight.int_data)
+    late.step()  # checked once, at the first step

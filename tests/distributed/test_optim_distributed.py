@@ -1,8 +1,9 @@
 """The fused int8 optimizers on FSDP2 (DTensor) parameters, in real processes.
 
 One 2-rank spawn runs the training cases: parity with a single process, no collective
-in a step, the optimizer state dict APIs, save / load / exact resume, and FSDP2's CPU
-offload (``shard_model(offload_policy=...)``) against the same run without it. A 4-rank spawn
+in a step, the optimizer state dict APIs, save / load / exact resume, FSDP2's CPU
+offload (``shard_model(offload_policy=...)``) against the same run without it, and an
+optimizer built before ``shard_model`` refused at its first step. A 4-rank spawn
 loads the 2-rank checkpoint, and so does the test process itself into the unsharded
 model (one rank, full tensors, no process group: the strictest resharding, and no spawn
 to pay for). MLPNet(hidden=33): 33 rows never divide 2 or 4 ranks (uneven shards), and
@@ -157,6 +158,24 @@ OFFLOAD_OPTIMIZERS = {
 
 def _two_ranks(rank: int, world: int, root: str) -> dict:
     out: dict = {}
+    for name, make_opt in (("Int8AdamW", _adamw8), ("torch.optim.AdamW", OFFLOAD_OPTIMIZERS["torch.optim.AdamW"])):
+        with case(f"{name} built before shard_model is refused at its first step; built after, it trains"):
+            torch.manual_seed(0)
+            model = MLPNet(hidden=33)
+            early = make_opt(model.parameters())
+            fsdp_int8.shard_model(model, config=Int8TrainingConfig(seed=7, min_features=1))
+            x, y = _batch(0)
+            F.mse_loss(model(_mine(x)), _mine(y)).backward()
+            try:
+                early.step()
+                raise AssertionError("the step of an optimizer built before shard_model was not refused")
+            except RuntimeError as error:
+                assert "Build the optimizer after shard_model" in str(error), error
+            opt = make_opt(model.parameters())
+            before = local_of(model.layers[0].up.weight).int_data.clone()
+            opt.step()  # the same gradients: this optimizer holds the model's parameters
+            assert not torch.equal(before, local_of(model.layers[0].up.weight).int_data)
+            del early
     for name, make_opt in OFFLOAD_OPTIMIZERS.items():
         with case(f"CPU offload, {name}: the losses, shards and states of the run without it"):
             # bit for bit: on a CPU mesh offload's host copies are no-ops, so every op and
