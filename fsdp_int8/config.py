@@ -9,6 +9,15 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from fsdp_int8._dist import device_type_for
+from fsdp_int8._quant.kernels import compiler_available
+
+AUTO = "auto"
+# compile="auto" turns the compiled kernels on from this row length (a layer's input
+# features): below it a layer's kernels are too small for one fused pass to repay
+# torch.compile's start-up (about 15 s per process, docs/performance.md)
+COMPILE_FROM_WIDTH = 512
+
 __all__ = ["Int8TrainingConfig", "Int8MatmulConfig", "ModuleFilter"]
 
 # ``filter(module, fully_qualified_name) -> bool``: True quantizes that ``nn.Linear`` (or,
@@ -112,10 +121,13 @@ class Int8TrainingConfig:
             updates, dequantization, the int8 matmuls' activation quantization) as
             ``torch.compile``d passes, one fused pass instead of five to ten, with the same
             results bit for bit. Each kernel compiles once per process and input dtype
-            (seconds; cached on disk by inductor): it repays that on long runs and wide
-            layers (the launcher turns it on from width 512). If compiling fails (no C++
-            compiler, an unsupported device) the first call warns and every kernel runs
-            eagerly from then on.
+            (seconds; cached on disk by inductor). ``"auto"`` (default): per layer, on
+            where it repays that, a layer whose rows hold at least
+            :data:`COMPILE_FROM_WIDTH` inputs on a machine with a compiler for its device
+            (a C++ compiler for the CPU, Triton for GPUs), off elsewhere; if compiling
+            then fails anyway, the kernels run eagerly from then on, logged, with no
+            warning. ``True``: on for every layer, and a failure warns once
+            (``RuntimeWarning``) before going eager. ``False``: eager kernels.
         quantize_embeddings: Also make ``nn.Embedding`` weights int8 (one scale per
             token row, stochastic-rounding updates, the int8 all-gather). An output head
             tied to the embedding follows it: it runs on the int8 weight (with
@@ -136,7 +148,7 @@ class Int8TrainingConfig:
     skip_names: tuple[str, ...] = ("lm_head", "output", "head")
     min_features: int = 16
     int8_matmul: Int8MatmulConfig | None = None
-    compile: bool = False
+    compile: bool | str = AUTO
     quantize_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -144,6 +156,24 @@ class Int8TrainingConfig:
             raise ValueError(f"min_features must be >= 1, got {self.min_features}")
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if self.int8_matmul is not None and not isinstance(self.int8_matmul, Int8MatmulConfig):
+            raise TypeError(
+                f"int8_matmul takes an Int8MatmulConfig or None, got {self.int8_matmul!r}: "
+                "Int8TrainingConfig(int8_matmul=Int8MatmulConfig()) runs all three matmuls in int8")
+        if self.compile not in (True, False, AUTO) or not isinstance(self.compile, (bool, str)):
+            raise TypeError(f"compile takes True, False or {AUTO!r}, got {self.compile!r}")
+        if self.module_filter is not None and not callable(self.module_filter):
+            raise TypeError(f"module_filter takes a callable (module, name) -> bool, got {self.module_filter!r}")
+        for name in ("stochastic_rounding", "quantize_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} takes a bool, got {getattr(self, name)!r}")
+
+    def compiles(self, row_len: int) -> bool:
+        """Whether a layer whose rows hold ``row_len`` inputs runs compiled kernels:
+        ``compile`` itself, or with ``"auto"`` the rule the field's docstring gives."""
+        if self.compile != AUTO:
+            return self.compile
+        return row_len >= COMPILE_FROM_WIDTH and compiler_available(device_type_for())
 
     def should_quantize(self, module: nn.Module, name: str, *, router: bool = False) -> bool:
         """Whether ``module`` (found at ``name`` in the model) gets an int8 weight: the one

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_int8._dist import is_sharded, local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
+from fsdp_int8._quant.kernels import warn_on_failure
 from fsdp_int8._weight.census import int8_census, warn_if_mostly_full_precision
 from fsdp_int8._weight.conv1d import int8_conv1d_, why_not_convertible
 from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embedding
@@ -21,8 +22,8 @@ from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import (
     Int8TrainingConfig, counts_experts, expert_weight_names, is_conv1d, why_experts_stay_full_precision,
 )
-
 from fsdp_int8.guard import refuse_steps_on_replaced
+
 __all__ = ["quantize_", "init_int8_weights_"]
 
 # Called as hook(model, config) after quantize_ swapped weights of a model. The framework
@@ -171,11 +172,11 @@ class _RequantizeAssigned:
     """
 
     def __init__(
-        self, stochastic_rounding: bool, int8_matmul, compiled: bool = False, names: tuple[str, ...] = ("weight",)
+        self, stochastic_rounding: bool, int8_matmul, compiled: bool | str = False, names: tuple[str, ...] = ("weight",)
     ) -> None:
         self.stochastic_rounding = stochastic_rounding
         self.int8_matmul = int8_matmul
-        self.compiled = compiled
+        self.compiled = compiled  # Int8TrainingConfig.compile: True, False or "auto"
         self.names = names  # the module's int8 parameters: "weight", or an experts module's
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -197,7 +198,7 @@ class _RequantizeAssigned:
         with torch.no_grad():
             int8 = Int8Weight.from_float(
                 local.detach(), stochastic_rounding=self.stochastic_rounding,
-                int8_matmul=self.int8_matmul, compiled=self.compiled,
+                int8_matmul=self.int8_matmul, compiled=Int8TrainingConfig(compile=self.compiled).compiles(local.shape[-1]),
             )
             if isinstance(weight, DTensor):
                 int8.full_rows = weight.shape[:-1].numel()  # FSDP2 pads every shard to the same rows
@@ -216,10 +217,12 @@ torch.serialization.add_safe_globals([_RequantizeAssigned])
 def int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Parameter:
     """``weight`` quantized (round to nearest) into a new parameter with ``config``'s
     rounding, matmuls and kernels, keeping ``requires_grad``."""
+    if config.compile is True:
+        warn_on_failure()
     with torch.no_grad():
         int8 = Int8Weight.from_float(
             weight, stochastic_rounding=config.stochastic_rounding, int8_matmul=config.int8_matmul,
-            compiled=config.compile,
+            compiled=config.compiles(weight.shape[-1]),
         )
     return nn.Parameter(int8, requires_grad=weight.requires_grad)
 
@@ -295,10 +298,10 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         )
     # Build every int8 weight first, then swap: a layer that cannot be quantized raises
     # before the model has changed.
+    original = list(model.parameters())  # an optimizer holding one of these is refused once replaced
     swapped: dict[int, nn.Parameter] = {}  # tied weights stay tied
     targets: list[tuple[nn.Module, int, bool]] = []
     found = _targets(model, config)
-    original = list(model.parameters())  # an optimizer holding one of these is refused once replaced
     for module, transposed in found.layers:
         weight = module.weight
         if isinstance(weight, Int8Weight):
@@ -330,10 +333,10 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         add_check_hook(model)  # ... and all of the model's at once: a refused load changes nothing
         # Not sharded yet: every process holds every row, one shard (mesh=None).
         seed_weight_rounding(config.seed)
+        refuse_steps_on_replaced(original, model, "quantize_")
         for hook in AFTER_QUANTIZE:
             hook(model, config)
     _warn_about_full_precision(found.tied, found.unsupported)
-        refuse_steps_on_replaced(original, model, "quantize_")
     census = int8_census(model)
     logger.info("quantize_: %s", census)
     warn_if_mostly_full_precision(model, census)

@@ -114,18 +114,16 @@ _COMPUTE_POLICY = {"bf16": BF16_POLICY, "fp32": None, "bf16-model": None}  # bf1
 COMPILE_OPTIONS = ("compiled", "eager")
 BLOCKS_OPTION = "blocks"  # a row option: every transformer block compiled whole
 COMPILE_MODES = ("auto", "on", "off", "blocks")
-# --compile auto turns the compiled kernels on from this width: below it the kernels are
-# too small for fusion to repay torch.compile's ~15 s of start-up per process.
-COMPILE_FROM_WIDTH = 512
 
 
 def compile_wanted(mode: str, dim: int) -> bool:
     """Whether ``--compile`` ``mode`` compiles fsdp_int8's quantization kernels on their own:
-    ``"on"``, or ``"auto"`` from :data:`COMPILE_FROM_WIDTH` where blocks are not compiled
+    ``"on"``, or ``"auto"`` as the library's own ``compile="auto"`` chooses for layers of
+    width ``dim``, where blocks are not compiled
     (``"blocks"`` compiles them inside each block's graph)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"--compile is one of {', '.join(COMPILE_MODES)}, not {mode!r}")
-    return mode == "on" or (mode == "auto" and dim >= COMPILE_FROM_WIDTH)
+    return mode == "on" or (mode == "auto" and fsdp_int8.Int8TrainingConfig().compiles(dim))
 
 
 def blocks_wanted(mode: str, device_type: str, *, tp: int = 1, pp: int = 1, fp32_experts: bool = False) -> bool:

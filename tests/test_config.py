@@ -24,7 +24,7 @@ def test_configs_are_frozen_values():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Int8MatmulConfig().output = False
     changed = dataclasses.replace(config, compile=True)
-    assert changed.compile and changed.seed == 3 and not config.compile
+    assert changed.compile is True and changed.seed == 3 and config.compile == "auto"
 
 
 def test_removed_switches_are_gone_not_ignored():
@@ -72,3 +72,48 @@ def test_weights_pickled_before_compile_moved_to_the_weight_load():
     assert old.int8_matmul == Int8MatmulConfig(output=True, grad_input=True, grad_weight=False)
     assert old.compiled is True
     assert torch.equal(old.int_data, weight.int_data)
+
+
+def test_compile_auto_chooses_per_layer_width_device_and_compiler(monkeypatch):
+    """``compile="auto"`` (the default): compiled kernels for layers of at least
+    ``COMPILE_FROM_WIDTH`` inputs where the device has a compiler, eager elsewhere;
+    ``True`` / ``False`` decide alone. The choice lands on each weight."""
+    from fsdp_int8 import config as config_module
+
+    auto = Int8TrainingConfig()
+    assert auto.compile == "auto" and config_module.COMPILE_FROM_WIDTH == 512
+    monkeypatch.setattr(config_module, "compiler_available", lambda device_type: device_type == "cpu")
+    assert auto.compiles(512) and not auto.compiles(511)
+    assert Int8TrainingConfig(compile=True).compiles(16) and not Int8TrainingConfig(compile=False).compiles(4096)
+    model = fsdp_int8.quantize_(nn.Sequential(nn.Linear(512, 64), nn.Linear(64, 512)), auto)
+    assert [model[0].weight.compiled, model[1].weight.compiled] == [True, False]
+    # a device without a compiler (an accelerator without Triton, here): eager, whatever the width
+    monkeypatch.setattr(config_module, "device_type_for", lambda: "cuda")
+    assert not auto.compiles(4096)
+    monkeypatch.setattr(config_module, "compiler_available", lambda device_type: False)
+    monkeypatch.setattr(config_module, "device_type_for", lambda: "cpu")
+    assert not auto.compiles(4096)
+
+
+def test_compiler_available_looks_for_the_devices_code_generator(monkeypatch):
+    from fsdp_int8._quant import kernels
+
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    assert not kernels.compiler_available("cpu")  # no C++ compiler on the path
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: f"/usr/bin/{name}" if name == "g++" else None)
+    assert kernels.compiler_available("cpu")
+    assert not kernels.compiler_available("mps")  # nothing known
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(int8_matmul=True), "int8_matmul takes an Int8MatmulConfig or None, got True"),
+    (dict(int8_matmul={"output": True}), "int8_matmul takes an Int8MatmulConfig"),
+    (dict(compile="yes"), "compile takes True, False or 'auto', got 'yes'"),
+    (dict(compile=1), "compile takes True, False or 'auto', got 1"),
+    (dict(module_filter="lm_head"), "module_filter takes a callable"),
+    (dict(quantize_embeddings="yes"), "quantize_embeddings takes a bool"),
+])
+def test_config_fields_of_the_wrong_type_are_refused_where_given(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        Int8TrainingConfig(**kwargs)

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 from _quant import compiled_kernels_ran, dequantize_rowwise, quantize_rowwise
 
 import fsdp_int8
@@ -377,7 +378,11 @@ def test_dequantize_rows_into_writes_absmax_dequantize_values_in_place():
         fsdp_int8.quant.dequantize_rows_into(q, scale[:5], torch.empty(37, 32))
 
 
-def test_a_failing_compile_warns_once_and_falls_back_to_eager(monkeypatch):
+@pytest.mark.parametrize("asked", ["explicitly", "auto"])
+def test_a_failing_compile_falls_back_to_eager_once(monkeypatch, caplog, asked):
+    """``compile=True`` (a model quantized with it sets ``warn_on_failure``): the failure
+    warns once. ``compile="auto"`` chose the kernels: eager is a fine outcome, logged
+    with no warning."""
     from fsdp_int8._quant import kernels as _kernels
 
     def broken(function):
@@ -388,9 +393,18 @@ def test_a_failing_compile_warns_once_and_falls_back_to_eager(monkeypatch):
     x = torch.randn(8, 16)
     expected = quantize_rowwise(x, compiled=True)
     monkeypatch.setattr(_kernels, "_compile_failed", False)  # restored after the test
+    monkeypatch.setattr(_kernels, "_warn_on_failure", False)
+    if asked == "explicitly":
+        fsdp_int8.quantize_(nn.Sequential(nn.Linear(16, 16)), fsdp_int8.Int8TrainingConfig(compile=True))
     monkeypatch.setattr(_kernels, "compiled", broken)
-    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
-        got = quantize_rowwise(x, compiled=True)
+    if asked == "explicitly":
+        with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+            got = quantize_rowwise(x, compiled=True)
+    else:
+        with warnings.catch_warnings(), caplog.at_level("INFO", logger=_kernels.__name__):
+            warnings.simplefilter("error")
+            got = quantize_rowwise(x, compiled=True)
+        assert "no C++ compiler" in caplog.text
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert _kernels.compile_failed()
     # every later call that asks for a compiled kernel (any weight with compiled=True)

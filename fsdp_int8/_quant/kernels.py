@@ -6,14 +6,20 @@ order, so both give the same bits. None takes an integer argument: dynamic shape
 turn it into a symbol and the loops into scalar code.
 
 Whether a weight's kernels are compiled is its own configuration
-(``Int8TrainingConfig.compile``, carried by each ``Int8Weight``); this module only keeps
-one fact per process: whether compiling has failed here, so a machine without a working
-compiler warns once and runs eagerly instead of failing every step.
+(``Int8TrainingConfig.compile``, carried by each ``Int8Weight``); this module keeps two
+facts per process: whether compiling has failed here, so that a machine without a
+working compiler runs eagerly instead of failing every step, and whether a model asked
+for compiled kernels explicitly (``compile=True``), so that the failure warns; where
+``compile="auto"`` chose them it is logged.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import logging
+import os
+import shutil
 import warnings
 from typing import Callable
 
@@ -32,6 +38,8 @@ def ceil_div(numerator: int, denominator: int) -> int:
 
 
 _compile_failed = False  # torch.compile raised once in this process: stay eager from then on
+_warn_on_failure = False  # a model asked for compile=True: a failure warns
+_log = logging.getLogger(__name__)
 
 
 def round_scaled(
@@ -86,6 +94,26 @@ def compiled(function: Callable) -> Callable:
     return torch.compile(function, dynamic=True)
 
 
+def compiler_available(device_type: str) -> bool:
+    """Whether ``torch.compile`` has a code generator for ``device_type`` here: a C++
+    compiler for the CPU (``$CXX``, ``c++``, ``g++`` or ``clang++`` on the path), Triton for
+    CUDA and XPU; nothing known for other devices."""
+    if not torch._dynamo.is_dynamo_supported():
+        return False
+    if device_type == "cpu":
+        names = (os.environ.get("CXX"), "c++", "g++", "clang++")
+        return any(name and shutil.which(name) for name in names)
+    if device_type in ("cuda", "xpu"):
+        return importlib.util.find_spec("triton") is not None
+    return False
+
+
+def warn_on_failure() -> None:
+    """A model asked for compiled kernels explicitly: a compile failure warns."""
+    global _warn_on_failure
+    _warn_on_failure = True
+
+
 def compile_failed() -> bool:
     """Whether ``torch.compile`` failed in this process (its kernels then run eagerly)."""
     return _compile_failed
@@ -110,12 +138,12 @@ def run_compiled(function: Callable, *args):
     except Exception as error:  # noqa: BLE001 -- sorted out by the eager run below
         result = function(*args)
         _compile_failed = True
-        warnings.warn(
-            f"fsdp_int8: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
-            "quantization kernels run eagerly from now on",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        message = (f"fsdp_int8: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
+                   "quantization kernels run eagerly from now on")
+        if _warn_on_failure:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        else:  # compile="auto" chose the kernels: eager is a fine outcome
+            _log.info(message)
         return result
 
 

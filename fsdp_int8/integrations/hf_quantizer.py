@@ -93,7 +93,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         min_features: int = Int8TrainingConfig.min_features,
         modules_to_not_convert: list[str] | None = None,
         int8_matmul: dict[str, bool] | None = None,
-        compile: bool = False,
+        compile: bool | str = Int8TrainingConfig.compile,
         quantize_embeddings: bool = False,
         format_version: int = _FORMAT_VERSION,
         **kwargs: Any,
@@ -114,7 +114,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         self.min_features = int(min_features)
         self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
         self.int8_matmul = None if int8_matmul is None else dict(int8_matmul)
-        self.compile = bool(compile)
+        self.compile = compile  # True, False or "auto": to_training_config checks it
         self.quantize_embeddings = bool(quantize_embeddings)
         self.to_training_config()  # validates the fields now, not at load time
 
