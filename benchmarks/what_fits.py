@@ -26,6 +26,13 @@ A step's peak (activation checkpointing on, as measured) is modelled as three te
   (12 bytes per token per vocabulary entry). This term is a formula; the script prints it
   beside the measured activations of the benchmark's shape as a check.
 
+With FSDP2's CPU offload (``shard_model(offload_policy=CPUOffloadPolicy())``, the
+launcher's ``--cpu-offload``) the sharded state lives in host memory: each measured row
+gets a "+ offload" row whose device peak is the largest group's transients and the
+activations alone, and whose host memory is ``s`` bytes per parameter per rank (the
+cell names it, per GPU). The all-gather's device copy of the group's shard (1 + 4/K
+bytes per element over the GPUs) is left out: a fraction of the group term.
+
 A model fits when the sum is at most 90% of the GPU's memory (the rest: CUDA context,
 allocator fragmentation, NCCL buffers). The figures are estimates from a CPU measurement,
 not GPU runs: ``python -m benchmarks.gpu`` measures ``torch.cuda.max_memory_allocated``.
@@ -162,8 +169,16 @@ MOE = (
 class Coefficients:
     """One recipe's measured costs (see the module docstring)."""
 
-    sharded: float  # bytes per parameter per rank
+    sharded: float  # bytes per parameter per rank, on the GPU
     group: float  # bytes per element of the largest group
+    host: float = 0.0  # bytes per parameter per rank in host memory (CPU offload)
+
+    def offloaded(self) -> "Coefficients":
+        """The same recipe under FSDP2's CPU offload: the sharded state moves to the host."""
+        return Coefficients(sharded=0.0, group=self.group, host=self.sharded + self.host)
+
+
+OFFLOAD = " + offload"  # suffix of the offloaded rows' names
 
 
 def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int, moe_ffn: int = 0) -> float:
@@ -200,7 +215,8 @@ def largest_fitting(gpu_gb: int, gpus: int, costs: Coefficients, tokens: int,
     if not fitting:
         return "none"
     best = fitting[-1]
-    return f"{best.name} ({peak_bytes(best, gpus, costs, tokens) / 1e9:.0f} GB)"
+    host = f"; host {costs.host * best.parameters / gpus / 1e9:.0f} GB" if costs.host else ""
+    return f"{best.name} ({peak_bytes(best, gpus, costs, tokens) / 1e9:.0f} GB{host})"
 
 
 def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]:
@@ -212,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]
     with open(args.measured) as handle:
         measured = json.load(handle)
     costs = coefficients(measured)
+    costs.update({row + OFFLOAD: found.offloaded() for row, found in list(costs.items())})
     shape = measured["shape"]
     moe = shape.get("model") == "qwen3_moe"  # measured on a MoE: MoE models are estimated
     shapes, family = (MOE, "mixture-of-experts") if moe else (LLAMA3, "Llama 3")
@@ -224,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]
         seen = sum(figures["parts"].get(k, 0.0) for k in ACTIVATIONS) * share
         print(f"# {row}: sharded {costs[row].sharded:.2f} B/param, largest group {costs[row].group:.2f} B/element; "
               f"activations measured {seen / 1e6:.1f} MB, formula {predicted / 1e6:.1f} MB")
+    for row in [row for row in costs if row.endswith(OFFLOAD)]:
+        print(f"# {row}: device {costs[row].sharded:.2f} B/param, host {costs[row].host:.2f} B/param per rank")
     rows = list(costs)
     print(f"\nLargest {family} model per GPU, {args.tokens} tokens per GPU, activation checkpointing on, "
           f"FSDP alone (estimated peak in brackets)\n")

@@ -4,6 +4,8 @@ row in real 2-rank processes, and the figures keep their meaning (docs/memory.md
 
 from __future__ import annotations
 
+import json
+
 from benchmarks import memory, what_fits
 
 
@@ -44,8 +46,18 @@ def test_tracker_measures_bf16_fsdp2_and_the_lean_recipe_and_what_fits_scales_th
     for row in ("bf16", "lean"):
         assert rank(table[80, 64][row]) >= rank(table[80, 8][row]) >= rank(table[80, 1][row])
         assert rank(table[80, 8][row]) >= rank(table[40, 8][row]) >= rank(table[24, 8][row])
+    # CPU offload moves the sharded state to the host: never a smaller model on the GPU,
+    # and the host holds what the GPU held per parameter
+    costs = what_fits.coefficients(json.loads(figures.read_text()))
+    for row in ("bf16", "lean"):
+        offloaded = row + what_fits.OFFLOAD
+        assert costs[row].offloaded().host == costs[row].sharded > 0
+        for fits in table.values():
+            assert rank(fits[offloaded]) >= rank(fits[row]), fits
+            assert fits[offloaded] == "none" or "; host " in fits[offloaded], fits
     shown = capsys.readouterr().out
     assert "| 80 GB | 64 |" in shown and "activations measured" in shown
+    assert "lean + offload: device 0.00 B/param, host" in shown
 
 
 def test_a_mixture_of_experts_shape_is_measured_and_what_fits_scales_it_to_moe_models(capsys, tmp_path):
