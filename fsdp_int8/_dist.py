@@ -33,10 +33,10 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def barrier() -> None:
-    """Wait for every rank (nothing to wait for in a single process)."""
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank of ``group`` (the default group; nothing to wait for in a single process)."""
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def broadcast_from_rank0(value: Any) -> Any:
@@ -48,21 +48,23 @@ def broadcast_from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def gather_to_rank0(value: Any) -> list[Any]:
-    """Every rank's ``value`` on rank 0, in rank order; ``[]`` on the other ranks."""
+def gather_to_rank0(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``value`` on rank 0, in rank order; ``[]`` on the other ranks
+    (``group``: one that holds every rank, as the default group does)."""
     if not is_distributed():
         return [value]
     out = [None] * world_size() if rank() == 0 else None
-    dist.gather_object(value, out, dst=0)
+    dist.gather_object(value, out, dst=0, group=group)
     return out or []
 
 
-def all_gather(value: Any) -> list[Any]:
-    """Every rank's ``value`` on every rank, in rank order."""
+def all_gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``value`` on every rank, in rank order (``group``: one that holds
+    every rank, as the default group does)."""
     if not is_distributed():
         return [value]
     out = [None] * world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 

@@ -18,12 +18,14 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+import fsdp_int8
 from fsdp_int8.checkpoint import latest_checkpoint, load_checkpoint
 
 RUN_RECORD = "run.json"  # in --out: the torchrun job whose checkpoints are there
@@ -146,6 +148,20 @@ def resume(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         raise ValueError(f"the checkpoint in {out / CHECKPOINTS} lacks {len(info.missing_keys)} of this "
                          f"model's entries, e.g. {info.missing_keys[:3]}")
     return info.step
+
+
+def save(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+         args: argparse.Namespace, pending: Future | None) -> Future | None:
+    """Save checkpoint ``step`` of the run (every rank); with --checkpoint-async in the
+    background, returning the save in flight. A save still in flight (``pending``) is
+    waited for first, and its error raised: a save never starts before the last one is
+    published."""
+    if pending is not None:
+        pending.result()
+    saved = fsdp_int8.save_checkpoint(out / CHECKPOINTS, model, optimizer, step=step, keep=args.keep,
+                                      extra={"argv": args.argv, "recipe": recipe_of(args)},
+                                      async_=args.checkpoint_async)
+    return saved if args.checkpoint_async else None
 
 
 def recipe_of(args: argparse.Namespace) -> dict[str, Any]:

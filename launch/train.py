@@ -135,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank")
     out.add_argument("--checkpoint-every", type=int, default=100, help="save every N steps (0: never)")
     out.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    out.add_argument("--checkpoint-async", action="store_true",
+                     help="write checkpoints in the background while training goes on (save_checkpoint's async_)")
     out.add_argument("--resume", action="store_true",
                      help="continue from the latest checkpoint in --out (implied after a torchrun restart)")
     out.add_argument("--overwrite", action="store_true",
@@ -198,7 +200,7 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
               step=start, world_size=world, tp=args.tp, pp=args.pp, precision=args.precision, preset=args.preset)
 
     tokens_per_step = args.batch_size * args.seq_len * data_ranks
-    val = None
+    val, pending = None, None  # pending: a checkpoint still being written (--checkpoint-async)
     for step in range(start, args.steps):
         began = time.perf_counter()
         lr = learning_rate(step, args)
@@ -223,8 +225,9 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
             val = evaluate(run, corpus, args, device, data_index)
             log.validation(done, val)
         if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
-            fsdp_int8.save_checkpoint(out / run_dir.CHECKPOINTS, model, optimizer, step=done, keep=args.keep,
-                                      extra={"argv": args.argv, "recipe": run_dir.recipe_of(args)})
+            pending = run_dir.save(out, model, optimizer, done, args, pending)
+    if pending is not None:  # the last checkpoint is published before the run ends
+        pending.result()
     log.close(args.steps, val)
     if rank == 0:
         report(args, world, loss.item(), val)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
@@ -101,6 +102,13 @@ def copy_tensors(state: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
 
 
+def cpu_copy(state: Any) -> Any:
+    """``state`` with every tensor replaced by a copy in CPU memory (DTensors and int8
+    weights stay what they are, on their meshes): what a background write reads while
+    the training loop changes the originals."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
+
+
 def _values_to_check(value: Any) -> torch.Tensor | None:
     """The floating values of one entry: an int8 weight's scales (its int8 data is always
     finite), a float tensor itself (this rank's shard), nothing for other entries."""
@@ -165,10 +173,10 @@ def _single_process_is_intended() -> Iterator[None]:
         yield
 
 
-def save(state: dict[str, Any], path: Path) -> None:
-    """Write this rank's part of ``state`` into ``path``."""
+def save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None) -> None:
+    """Write this rank's part of ``state`` into ``path`` (dcp's collectives on ``group``)."""
     with _single_process_is_intended():
-        dcp.save(state, checkpoint_id=path, no_dist=not _dist.is_distributed())
+        dcp.save(state, checkpoint_id=path, no_dist=not _dist.is_distributed(), process_group=group)
 
 
 def load(state: dict[str, Any], path: Path) -> None:

@@ -8,10 +8,14 @@ from __future__ import annotations
 import io
 import os
 import uuid
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
 
@@ -33,7 +37,8 @@ def save_checkpoint(
     step: int,
     extra: dict | None = None,
     keep: int | None = None,
-) -> Path:
+    async_: bool = False,
+) -> Path | Future[Path]:
     """Save model, optimizer and generator states as ``directory/step_<step>``, atomically.
 
     Call on every rank. Works for FSDP2-sharded models (each rank writes its shards) and
@@ -58,9 +63,19 @@ def save_checkpoint(
             this one included; ``None`` keeps all. Write order, not step: a new or
             rolled-back run's checkpoints are the newest even at lower steps. The new
             checkpoint and the one ``latest`` names are never removed.
+        async_: Return as soon as the state is copied to CPU memory (int8 weights and
+            DTensors stay what they are) and write it in a background thread, whose
+            collectives run on a gloo group of their own, so training goes on meanwhile.
+            The checks above still run before it returns; the write, the manifest and the
+            atomic publish happen in the background. The next ``save_checkpoint`` waits
+            for it first; wait for it yourself (``.result()``) before the process exits
+            or destroys its process group. Holds a CPU copy of the rank's state while in
+            flight.
 
     Returns:
-        The path of the new checkpoint.
+        The path of the new checkpoint; with ``async_``, a
+        ``concurrent.futures.Future`` whose ``.result()`` waits for the write and returns
+        that path, or raises its :class:`CheckpointError` (on every rank alike).
 
     Raises:
         ValueError: ``step < 0`` or ``keep < 1``.
@@ -75,31 +90,84 @@ def save_checkpoint(
             f"keep must be >= 1 (how many checkpoints to keep, this one included), got {keep}; "
             "pass keep=None to keep every checkpoint"
         )
+    _wait_for_pending_save()  # one save at a time: its collectives never interleave with ours
     optimizer = innermost_optimizer(optimizer) if optimizer is not None else None
     state = _dcp.training_state(model, optimizer)
     _refuse_non_finite(state)
     _merge_param_groups(state)
     final = _files.step_dir(Path(directory), step)
     tmp = _files.temporary_dir(final, _dist.broadcast_from_rank0(uuid.uuid4().hex))
+    _Stages(final, tmp)(f"creating {tmp}", lambda: _files.create_temporary_dir(tmp) if _dist.rank() == 0 else None)
+    taken = _Taken(  # what the write needs of the model, taken now: the streams at this step
+        _serialized(capture_generators(model)), sharding_layout(model), _dcp.int8_keys(state["model"]))
+    if not async_:
+        return _write(state, taken, final, tmp, step, extra, keep, None)
+    global _pending
+    staged = _dcp.cpu_copy(state)  # the training loop may change the model as soon as we return
+    group = _background_group()
+    _pending = _executor().submit(_write, staged, taken, final, tmp, step, extra, keep, group)
+    return _pending
+
+
+@dataclass
+class _Taken:
+    generators: bytes  # this rank's generator states, serialized
+    layout: dict  # world_size, mesh_shape (the dp mesh's), tensor_parallel
+    int8_keys: list[str]  # this rank's (pipeline stages hold other keys)
+
+
+def _write(
+    state: dict[str, Any], taken: _Taken, final: Path, tmp: Path, step: int, extra: dict | None,
+    keep: int | None, group: dist.ProcessGroup | None,
+) -> Path:
+    """Write ``state`` and ``taken`` into ``tmp`` on every rank, then rank 0 adds the
+    manifest, publishes ``tmp`` as ``final`` and prunes; collectives on ``group``."""
     rank = _dist.rank()
-    stage = _Stages(final, tmp)
-    stage(f"creating {tmp}", lambda: _files.create_temporary_dir(tmp) if rank == 0 else None)
+    stage = _Stages(final, tmp, group)
     # dcp's own collectives raise its CheckpointException on every rank alike
     stage(f"writing {tmp}/__{{rank}}_*.distcp (and .metadata on rank 0) through "
-          "torch.distributed.checkpoint", lambda: _dcp.save(state, tmp))
+          "torch.distributed.checkpoint", lambda: _dcp.save(state, tmp, group))
     rng_path = _files.rng_file(tmp, rank)
-    stage(f"writing {rng_path}", lambda: _files.write_durably(rng_path, _serialized(capture_generators(model))))
-    # each rank's files and int8 keys (pipeline stages hold other keys)
+    stage(f"writing {rng_path}", lambda: _files.write_durably(rng_path, taken.generators))
     mine = stage(f"reading back its files in {tmp}", lambda: _files.describe_files(tmp, rank))
-    gathered = _dist.gather_to_rank0((mine, _dcp.int8_keys(state["model"])))
-    layout = sharding_layout(model)  # world_size, mesh_shape (the dp mesh's), tensor_parallel
-    stage(f"writing {tmp / _files.MANIFEST}",
-          lambda: _files.write_manifest(tmp, _manifest(final, step, layout, extra, gathered)) if rank == 0 else None)
+    gathered = _dist.gather_to_rank0((mine, taken.int8_keys), group)
+    stage(f"writing {tmp / _files.MANIFEST}", lambda: _files.write_manifest(
+        tmp, _manifest(final, step, taken.layout, extra, gathered)) if rank == 0 else None)
     stage(f"publishing {tmp} as {final}", lambda: _files.publish(tmp, final) if rank == 0 else None)
     if rank == 0 and keep is not None:
         _files.prune(final.parent, keep, newest=final)
-    _dist.barrier()
+    _dist.barrier(group)
     return final
+
+
+# ---------------------------------------------------------------- saves in the background
+_pending: Future | None = None
+_background: dict[str, Any] = {}  # the writer thread, and the process group of its collectives
+
+
+def _wait_for_pending_save() -> None:
+    """Wait until the save that ``save_checkpoint(..., async_=True)`` left in flight (if
+    any) is written and published. Its error, if it failed, stays with its handle."""
+    if _pending is not None:
+        futures.wait([_pending])
+
+
+def _executor() -> ThreadPoolExecutor:
+    if "executor" not in _background:
+        _background["executor"] = ThreadPoolExecutor(1, thread_name_prefix="fsdp_int8-checkpoint")
+    return _background["executor"]
+
+
+def _background_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank for the writer thread's collectives: the training loop's
+    run on the default group meanwhile, and one group's collectives must come in the same
+    order on every rank. Made once per default group (a collective: every rank saves)."""
+    if not _dist.is_distributed():
+        return None
+    world = dist.group.WORLD
+    if _background.get("world") is not world:
+        _background["world"], _background["group"] = world, dist.new_group(backend="gloo")
+    return _background["group"]
 
 
 def _manifest(final: Path, step: int, layout: dict, extra: dict | None, gathered: list) -> dict:
@@ -136,8 +204,8 @@ class _Stages:
     checkpoint stay as they were, and the process group stays usable.
     """
 
-    def __init__(self, final: Path, tmp: Path) -> None:
-        self.final, self.tmp = final, tmp
+    def __init__(self, final: Path, tmp: Path, group: dist.ProcessGroup | None = None) -> None:
+        self.final, self.tmp, self.group = final, tmp, group
 
     def __call__(self, doing: str, action: Callable[[], Any]) -> Any:
         """``action()``'s result; ``doing`` says what it does (``{rank}``: a rank's number)."""
@@ -146,11 +214,11 @@ class _Stages:
             result = action()
         except (Exception, CheckpointException) as error:  # dcp's is a BaseException
             problem = _failures(error, doing)
-        problems = sorted({p for p in _dist.all_gather(problem) if p})
+        problems = sorted({p for p in _dist.all_gather(problem, self.group) if p})
         if problems:
             if _dist.rank() == 0:
                 _files.remove_checkpoint(self.tmp)
-            _dist.barrier()  # the removal is done before any rank raises
+            _dist.barrier(self.group)  # the removal is done before any rank raises
             raise CheckpointError(
                 f"checkpoint {self.final} was not saved: {'; '.join(problems)}. Nothing was "
                 "published: latest and the existing checkpoints are unchanged, and the partial "

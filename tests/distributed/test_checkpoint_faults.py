@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -35,6 +36,7 @@ from fsdp_int8.checkpoint import CheckpointError
 from fsdp_int8.testing import run_distributed
 
 from _cases import assert_identical, case, sharded_mlp, snapshot, train_step_batches
+from _nets import MLPNet
 
 # Each rank gives up on a peer that never reaches a collective after this long (the
 # process group's own timeout is 30 min); a refused save must be far quicker.
@@ -98,6 +100,7 @@ def _faults(rank: int, world: int, root: str) -> dict:
         assert fsdp_int8.load_checkpoint(root, fresh, fresh_opt, step=1).step == 1
         assert_identical(at_one, snapshot(fresh, fresh_opt), "the checkpoint before the refusals")
     messages.update(_generator_files(rank, root))
+    _async_saves(rank, root)
     return messages
 
 
@@ -140,6 +143,67 @@ def _generator_files(rank: int, root: Path) -> dict:
         with case("the control: the intact checkpoint restores on every rank"):
             assert fsdp_int8.load_checkpoint(root / "step_00000002", model, opt).rng_restored
     return messages
+
+
+@contextlib.contextmanager
+def _writes_held(pattern: str) -> Iterator[threading.Event]:
+    """``os.fsync`` of a file matching ``pattern`` waits (on the writer's thread) until the
+    event it yields is set: a write that is provably still in flight meanwhile."""
+    real, release = os.fsync, threading.Event()
+
+    def fsync(fd: int) -> None:
+        if fnmatch.fnmatch(os.readlink(f"/proc/self/fd/{fd}"), pattern):
+            assert release.wait(timeout=PROMPT_S), "the training loop was blocked by the save"
+        real(fd)
+
+    os.fsync = fsync
+    try:
+        yield release
+    finally:
+        release.set()
+        os.fsync = real
+
+
+def _int8_adamw_model():
+    torch.manual_seed(0)
+    model = fsdp_int8.shard_model(MLPNet(hidden=33), config=fsdp_int8.Int8TrainingConfig(seed=7))
+    return model, fsdp_int8.Int8AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, state_bits=8, block_size=16)
+
+
+def _async_saves(rank: int, root: Path) -> None:
+    root = root / "async"
+    model, opt = _int8_adamw_model()
+    train_step_batches(model, opt, 0, 2)
+    assert any("exp_avg_int8" in state for state in opt.state.values()), "no 8-bit optimizer state"
+    at_save = snapshot(model, opt)
+    with case("async_: training goes on while the write is in flight; the reload is bit-exact"):
+        with _writes_held("*/__*_0.distcp") as release:
+            handle = fsdp_int8.save_checkpoint(root, model, opt, step=2, async_=True)
+            train_step_batches(model, opt, 2, 2)  # collectives on the default group meanwhile
+            assert not handle.done() and not (root / "step_00000002").exists()
+            release.set()
+            assert handle.result(timeout=PROMPT_S) == root / "step_00000002"
+        uninterrupted = snapshot(model, opt)
+        fresh, fresh_opt = _int8_adamw_model()
+        info = fsdp_int8.load_checkpoint(root, fresh, fresh_opt)
+        assert info.step == 2 and info.rng_restored
+        assert_identical(at_save, snapshot(fresh, fresh_opt), "async save, reload")
+        train_step_batches(fresh, fresh_opt, 2, 2)  # the generators were taken at the save
+        assert_identical(uninterrupted, snapshot(fresh, fresh_opt), "async save at 2, resume, 2 more")
+    with case("async_: a save in flight is published before the next save, which may re-save its step"):
+        first = fsdp_int8.save_checkpoint(root, model, opt, step=4, async_=True)
+        fsdp_int8.save_checkpoint(root, model, opt, step=4, keep=1)
+        assert first.done() and first.result() == root / "step_00000004"
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004"]
+    with case("async_: a full disk on rank 1 fails the handle on every rank; the group stays usable"):
+        with _disk_full(1, "*/rng/rank_00001.pt"):
+            handle = fsdp_int8.save_checkpoint(root, model, opt, step=5, async_=True)
+            with pytest.raises(CheckpointError, match=r"rank 1: writing .*rng/rank_00001\.pt: OSError"):
+                handle.result(timeout=PROMPT_S)
+        assert fsdp_int8.checkpoint.latest_checkpoint(root).name == "step_00000004"
+        total = torch.tensor([1.0])
+        dist.all_reduce(total)
+        assert total.item() == 2.0
 
 
 def test_a_save_that_fails_on_one_rank_fails_on_every_rank_with_the_same_error():

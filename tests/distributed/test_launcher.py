@@ -188,8 +188,9 @@ def one_process(monkeypatch):
 
 def test_a_new_run_refuses_another_runs_checkpoints_and_a_finished_run_is_complete(one_process, capsys, tmp_path):
     out = str(tmp_path / "out")
-    assert one_process(*SHORT, "--out", out) == 0
-    assert (tmp_path / "out" / "checkpoints" / "step_00000002").is_dir()
+    # written in the background: published before the run ends
+    assert one_process(*SHORT, "--out", out, "--checkpoint-async") == 0
+    assert (tmp_path / "out" / "checkpoints" / "step_00000002" / "manifest.json").is_file()
 
     assert one_process(*SHORT, "--out", out, "--resume") == 0  # at --steps already
     assert "is complete: its checkpoint is at step 2 and --steps is 2" in capsys.readouterr().out
