@@ -4,7 +4,7 @@ sharded (``Int8TrainingConfig``), and which matmuls run as int8 GEMMs (``Int8Mat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -85,6 +85,10 @@ class Int8MatmulConfig:
 # (plain data: three bools).
 torch.serialization.add_safe_globals([Int8MatmulConfig])
 
+# No int8 GEMM, int8 gathered weights: FSDP2's unsharded weight stays int8 rows and scales
+# and each matmul and lookup dequantizes a transient copy (the lean recipe's matmuls).
+INT8_GATHERED_WEIGHTS = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+
 
 @dataclass(frozen=True)
 class Int8TrainingConfig:
@@ -136,6 +140,14 @@ class Int8TrainingConfig:
             at least ``min_features`` (``skip_names`` is for linear layers). Embeddings with
             ``max_norm`` or ``sparse`` gradients stay in full precision, with a warning.
             Off by default (docs/memory.md: what it saves, and its quality).
+        compute_dtype: The dtype the unsharded weights compute in under
+            :func:`fsdp_int8.shard_model` when it is given no ``mp_policy``: FSDP2 mixed
+            precision with this ``param_dtype`` and an fp32 gradient reduction
+            (torchtitan's default with ``torch.bfloat16``). ``None`` (default): FSDP2's
+            own default, the parameters' dtype. A framework that sets its own mixed
+            precision (accelerate, Lightning, torchtitan) decides there instead.
+
+    :meth:`lean` is the lean-memory recipe's configuration.
 
     The int8 gradient reduce-scatter is not a field: it replaces FSDP2's communication
     of an already sharded model, so it is enabled on that model with
@@ -150,6 +162,17 @@ class Int8TrainingConfig:
     int8_matmul: Int8MatmulConfig | None = None
     compile: bool | str = AUTO
     quantize_embeddings: bool = False
+    compute_dtype: torch.dtype | None = None
+
+    @classmethod
+    def lean(cls, **changes: Any) -> "Int8TrainingConfig":
+        """The lean-memory recipe's configuration (docs/memory.md): int8 embeddings (a tied
+        head follows), FSDP2's gathered weights kept int8 (each matmul and lookup
+        dequantizes a transient copy: weight-only int8's values, half the gathered bytes)
+        and bf16 compute; ``changes`` replace fields. Train it with
+        :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the step inside backward)."""
+        recipe = dict(quantize_embeddings=True, int8_matmul=INT8_GATHERED_WEIGHTS, compute_dtype=torch.bfloat16)
+        return cls(**{**recipe, **changes})
 
     def __post_init__(self) -> None:
         if self.min_features < 1:
@@ -167,6 +190,9 @@ class Int8TrainingConfig:
         for name in ("stochastic_rounding", "quantize_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} takes a bool, got {getattr(self, name)!r}")
+        if self.compute_dtype is not None and not (
+                isinstance(self.compute_dtype, torch.dtype) and self.compute_dtype.is_floating_point):
+            raise TypeError(f"compute_dtype takes a floating torch.dtype or None, got {self.compute_dtype!r}")
 
     def compiles(self, row_len: int) -> bool:
         """Whether a layer whose rows hold ``row_len`` inputs runs compiled kernels:
@@ -210,6 +236,17 @@ class Int8TrainingConfig:
             return all(min(shape[1:]) >= self.min_features for shape in shapes)
         features = linear_features(module)
         return features is not None and min(features) >= self.min_features
+
+
+def training_config(config: Any) -> Int8TrainingConfig:
+    """``config``, or the default for ``None``; anything else is refused naming the fix."""
+    if config is None:
+        return Int8TrainingConfig()
+    if not isinstance(config, Int8TrainingConfig):
+        hint = (" (an Int8MatmulConfig goes inside: Int8TrainingConfig(int8_matmul=Int8MatmulConfig()))"
+                if isinstance(config, Int8MatmulConfig) else "")
+        raise TypeError(f"config takes an Int8TrainingConfig, got {type(config).__name__}{hint}")
+    return config
 
 
 def is_conv1d(module: nn.Module) -> bool:

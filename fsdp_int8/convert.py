@@ -20,7 +20,8 @@ from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embe
 from fsdp_int8._weight.load_checks import add_check_hook
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import (
-    Int8TrainingConfig, counts_experts, expert_weight_names, is_conv1d, why_experts_stay_full_precision,
+    Int8TrainingConfig, counts_experts, expert_weight_names, is_conv1d, training_config,
+    why_experts_stay_full_precision,
 )
 from fsdp_int8.guard import refuse_steps_on_replaced
 
@@ -290,7 +291,7 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
     Raises:
         RuntimeError: if the model is already sharded (quantize first, then shard).
     """
-    config = config or Int8TrainingConfig()
+    config = training_config(config)
     if is_sharded(model):
         raise RuntimeError(
             "quantize_ got a model that is already sharded (fully_shard or DTensor parameters). "

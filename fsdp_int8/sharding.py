@@ -25,7 +25,7 @@ from fsdp_int8._dist import (
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.all_gather import TENSOR_PARALLEL_UNSUPPORTED
 from fsdp_int8._weight.census import int8_census
-from fsdp_int8.config import Int8TrainingConfig
+from fsdp_int8.config import Int8TrainingConfig, training_config
 from fsdp_int8.convert import logger, parameter_owners, quantize_
 from fsdp_int8.guard import refuse_steps_on_replaced
 from fsdp_int8.parallel import int8_tp_plan
@@ -291,6 +291,18 @@ def _parallelize_blocks(blocks: list[nn.Module], tp_mesh: DeviceMesh, tp_plan: d
         parallelize_module(block, tp_mesh, plan)
 
 
+def _mixed_precision(mp_policy: MixedPrecisionPolicy | None, config: Int8TrainingConfig) -> MixedPrecisionPolicy:
+    """``mp_policy``, or the one ``config.compute_dtype`` asks for; both, disagreeing, are refused."""
+    if mp_policy is None:
+        if config.compute_dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=config.compute_dtype, reduce_dtype=torch.float32)
+    if config.compute_dtype is not None and mp_policy.param_dtype != config.compute_dtype:
+        raise ValueError(f"config.compute_dtype is {config.compute_dtype} but mp_policy.param_dtype is "
+                         f"{mp_policy.param_dtype}: set one of them")
+    return mp_policy
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -327,7 +339,9 @@ def shard_model(
             default device type.
         config: Quantization config (see :class:`Int8TrainingConfig`).
         mp_policy: FSDP2 mixed precision; its ``param_dtype`` is the compute dtype of the
-            unsharded weights. The wire format is int8 regardless.
+            unsharded weights. The wire format is int8 regardless. Default: ``config``'s
+            ``compute_dtype`` with an fp32 gradient reduction where it is set, else FSDP2's
+            default (the parameters' dtype).
         reshard_after_forward: ``True`` frees unsharded weights after forward; ``False``
             keeps them until backward. Integers are refused (see docs/limits.md).
         blocks: Block types or a predicate; default: discovered (see :func:`find_blocks`).
@@ -344,6 +358,8 @@ def shard_model(
     Returns:
         ``model``, now an ``FSDPModule``.
     """
+    config = training_config(config)
+    mp_policy = _mixed_precision(mp_policy, config)
     _check_reshard_after_forward(reshard_after_forward)
     _check_unsharded(model)
     _check_offload(offload_policy)
@@ -366,13 +382,12 @@ def shard_model(
         )
     groups = _groups_below_root(model, found)  # before quantizing, too
     original = list(model.parameters())  # FSDP2 replaces them: an optimizer holding one is refused
-    config = config or Int8TrainingConfig()
     quantize_(model, config)
     if tp_mesh is not None:
         _parallelize_blocks(found, tp_mesh, tp_plan)
     seed_weight_rounding(config.seed, dp_mesh)
 
-    options = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+    options = dict(mesh=dp_mesh, mp_policy=mp_policy,
                    offload_policy=offload_policy or OffloadPolicy())
     for index, group in enumerate(groups):
         last = index == len(groups) - 1

@@ -117,3 +117,40 @@ def test_compiler_available_looks_for_the_devices_code_generator(monkeypatch):
 def test_config_fields_of_the_wrong_type_are_refused_where_given(kwargs, message):
     with pytest.raises(TypeError, match=message):
         Int8TrainingConfig(**kwargs)
+
+
+def test_the_lean_recipe_is_one_config_and_one_optimizer_call():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_int8.optim.adamw import LEAN_STEP_ELEMENTS
+    from fsdp_int8.sharding import _mixed_precision
+
+    lean = Int8TrainingConfig.lean()
+    assert lean.quantize_embeddings and lean.compute_dtype is torch.bfloat16
+    assert lean.int8_matmul == Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+    assert Int8TrainingConfig.lean(seed=5, compute_dtype=None).seed == 5  # changes replace fields
+    optimizer = fsdp_int8.Int8AdamW.lean(nn.Linear(8, 8).parameters(), lr=3e-4, weight_decay=0.1)
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["state_bits"]) == (3e-4, 0.1, 8)
+    assert optimizer._in_backward is not None and optimizer._in_backward._max_grad_norm == 1.0
+    assert optimizer._step_elements == LEAN_STEP_ELEMENTS
+    # shard_model's mixed precision: the config's compute dtype with an fp32 reduction,
+    # FSDP2's default without one; an mp_policy that disagrees is refused
+    assert _mixed_precision(None, lean) == MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    assert _mixed_precision(None, Int8TrainingConfig()) == MixedPrecisionPolicy()
+    given = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16)
+    assert _mixed_precision(given, lean) is given
+    with pytest.raises(ValueError, match="compute_dtype is torch.bfloat16 but mp_policy.param_dtype is torch.float16"):
+        _mixed_precision(MixedPrecisionPolicy(torch.float16), lean)
+    with pytest.raises(TypeError, match="compute_dtype takes a floating torch.dtype"):
+        Int8TrainingConfig(compute_dtype=torch.int8)
+
+
+def test_quantize_and_shard_model_refuse_a_config_of_another_type():
+    message = r"config takes an Int8TrainingConfig, got Int8MatmulConfig \(an Int8MatmulConfig goes inside"
+    model = nn.Sequential(nn.Linear(32, 32))
+    with pytest.raises(TypeError, match=message):
+        fsdp_int8.quantize_(model, Int8MatmulConfig())
+    with pytest.raises(TypeError, match=message):  # before it needs a process group or changes anything
+        fsdp_int8.shard_model(model, config=Int8MatmulConfig())
+    assert type(model[0].weight) is nn.Parameter and not isinstance(model[0].weight.data, Int8Weight)

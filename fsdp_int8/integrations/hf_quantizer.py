@@ -40,7 +40,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name, shoul
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from fsdp_int8._weight.tensor import Int8Weight
-from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, expert_weight_names
+from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, expert_weight_names, training_config
 from fsdp_int8.convert import parameter_owners, quantize_
 from fsdp_int8.integrations._hf_conversions import (
     add_scale_conversions, check_tied_copy, checked_rows, int8_layers_in_checkpoint,
@@ -124,7 +124,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
     ) -> "Int8TrainingHfConfig":
         """The JSON form of ``config``; with a custom ``module_filter``, ``model`` (already
         quantized) names the layers (linear, experts) it left in full precision."""
-        config = config or Int8TrainingConfig()
+        config = training_config(config)
         kept = None
         if config.module_filter is not None:
             if model is None:

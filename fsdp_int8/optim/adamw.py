@@ -56,6 +56,11 @@ def _use_fused(fused: bool | None, device: torch.device) -> bool:
     return device.type in _get_fused_kernels_supported_devices()
 
 
+# The lean recipe's bound on one update's elements: its fp32 temporaries (about 21 bytes
+# per element with 8-bit states) stay under about 5 MB, a small share of any model's peak.
+LEAN_STEP_ELEMENTS = 1 << 18
+
+
 class Int8AdamW(FusedInt8Optimizer):
     r"""AdamW for int8 weights: one dequantization and one requantization per step.
 
@@ -211,6 +216,17 @@ class Int8AdamW(FusedInt8Optimizer):
         self._check_group(defaults)
         super().__init__(params, defaults, step_in_backward=step_in_backward, step_elements=step_elements,
                          grad_dtype=grad_dtype, max_grad_norm=max_grad_norm)
+
+    @classmethod
+    def lean(cls, params: ParamsT, lr: float | torch.Tensor = 1e-3, **changes: Any) -> "Int8AdamW":
+        """The lean-memory recipe's optimizer (docs/memory.md), for a model configured with
+        :meth:`fsdp_int8.Int8TrainingConfig.lean`: 8-bit states, each parameter stepped
+        inside backward as soon as FSDP2 hands it its reduced gradient (no gradient kept),
+        clipped with ``max_grad_norm=1.0`` by the norm estimated as gradients arrive, and
+        updates in blocks of at most ``LEAN_STEP_ELEMENTS`` elements. ``changes`` replace
+        any of these or other keywords (``weight_decay``, ``betas``, ...)."""
+        recipe = dict(state_bits=8, step_in_backward=True, max_grad_norm=1.0, step_elements=LEAN_STEP_ELEMENTS)
+        return cls(params, lr, **{**recipe, **changes})
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("lr", group["lr"], 0.0)
