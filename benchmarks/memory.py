@@ -27,9 +27,10 @@ Rows (each a recipe users run):
   (``Int8AdamW(state_bits=8, grad_dtype=torch.bfloat16)``);
 * ``int8-8bit-in-backward``: ``Int8AdamW(state_bits=8, step_in_backward=True)``: each
   parameter is updated as soon as FSDP2 hands it its reduced gradient;
-* ``lean``: that, with int8 embeddings (``Int8TrainingConfig(quantize_embeddings=True)``;
-  the tied head follows) and FSDP2's gathered weights kept int8 (``Int8MatmulConfig``
-  with no int8 GEMM: each matmul dequantizes a transient copy): the launcher's ``--lean``;
+* ``lean``: the library's one lean call, ``Int8TrainingConfig.lean()`` (int8 embeddings,
+  the tied head following, and FSDP2's gathered weights kept int8: each matmul
+  dequantizes a transient copy) with ``Int8AdamW.lean`` (8-bit states, the step inside
+  backward, clipping at 1.0, updates of at most 2^18 elements): the launcher's ``--lean``;
 * ``lean-bf16-gathered``: the same with the gathered weights dequantized to bf16 once
   per unshard (weight-only int8's default; the same values).
 
@@ -45,8 +46,8 @@ largest group's unsharded gradients that NCCL's reduce-scatter does not make. ``
 (the default) keeps torch's. The same sums, bit for bit; CPU only.
 
 ``--step-elements N`` bounds each int8 update to N elements (``Int8AdamW(step_elements=N)``).
-The default bound is a fixed size (2^20 elements on CPU, ~21 bytes each with 8-bit
-states), so its working set is a larger share of a scaled-down model than of a real one.
+The default bound is the row's optimizer's own (``Int8AdamW``: 2^20 elements on CPU, ~21
+bytes each with 8-bit states; ``Int8AdamW.lean``: 2^18).
 
 ``--where N`` also prints, under each row, the N largest snapshots the tracker took at
 module boundaries (each FSDP module's peak in forward and backward, before and after its
@@ -69,16 +70,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from launch.precisions import INT8_GATHERED_WEIGHTS
+import fsdp_int8
+from fsdp_int8 import Int8AdamW, Int8TrainingConfig
 
-# row -> (Int8TrainingConfig options, Int8AdamW options); bf16 and fp32 are plain FSDP2
-INT8_ROWS: dict[str, tuple[dict, dict]] = {
-    "int8": ({}, {}),
-    "int8-8bit": ({}, {"state_bits": 8}),
-    "int8-8bit-bf16-grads": ({}, {"state_bits": 8, "grad_dtype": torch.bfloat16}),
-    "int8-8bit-in-backward": ({}, {"state_bits": 8, "step_in_backward": True}),
-    "lean": ({"quantize_embeddings": True, "int8_matmul": INT8_GATHERED_WEIGHTS}, {"state_bits": 8, "step_in_backward": True}),
-    "lean-bf16-gathered": ({"quantize_embeddings": True}, {"state_bits": 8, "step_in_backward": True}),
+
+def _adamw(**options) -> functools.partial:
+    return functools.partial(Int8AdamW, **options)
+
+
+# row -> (its Int8TrainingConfig, what builds its optimizer from (params, lr, **keywords));
+# bf16 and fp32 are plain FSDP2. "lean" is the library's one lean call.
+INT8_ROWS: dict[str, tuple[Int8TrainingConfig, functools.partial]] = {
+    "int8": (Int8TrainingConfig(), _adamw()),
+    "int8-8bit": (Int8TrainingConfig(), _adamw(state_bits=8)),
+    "int8-8bit-bf16-grads": (Int8TrainingConfig(), _adamw(state_bits=8, grad_dtype=torch.bfloat16)),
+    "int8-8bit-in-backward": (Int8TrainingConfig(), _adamw(state_bits=8, step_in_backward=True)),
+    "lean": (Int8TrainingConfig.lean(), Int8AdamW.lean),
+    "lean-bf16-gathered": (Int8TrainingConfig.lean(int8_matmul=None), Int8AdamW.lean),
 }
 ROWS = ("bf16", "fp32", *INT8_ROWS)
 SHAPES = {
@@ -128,7 +136,6 @@ def build(
     ``step_elements`` bounds an int8 row's update (``Int8AdamW``'s default if ``None``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    import fsdp_int8
     from fsdp_int8.sharding import find_blocks
 
     model = hf_model(shape)
@@ -140,14 +147,11 @@ def build(
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    config_options, optimizer_options = INT8_ROWS[row]
-    fsdp_int8.shard_model(
-        model, config=fsdp_int8.Int8TrainingConfig(**config_options),
-        mp_policy=MixedPrecisionPolicy(torch.bfloat16, reduce_dtype),
-    )
+    config, optimizer = INT8_ROWS[row]
+    fsdp_int8.shard_model(model, config=config, mp_policy=MixedPrecisionPolicy(torch.bfloat16, reduce_dtype))
     block = min(EIGHT_BIT_BLOCK, shape["hidden_size"] // 2)  # rows shorter than a block keep fp32 states
-    return model, fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, block_size=block,
-                                      step_elements=step_elements, **optimizer_options)
+    bound = {} if step_elements is None else {"step_elements": step_elements}
+    return model, optimizer(model.parameters(), lr=1e-3, weight_decay=0.1, block_size=block, **bound)
 
 
 class ReduceScatterByChunks(DefaultReduceScatter):

@@ -267,6 +267,9 @@ def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.
     if args.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     state_bits = 8 if args.optimizer.endswith("8bit") else 32
+    if args.lean:  # the library's lean call, with this run's --optimizer and --grad-clip
+        return fsdp_int8.Int8AdamW.lean(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                        state_bits=state_bits, max_grad_norm=args.grad_clip or None)
     return fsdp_int8.Int8AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                state_bits=state_bits, step_in_backward=args.step_in_backward,
                                grad_dtype=torch.bfloat16 if args.bf16_grads else None,
