@@ -69,6 +69,14 @@ class Progress:
         elif step % 25 == 0:
             print(f"step {step}: {text}", flush=True)
 
+    def restart_clock(self) -> None:
+        """Count the rate and the ETA from here on: the steps so far (one that compiled)
+        would make the ETA of the rest many times too long."""
+        if self.bar is not None:
+            done = self.bar.n
+            self.bar.reset()
+            self.bar.n = self.bar.last_print_n = self.bar.initial = done
+
     def write(self, message: str) -> None:
         if not self.enabled:
             return
@@ -91,6 +99,11 @@ class RunLog:
         self.metrics = MetricsLog(path, resume_step=start if resumed else None) if enabled else None
         self.progress = Progress(total=total, initial=start, enabled=enabled)
 
+    def note(self, line: str) -> None:
+        """Say ``line`` (rank 0)."""
+        if self.enabled:
+            self.progress.write(line)
+
     def start(self, line: str, **record: Any) -> None:
         """Say ``line`` and record the start event."""
         if self.enabled:
@@ -111,6 +124,13 @@ class RunLog:
         self.metrics.write(step=step, loss=loss, lr=lr, seconds=seconds, tokens_per_s=tokens / seconds,
                            all_gather_bytes=gathered, collective_bytes=counter.total_bytes(), **norm,
                            **(routing or {}))
+
+    def compiled(self, what: str, seconds: float) -> None:
+        """``what`` (a step or an evaluation that compiled) took ``seconds``: say so and
+        keep it out of the ETA."""
+        if self.enabled:
+            self.progress.write(f"{what} took {seconds:.0f} s with compilation; the ETA counts from here")
+            self.progress.restart_clock()
 
     def validation(self, step: int, val: float) -> None:
         if self.enabled:

@@ -201,6 +201,10 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
 
     tokens_per_step = args.batch_size * args.seq_len * data_ranks
     val, pending = None, None  # pending: a checkpoint still being written (--checkpoint-async)
+    compiling = eval_compiles = recipe.blocks or recipe.compile  # the first step and evaluation compile
+    if compiling:
+        log.note("compiling " + ("each transformer block" if recipe.blocks else "the quantization kernels")
+                 + ": the first step and the first evaluation take longer (minutes on a few CPU cores)")
     for step in range(start, args.steps):
         began = time.perf_counter()
         lr = learning_rate(step, args)
@@ -219,11 +223,17 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
             grad_norm = optimizer.grad_norm
         log.step(step, loss, lr, time.perf_counter() - began, tokens_per_step, counter, grad_norm,
                  routing_stats(model) if log.enabled else None)
+        if compiling and step == start:
+            log.compiled(f"step {step}", time.perf_counter() - began)
 
         done = step + 1
         if done % args.eval_every == 0 or done == args.steps:
+            began = time.perf_counter()
             val = evaluate(run, corpus, args, device, data_index)
             log.validation(done, val)
+            if eval_compiles:  # the first evaluation compiles too (no autograd: other graphs)
+                log.compiled("the first evaluation", time.perf_counter() - began)
+                eval_compiles = False
         if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
             pending = run_dir.save(out, model, optimizer, done, args, pending)
     if pending is not None:  # the last checkpoint is published before the run ends

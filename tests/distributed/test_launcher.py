@@ -600,3 +600,28 @@ def test_a_pipeline_parallel_run_trains_under_torchrun(layout, extra, tmp_path):
     assert len(losses) == 6 and abs(losses[0] - math.log(256)) < 0.05, losses
     assert len(val) >= 2 and val[-1] < val[0] - 0.1, val  # measured 5.43 -> 5.20 (both layouts)
     assert (out / "checkpoints" / "step_00000006").is_dir()
+
+
+def test_a_compiling_run_says_so_and_keeps_its_first_step_out_of_the_eta(one_process, tmp_path, capsys):
+    """--compile on: rank 0 says what compiles before the first step, then how long the
+    first step and the first evaluation took, and restarts the progress bar's clock (a
+    compiling step would make the ETA of the rest many times too long)."""
+    assert one_process(*SHORT, "--compile", "on", "--out", str(tmp_path / "compiled")) == 0
+    out = capsys.readouterr().out
+    assert "compiling the quantization kernels: the first step and the first evaluation take longer" in out
+    assert "step 0 took" in out and "the first evaluation took" in out and "the ETA counts from here" in out
+
+
+def test_the_progress_bar_restarts_its_clock_keeping_its_count():
+    from launch.metrics import Progress
+
+    progress = Progress(total=10, initial=2, enabled=True)
+    assert progress.bar is not None  # tqdm is installed with the launcher's extra
+    progress.update(2, 1.0, 100.0, 0)
+    started = progress.bar.start_t
+    time.sleep(0.01)
+    progress.restart_clock()
+    assert progress.bar.n == progress.bar.initial == 3 and progress.bar.start_t > started
+    progress.update(3, 1.0, 100.0, 0)
+    assert progress.bar.n == 4
+    progress.close()
