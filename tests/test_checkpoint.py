@@ -561,9 +561,17 @@ def test_an_optimizer_that_only_refers_to_another_is_refused_before_anything_cha
 
 def test_dcp_async_save_says_what_to_use_instead(tmp_path):
     """dcp.async_save's default stager cannot copy an int8 weight: the error names it and
-    the saves that work (docs/limits.md)."""
+    the stager that can (docs/limits.md), which writes it bit-exactly."""
     import torch.distributed.checkpoint as dcp
 
     model = fsdp_int8.quantize_(nn.Sequential(nn.Linear(16, 16)), fsdp_int8.Int8TrainingConfig(min_features=1))
-    with pytest.raises(NotImplementedError, match=r"async_save.*fsdp_int8\.save_checkpoint\(\.\.\., async_=True\)"):
+    with pytest.raises(NotImplementedError, match=r"async_save.*async_stager=fsdp_int8\.checkpoint\.CpuCopyStager\(\)"):
         dcp.async_save(model.state_dict(), checkpoint_id=str(tmp_path / "async"))
+    # with the stager it names: the int8 weight is staged and written whole
+    dcp.async_save(model.state_dict(), checkpoint_id=str(tmp_path / "async"),
+                   async_stager=fsdp_int8.checkpoint.CpuCopyStager()).result()
+    loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    loaded["0.weight"].int_data.zero_()
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "async"))
+    assert torch.equal(loaded["0.weight"].int_data, model[0].weight.int_data)
+    assert torch.equal(loaded["0.weight"].scale, model[0].weight.scale)

@@ -28,10 +28,12 @@ writes, the manifest, pruning by write order), ``_dcp`` (what goes through
 torch.distributed.checkpoint), ``_fit`` (does a checkpoint fit the model and optimizer)
 and ``_generator_states`` (the noise generators saved per rank and the layout rule for
 restoring them: :func:`capture_generators` and :func:`restore_generators`, which every
-integration's checkpoints use too).
+integration's checkpoints use too). :class:`CpuCopyStager` stages int8 state dicts for
+``dcp.async_save``, which its default stager cannot.
 """
 
 from fsdp_int8.checkpoint.errors import CheckpointError
+from fsdp_int8.checkpoint._dcp import CpuCopyStager
 from fsdp_int8.checkpoint._generator_states import capture_generators, restore_generators
 from fsdp_int8.checkpoint.export import export_full_state_dict, load_full_state_dict
 from fsdp_int8.checkpoint.dcp_checks import check_int8_entries
@@ -49,4 +51,5 @@ __all__ = [
     "load_full_state_dict",
     "capture_generators",
     "restore_generators",
+    "CpuCopyStager",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import defaultdict
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
 
 # dcp's own key flattening ("optimizer.state.<fqn>.<name>"): the keys its index stores.
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -107,6 +109,35 @@ def cpu_copy(state: Any) -> Any:
     weights stay what they are, on their meshes): what a background write reads while
     the training loop changes the originals."""
     return tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
+
+
+class CpuCopyStager(AsyncStager):
+    """A stager for ``dcp.async_save`` that works on int8 weights: :func:`cpu_copy`.
+
+    dcp's default stager copies a tensor whose ``data_ptr()`` is not 0 as a storage of its
+    dtype (``new_empty([])``, then ``set_`` to a copy of ``untyped_storage()``), which an
+    int8 weight (int8 rows and fp32 scales, no storage of its floating dtype) cannot follow.
+    ``as_future``: ``stage`` returns a finished ``Future`` (so ``async_save`` returns its
+    ``AsyncSaveResponse``, as with an asynchronously staging stager)."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, *, as_future: bool = False) -> None:
+        self.as_future = as_future
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
+        copied = cpu_copy(state_dict)
+        if not self.as_future:
+            return copied
+        staged: Future = Future()
+        staged.set_result(copied)
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns the copies made."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def _values_to_check(value: Any) -> torch.Tensor | None:

@@ -36,9 +36,11 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
@@ -49,7 +51,9 @@ from fsdp_int8._dist import local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.census import int8_census
 from fsdp_int8._weight.tensor import Int8Weight
-from fsdp_int8.checkpoint import capture_generators, check_int8_entries, export_full_state_dict, restore_generators
+from fsdp_int8.checkpoint import (
+    CpuCopyStager, capture_generators, check_int8_entries, export_full_state_dict, restore_generators,
+)
 from fsdp_int8.config import Int8TrainingConfig, counts_experts, expert_weight_names
 from fsdp_int8.convert import int8_parameter
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
@@ -280,6 +284,21 @@ class Int8CheckpointManager(CheckpointManager):
         if self.enable:
             self.states[MODEL] = _Int8ModelWrapper(model_parts)
             self.states[ROUNDING_STATES] = _RoundingStreams(model_parts)
+
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
+        """torchtitan's save. Its ``async`` and ``async_with_pinned_mem`` modes stage with
+        :class:`fsdp_int8.checkpoint.CpuCopyStager` (dcp's default stager cannot copy an int8
+        weight), as torchtitan would: a thread writes, or a checkpoint process (then the
+        staging is returned as a finished future)."""
+        if async_mode == AsyncMode.DISABLED or to_hf:
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        in_process = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
+        return dcp.async_save(
+            state_dict, checkpoint_id=checkpoint_id, process_group=self.pg,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS if in_process else AsyncCheckpointerType.THREAD,
+            async_stager=CpuCopyStager(as_future=in_process),
+        )
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         """torchtitan's load, after the checkpoint's int8 weights are read into copies and

@@ -10,6 +10,11 @@ and collectives work.
 Generator files on load: a damaged one is refused on every rank, naming the rank and the
 file (without torch's advice to load with ``weights_only=False``); one deleted together
 with its manifest entry restores no rank's streams (not rank 0's alone), with a warning.
+
+Saves in the background, with int8 weights and ``Int8AdamW(state_bits=8)``'s states:
+``save_checkpoint(..., async_=True)`` while training goes on (the write held in flight),
+and torchtitan's ``async`` and ``async_with_pinned_mem`` modes through
+``Int8CheckpointManager``; each reloads bit-exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -101,6 +107,7 @@ def _faults(rank: int, world: int, root: str) -> dict:
         assert_identical(at_one, snapshot(fresh, fresh_opt), "the checkpoint before the refusals")
     messages.update(_generator_files(rank, root))
     _async_saves(rank, root)
+    _torchtitan_async_modes(rank, root)
     return messages
 
 
@@ -204,6 +211,35 @@ def _async_saves(rank: int, root: Path) -> None:
         total = torch.tensor([1.0])
         dist.all_reduce(total)
         assert total.item() == 2.0
+
+
+def _torchtitan_async_modes(rank: int, root: Path) -> None:
+    """torchtitan's ``async`` (a writer thread) and ``async_with_pinned_mem`` (a checkpoint
+    process) modes through ``Int8CheckpointManager.dcp_save``, as its ``_save`` calls it."""
+    from torchtitan.components.checkpointer import AsyncMode
+
+    from fsdp_int8.checkpoint._dcp import training_state
+    from fsdp_int8.integrations.torchtitan import Int8CheckpointManager
+
+    manager = object.__new__(Int8CheckpointManager)  # what dcp_save reads of the manager
+    manager.pg, manager.sd_adapter = dist.new_group(backend="gloo"), None
+    model, opt = _int8_adamw_model()
+    train_step_batches(model, opt, 0, 2)
+    for mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
+        with case(f"torchtitan's {mode.value}: int8 weights and 8-bit states staged whole, reloaded bit-exactly"):
+            at_save = snapshot(model, opt)
+            folder = root / f"titan_{mode.value}"
+            saving = manager.dcp_save(training_state(model, opt), str(folder), mode)
+            if mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+                saving.staging_completion.result(timeout=PROMPT_S)
+                saving = saving.upload_completion
+            train_step_batches(model, opt, 2, 1)  # changes the model while the write goes on
+            saving.result(timeout=120)  # the first checkpoint process starts a Python
+            fresh, fresh_opt = _int8_adamw_model()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # no manifest: "loaded without verification"
+                fsdp_int8.load_checkpoint(folder, fresh, fresh_opt, allow_unverified=True)
+            assert_identical(at_save, snapshot(fresh, fresh_opt), f"torchtitan {mode.value} save, reload")
 
 
 def test_a_save_that_fails_on_one_rank_fails_on_every_rank_with_the_same_error():

@@ -24,8 +24,8 @@ _implements = _op_table.implements
 _STAGING_HINT = (
     ". torch.distributed.checkpoint.async_save stages tensors that way (its default "
     "StateDictStager: new_empty([]), then set_ to a copy of the storage), which an int8 "
-    "weight cannot follow: save in the background with fsdp_int8.save_checkpoint(..., "
-    "async_=True), or synchronously with dcp.save(...) (docs/limits.md)"
+    "weight cannot follow: pass async_stager=fsdp_int8.checkpoint.CpuCopyStager() to "
+    "async_save, or save with fsdp_int8.save_checkpoint(..., async_=True) (docs/limits.md)"
 )
 
 
