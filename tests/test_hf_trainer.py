@@ -112,6 +112,67 @@ def test_int8_trainer_resumes_bit_exactly_and_attaches_the_quantizer_itself(tmp_
     assert _same(_int8_bytes(resumed.model), _int8_bytes(first.model))
 
 
+def _lean_trainer(tmp_path, trainer_class, *, trainer_clip: float = 1.0, **optimizer_changes):
+    """The lean recipe's documented Trainer call: a tiny Llama quantized with
+    ``Int8TrainingConfig.lean()``, ``Int8AdamW.lean`` passed in ``optimizers``, bf16 autocast."""
+    from transformers import TrainingArguments
+
+    model = fsdp_int8.quantize_(tiny_llama(), fsdp_int8.Int8TrainingConfig.lean())
+    optimizer = fsdp_int8.Int8AdamW.lean(model.parameters(), lr=1e-2, **optimizer_changes)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=6, per_device_train_batch_size=4, bf16=True,
+        max_grad_norm=trainer_clip, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+    )
+    return trainer_class(model=model, args=args, train_dataset=_Patterns(), optimizers=(optimizer, None))
+
+
+def test_int8_trainer_trains_the_lean_recipe_and_logs_the_optimizers_gradient_norm(tmp_path):
+    """The optimizer steps inside backward: the Trainer's clipping and norm logging would read
+    gradients already applied (transformers 5.23 computes the norm even with max_grad_norm=0)."""
+    from transformers import Trainer, TrainerCallback
+
+    from fsdp_int8.config import INT8_GATHERED_WEIGHTS
+    from fsdp_int8.integrations.hf import Int8Trainer
+
+    measured = []
+
+    class Measure(TrainerCallback):  # after optimizer.step(), before the step is logged
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            measured.append(optimizer.optimizer.grad_norm)
+
+    trainer = _lean_trainer(tmp_path, Int8Trainer)
+    trainer.add_callback(Measure())
+    trainer.train()
+    model, optimizer = trainer.model, trainer.optimizer.optimizer
+    assert isinstance(model.model.embed_tokens.weight, Int8Weight)  # int8 embeddings
+    up = model.model.layers[0].mlp.up_proj.weight
+    assert isinstance(up, Int8Weight) and up.int8_matmul == INT8_GATHERED_WEIGHTS
+    assert optimizer.step_in_backward and optimizer.max_grad_norm == 1.0
+    state = optimizer.state[up]  # 8-bit moments
+    assert state["exp_avg_int8"].dtype == torch.int8 and state["exp_avg_sq_sqrt_uint8"].dtype == torch.uint8
+    losses = _losses(trainer)
+    assert len(losses) == 6 and losses[6] < losses[1], losses
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "loss" in h]
+    # each step logs the norm the optimizer measured inside backward: positive, finite
+    assert logged == measured and all(0 < g < float("inf") for g in logged), (logged, measured)
+
+    # The stock Trainer reads the applied gradients (its norm logging): refused, naming the fix.
+    with pytest.raises(RuntimeError, match=r"use fsdp_int8\.integrations\.hf\.Int8Trainer, or put Int8SaveMixin"):
+        _lean_trainer(tmp_path, Trainer).train()
+
+
+def test_int8_trainer_refuses_clipping_an_optimizer_stepping_in_backward_does_not_do(tmp_path):
+    from fsdp_int8.integrations.hf import Int8Trainer
+
+    trainer = _lean_trainer(tmp_path, Int8Trainer, trainer_clip=0.5, max_grad_norm=None)
+    with pytest.raises(ValueError, match=r"TrainingArguments\(max_grad_norm=0.5\).*give the optimizer max_grad_norm=0.5"):
+        trainer.train()
+    assert trainer.state.global_step == 0  # refused before any step
+    trainer = _lean_trainer(tmp_path, Int8Trainer, trainer_clip=0.0, max_grad_norm=None)
+    trainer.train()  # no clipping asked, none done; no norm measured, none logged
+    assert trainer.state.global_step == 6 and not any("grad_norm" in h for h in trainer.state.log_history)
+
+
 def test_accelerate_saves_through_save_pretrained_and_state_through_torch_save(tmp_path):
     """accelerate's safetensors writers read raw bytes: save_model and the unsharded
     save_state refuse an int8 weight, naming what works instead (both tested here)."""

@@ -17,6 +17,13 @@ all the same.
 A ``TrainerCallback`` cannot do this: callbacks are not told which checkpoint a run
 resumes from; ``Trainer._load_rng_state`` is, on every rank.
 
+With an optimizer that steps inside backward (``Int8AdamW(step_in_backward=True)``,
+``Int8AdamW.lean``) the gradients are applied before the Trainer would clip them or log
+their norm, and any read of them raises. The mixin then leaves clipping to the
+optimizer's ``max_grad_norm`` (``TrainingArguments.max_grad_norm > 0`` with an optimizer
+that does not clip is refused when the optimizer is created) and logs the optimizer's
+measured norm, ``optimizer.grad_norm``, as ``grad_norm``.
+
 Usage::
 
     from fsdp_int8.integrations.hf import Int8Trainer
@@ -53,12 +60,16 @@ logger = logging.getLogger("fsdp_int8")
 
 
 class Int8SaveMixin:
-    """Mix into a ``transformers.Trainer`` (first): its checkpoints hold the rounding state.
+    """Mix into a ``transformers.Trainer`` (first): its checkpoints hold the rounding state,
+    and an optimizer stepping inside backward trains under it.
 
     Overrides ``Trainer._save_rng_state`` and ``Trainer._load_rng_state``, which every rank
     runs for every checkpoint and every resume. At construction it attaches fsdp_int8's
     quantizer (:func:`~fsdp_int8.integrations.hf_quantizer.attach_hf_quantizer`) to a
     transformers model with int8 weights that has none, so that its saves write int8.
+    With an optimizer whose ``step_in_backward`` is true, ``Trainer._clip_grad_norm`` and
+    ``Trainer._get_grad_norm`` read no gradient (the optimizer clipped and applied them)
+    and the logged ``grad_norm`` is ``optimizer.grad_norm``, the step's norm it measured.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -82,6 +93,58 @@ class Int8SaveMixin:
         if path and os.path.isfile(path):
             if not restore_generators(torch.load(path, weights_only=True), self.model):
                 logger.info("fsdp_int8: %s is from another layout; the rounding keeps its start-up stream", path)
+
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        """``Trainer.create_optimizer`` (which keeps an optimizer passed in ``optimizers``),
+        then: an optimizer stepping inside backward must do the clipping asked for."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        _check_clipping(optimizer, self.args.max_grad_norm)
+        return optimizer
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        if _stepping_in_backward(self.optimizer) is not None:
+            return None  # clipped inside backward by the optimizer's max_grad_norm
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        if _stepping_in_backward(self.optimizer) is not None:
+            return None  # known once optimizer.step() completes: _maybe_log_save_evaluate
+        return super()._get_grad_norm(model, grad_norm)
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
+        optimizer = _stepping_in_backward(self.optimizer)
+        if optimizer is not None:
+            grad_norm = optimizer.grad_norm  # the completed step's norm, before clipping
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+
+def _stepping_in_backward(optimizer: Any) -> Any:
+    """The optimizer inside ``optimizer`` (accelerate's ``AcceleratedOptimizer`` holds it in
+    ``.optimizer``) if it steps inside backward, else ``None``."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if getattr(inner, "step_in_backward", False) is True else None
+
+
+def _check_clipping(optimizer: Any, max_grad_norm: float) -> None:
+    """Refuse ``TrainingArguments.max_grad_norm`` that an optimizer stepping inside backward
+    would not honour; say which value clips when both are set and differ."""
+    inner = _stepping_in_backward(optimizer)
+    if inner is None or not max_grad_norm > 0:
+        return
+    name = type(inner).__name__
+    if inner.max_grad_norm is None:
+        raise ValueError(
+            f"TrainingArguments(max_grad_norm={max_grad_norm}) asks the Trainer to clip the "
+            f"gradients after backward, but {name}(step_in_backward=True) applies each one inside "
+            f"backward and does not clip: give the optimizer max_grad_norm={max_grad_norm} (it "
+            "clips inside backward by the step's norm as estimated when each gradient arrives; "
+            f"{name}.lean does, at 1.0), or pass TrainingArguments(max_grad_norm=0) to train "
+            "without clipping"
+        )
+    if inner.max_grad_norm != max_grad_norm:
+        logger.warning("fsdp_int8: %s clips inside backward at its max_grad_norm=%s; "
+                       "TrainingArguments.max_grad_norm=%s is not used", name, inner.max_grad_norm, max_grad_norm)
 
 
 def _rounding_file(rank: int) -> str:

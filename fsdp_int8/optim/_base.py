@@ -201,6 +201,11 @@ class FusedInt8Optimizer(Optimizer):
         return self._in_backward.grad_norm if self._in_backward is not None else None
 
     @property
+    def max_grad_norm(self) -> float | None:
+        """The norm the step inside backward clips to (``None``: no clipping)."""
+        return self._in_backward._max_grad_norm if self._in_backward is not None else None
+
+    @property
     def step_in_backward(self) -> bool:
         """Whether each parameter is updated inside backward, as soon as its gradient is
         final (see ``step_in_backward`` in the optimizer's docstring)."""

@@ -193,10 +193,14 @@ class InBackward:
         param.grad = _applied_gradient(param, (
             f"{type(optimizer).__name__}(step_in_backward=True) applied the gradient of "
             f"{self.name(param)} inside backward and freed it; nothing can read it or add to it "
-            "before optimizer.step(). Clipping by the global gradient norm (clip_grad_norm_) "
-            "cannot work that way: drop it (Hugging Face Trainer: max_grad_norm=0). To "
-            "accumulate gradients, call model.set_requires_gradient_sync(False) on every "
-            "micro-batch but the last (FSDP2). Or use step_in_backward=False"
+            "before optimizer.step(). Clipping or measuring the gradient norm after backward "
+            "(clip_grad_norm_) cannot work that way: clip with the optimizer's max_grad_norm "
+            "and read its grad_norm. Hugging Face Trainer: use "
+            "fsdp_int8.integrations.hf.Int8Trainer, or put Int8SaveMixin first in your Trainer "
+            "class (it leaves clipping to the optimizer and logs its grad_norm). Lightning: "
+            "leave gradient_clip_val unset. To accumulate gradients, call "
+            "model.set_requires_gradient_sync(False) on every micro-batch but the last (FSDP2). "
+            "Or use step_in_backward=False"
         ))
 
     def _squared_norm(self, param: torch.Tensor) -> float:
