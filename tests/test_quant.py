@@ -69,6 +69,28 @@ def test_dequantizing_into_bf16_keeps_its_fp32_products_small(dim, block_size, m
     assert torch.equal(values, expected)
 
 
+def test_compiled_dequantization_under_a_dispatch_mode_keeps_its_fp32_products_small():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    # torch.compile runs a function's Python body eagerly under a TorchDispatchMode (dynamo
+    # skips the frame), where the compiled kernel's body would make the fp32 products of
+    # the whole weight: the eager path, in blocks of rows, runs instead (same bits)
+    q, scale = absmax_quantize(torch.randn(4096, 1024))
+
+    def peak_and_values(compiled: bool):
+        tracker = MemTracker()
+        with tracker:
+            out = absmax_dequantize(q, scale, dtype=torch.bfloat16, compiled=compiled)
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], out
+
+    eager_peak, expected = peak_and_values(False)
+    compiled_peak, values = peak_and_values(True)
+    # whole products: the bf16 result and fp32 products of all of it, 3x the result's
+    # bytes; the blocked path: 1.25x. The same ops, so the same peak to the byte.
+    assert compiled_peak == eager_peak, (compiled_peak, eager_peak)
+    assert torch.equal(values, expected)
+
+
 def test_rejects_non_2d_and_integer_inputs():
     with pytest.raises(ValueError, match=r"2-D tensor, got shape \(8,\)"):
         quantize_rowwise(torch.ones(8))

@@ -119,9 +119,25 @@ def compile_failed() -> bool:
     return _compile_failed
 
 
+def _compiler_runs_eagerly() -> bool:
+    """Whether ``torch.compile`` would run a function's Python body eagerly here: outside
+    a graph being traced, under a ``TorchDispatchMode`` (torch's memory trackers,
+    ``FlopCounterMode``, debug modes), whose frames dynamo skips. A kernel body run that way
+    makes every intermediate whole (an fp32 product of a whole weight), where the eager
+    paths of its callers work in bounded blocks of rows."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
+
+    return any_torch_dispatch_mode_on_stack()
+
+
 def use_compiled(wanted: bool, tensor: torch.Tensor) -> bool:
-    """Whether to run a compiled kernel on ``tensor``: asked for, and worth a kernel."""
-    return wanted and not _compile_failed and not tensor.is_meta and tensor.numel() > 0
+    """Whether to run a compiled kernel on ``tensor``: asked for, worth a kernel, and
+    compiled here (not under a dispatch mode, where the eager path gives the same bits
+    with its own bounded temporaries)."""
+    return (wanted and not _compile_failed and not tensor.is_meta and tensor.numel() > 0
+            and not _compiler_runs_eagerly())
 
 
 def run_compiled(function: Callable, *args):
