@@ -29,8 +29,9 @@ Rows (each a recipe users run):
   parameter is updated as soon as FSDP2 hands it its reduced gradient;
 * ``lean``: the library's one lean call, ``Int8TrainingConfig.lean()`` (int8 embeddings,
   the tied head following, and FSDP2's gathered weights kept int8: each matmul
-  dequantizes a transient copy) with ``Int8AdamW.lean`` (8-bit states, the step inside
-  backward, clipping at 1.0, updates of at most 2^18 elements): the launcher's ``--lean``;
+  dequantizes a transient copy, and the in-place gradient reduce-scatter: no copy of
+  its input on gloo) with ``Int8AdamW.lean`` (8-bit states, the step inside backward,
+  clipping at 1.0, updates of at most 2^18 elements): the launcher's ``--lean``;
 * ``lean-bf16-gathered``: the same with the gathered weights dequantized to bf16 once
   per unshard (weight-only int8's default; the same values).
 
@@ -39,11 +40,12 @@ Rows (each a recipe users run):
 instead of transformers' own, ``--loss-chunk-tokens`` tokens at a time (64 by default: a
 quarter of the 256 tokens per rank, as its own default of 1024 is of a 4096-token batch).
 
-``--reduce-scatter chunks`` makes FSDP2's gradient reduce-scatter one ``dist.reduce`` per
-rank's chunk, in place in FSDP2's input (:class:`ReduceScatterByChunks`): gloo's
-``reduce_scatter_tensor`` all-reduces a copy of the whole input, one fp32 copy of the
-largest group's unsharded gradients that NCCL's reduce-scatter does not make. ``torch``
-(the default) keeps torch's. The same sums, bit for bit; CPU only.
+``--reduce-scatter chunks`` gives every row the library's in-place gradient reduce-scatter
+(:class:`fsdp_int8.gradients.InPlaceReduceScatter`, which the lean rows' config installs
+anyway): one ``dist.reduce`` per rank's chunk, in place in FSDP2's input, which is then
+released; gloo's ``reduce_scatter_tensor`` all-reduces a copy of the whole input, one fp32
+copy of the largest group's unsharded gradients that NCCL's reduce-scatter does not make.
+``torch`` (the default) keeps each row's own. The same sums, bit for bit on 2 ranks.
 
 ``--step-elements N`` bounds each int8 update to N elements (``Int8AdamW(step_elements=N)``).
 The default bound is the row's optimizer's own (``Int8AdamW``: 2^20 elements on CPU, ~21
@@ -68,10 +70,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8TrainingConfig
+from fsdp_int8.gradients import enable_in_place_reduce_scatter
 
 
 def _adamw(**options) -> functools.partial:
@@ -154,23 +156,6 @@ def build(
     return model, optimizer(model.parameters(), lr=1e-3, weight_decay=0.1, block_size=block, **bound)
 
 
-class ReduceScatterByChunks(DefaultReduceScatter):
-    """An FSDP2 reduce-scatter that reduces each rank's chunk of the input in place with
-    ``dist.reduce`` and copies this rank's out: no copy of the whole input."""
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN204
-        average = op == dist.ReduceOp.AVG  # gloo's reduce sums: divide after
-        if not average and op != dist.ReduceOp.SUM:
-            raise NotImplementedError(f"--reduce-scatter chunks sums or averages, FSDP2 asked for {op}")
-        chunks = input_tensor.view(group.size(), -1)
-        for rank in range(group.size()):
-            dist.reduce(chunks[rank], dst=dist.get_global_rank(group, rank), op=dist.ReduceOp.SUM, group=group)
-        output_tensor.copy_(chunks[group.rank()])
-        if average:
-            output_tensor.div_(group.size())
-        return None
-
-
 def _by_category(snapshot: dict, share: float) -> dict[str, float]:
     """One device's snapshot of the tracker, in bytes per parameter by category name."""
     device_key = next(iter(snapshot))
@@ -210,11 +195,7 @@ def _measure(
 
         model.loss_function = functools.partial(chunked_causal_lm_loss, chunk_tokens=loss_chunk_tokens)
     if reduce_scatter == "chunks":
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(ReduceScatterByChunks())
+        enable_in_place_reduce_scatter(model)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     data = torch.Generator().manual_seed(rank)
 
@@ -266,7 +247,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
     parser.add_argument("--loss-chunk-tokens", type=int, default=64, help="tokens per chunk of --loss chunked")
     parser.add_argument("--reduce-scatter", choices=("torch", "chunks"), default="torch",
                         help="FSDP2's gradient reduce-scatter: torch's (gloo all-reduces a copy of the whole input), "
-                        "or chunks: one dist.reduce per rank's chunk in place, no copy, as NCCL (CPU only)")
+                        "or chunks: fsdp_int8's InPlaceReduceScatter on every row (one dist.reduce per rank's chunk in place, "
+                        "no copy; what the lean rows use anyway)")
     parser.add_argument("--step-elements", type=int,
                         help="Int8AdamW's step_elements (the most elements one update works on) for the int8 rows; "
                         "default: its own (2^20 on CPU, a fixed size, so a larger share of a scaled-down model)")

@@ -146,6 +146,12 @@ class Int8TrainingConfig:
             (torchtitan's default with ``torch.bfloat16``). ``None`` (default): FSDP2's
             own default, the parameters' dtype. A framework that sets its own mixed
             precision (accelerate, Lightning, torchtitan) decides there instead.
+        in_place_reduce_scatter: :func:`fsdp_int8.shard_model` installs
+            :class:`fsdp_int8.gradients.InPlaceReduceScatter` on every FSDP module: on gloo
+            process groups (CPUs) the gradient reduce-scatter sums each rank's chunk in place
+            instead of all-reducing a copy of the whole input, and releases the input once
+            reduced; the same fp32 sums (bit for bit on 2 ranks). Other backends keep FSDP2's
+            own. Off by default (one ``dist.reduce`` per rank instead of one collective).
 
     :meth:`lean` is the lean-memory recipe's configuration.
 
@@ -163,15 +169,18 @@ class Int8TrainingConfig:
     compile: bool | str = AUTO
     quantize_embeddings: bool = False
     compute_dtype: torch.dtype | None = None
+    in_place_reduce_scatter: bool = False
 
     @classmethod
     def lean(cls, **changes: Any) -> "Int8TrainingConfig":
         """The lean-memory recipe's configuration (docs/memory.md): int8 embeddings (a tied
         head follows), FSDP2's gathered weights kept int8 (each matmul and lookup
-        dequantizes a transient copy: weight-only int8's values, half the gathered bytes)
-        and bf16 compute; ``changes`` replace fields. Train it with
+        dequantizes a transient copy: weight-only int8's values, half the gathered bytes),
+        bf16 compute and the in-place gradient reduce-scatter (no copy of its input on
+        gloo; the same sums); ``changes`` replace fields. Train it with
         :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the step inside backward)."""
-        recipe = dict(quantize_embeddings=True, int8_matmul=INT8_GATHERED_WEIGHTS, compute_dtype=torch.bfloat16)
+        recipe = dict(quantize_embeddings=True, int8_matmul=INT8_GATHERED_WEIGHTS, compute_dtype=torch.bfloat16,
+                      in_place_reduce_scatter=True)
         return cls(**{**recipe, **changes})
 
     def __post_init__(self) -> None:
@@ -187,7 +196,7 @@ class Int8TrainingConfig:
             raise TypeError(f"compile takes True, False or {AUTO!r}, got {self.compile!r}")
         if self.module_filter is not None and not callable(self.module_filter):
             raise TypeError(f"module_filter takes a callable (module, name) -> bool, got {self.module_filter!r}")
-        for name in ("stochastic_rounding", "quantize_embeddings"):
+        for name in ("stochastic_rounding", "quantize_embeddings", "in_place_reduce_scatter"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} takes a bool, got {getattr(self, name)!r}")
         if self.compute_dtype is not None and not (

@@ -13,20 +13,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from fsdp_int8._dist import (
-    PIPELINE_DIM,
-    TENSOR_PARALLEL_DIM,
-    device_type_for,
-    idle_mesh_dims,
-    is_sharded,
-    root_mesh,
-    without_tensor_parallel,
-)
+from fsdp_int8._dist import (PIPELINE_DIM, TENSOR_PARALLEL_DIM, device_type_for, idle_mesh_dims, is_sharded,
+                             root_mesh, without_tensor_parallel)
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.all_gather import TENSOR_PARALLEL_UNSUPPORTED
 from fsdp_int8._weight.census import int8_census
 from fsdp_int8.config import Int8TrainingConfig, training_config
 from fsdp_int8.convert import logger, parameter_owners, quantize_
+from fsdp_int8.gradients.install import enable_in_place_reduce_scatter
 from fsdp_int8.guard import refuse_steps_on_replaced
 from fsdp_int8.parallel import int8_tp_plan
 
@@ -394,6 +388,8 @@ def shard_model(
         fully_shard(group, reshard_after_forward=reshard_after_forward and not last, **options)
     # Backward needs the root's parameters (norm, head) first: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **options)
+    if config.in_place_reduce_scatter:
+        enable_in_place_reduce_scatter(model)
     refuse_steps_on_replaced(original, model, "shard_model")
     _report_int8(model)
     return model

@@ -284,7 +284,7 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
                 replicas: int = 1, full_init: bool = False, mesh: DeviceMesh | None = None,
                 stage: tuple[int, int] = (0, 1), quantize_embeddings: bool = False,
                 activation_checkpointing: bool = False, int8_gathered_weights: bool = False,
-                cpu_offload: bool = False) -> Transformer:
+                cpu_offload: bool = False, lean: bool = False) -> Transformer:
     """The launcher's Transformer of shape ``args``, sharded over all ranks for ``recipe``.
 
     Weights come from ``Transformer.init_weights(seed)`` (fsdp_int8's stochastic rounding
@@ -319,13 +319,16 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
             gather int8 anyway.
         cpu_offload: FSDP2's ``CPUOffloadPolicy``: the shards, gradients and optimizer step
             live in host memory (pinned when ``device`` is an accelerator), built there.
+        lean: An int8 precision is quantized and sharded with the library's lean
+            configuration (``Int8TrainingConfig.lean``, in this recipe's compute dtype and
+            matmuls; it implies ``quantize_embeddings``): what ``--lean`` trains.
     """
     device = torch.device(device)
     precision = recipe.precision
     if quantize_embeddings and not precision.int8:
         raise ValueError(f"quantize_embeddings needs an int8 precision, not {precision.name}")
-    if int8_gathered_weights and not precision.int8:
-        raise ValueError(f"int8_gathered_weights needs an int8 precision, not {precision.name}")
+    if (int8_gathered_weights or lean) and not precision.int8:
+        raise ValueError(f"int8_gathered_weights and lean need an int8 precision, not {precision.name}")
     if cpu_offload and precision.family == "torchao":
         raise ValueError("torchao's int8 weights are not run with CPU offload: drop cpu_offload")
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else None
@@ -357,8 +360,12 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         int8_matmul = precision.int8_matmul
         if int8_matmul is None and int8_gathered_weights:
             int8_matmul = INT8_GATHERED_WEIGHTS
-        config = fsdp_int8.Int8TrainingConfig(seed=seed, int8_matmul=int8_matmul, compile=recipe.compile,
-                                              quantize_embeddings=quantize_embeddings)
+        fields = dict(seed=seed, int8_matmul=int8_matmul, compile=recipe.compile)
+        if lean:  # the library's lean call, computing in this recipe's dtype
+            config = fsdp_int8.Int8TrainingConfig.lean(
+                **fields, compute_dtype=torch.bfloat16 if recipe.compute_dtype == "bf16" else None)
+        else:
+            config = fsdp_int8.Int8TrainingConfig(**fields, quantize_embeddings=quantize_embeddings)
         fsdp_int8.shard_model(model, mesh=mesh, config=config, mp_policy=_COMPUTE_POLICY[recipe.compute_dtype],
                               tp_plan=tp_plan() if tensor_parallel else None, offload_policy=offload)
         if precision.int8_gradients:

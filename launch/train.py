@@ -185,7 +185,8 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
                         stage=parallel.pipeline_stage(mesh),  # with --pp: this rank's stage of the model
                         quantize_embeddings=args.quantize_embeddings,
                         activation_checkpointing=args.activation_checkpointing,
-                        int8_gathered_weights=args.int8_gathered_weights, cpu_offload=args.cpu_offload)
+                        int8_gathered_weights=args.int8_gathered_weights, cpu_offload=args.cpu_offload,
+                        lean=args.lean)
     run = pipeline.runner(model, mesh, device, microbatches=args.microbatches, schedule=args.pp_schedule)
     optimizer = make_optimizer(args, model)
     # a stage holds its part of the checkpoint's keys: the other stages' are no error

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from benchmarks import memory, what_fits
 
 
@@ -81,3 +83,61 @@ def test_a_mixture_of_experts_shape_is_measured_and_what_fits_scales_it_to_moe_m
     for fits in table.values():
         assert rank(fits["lean"]) >= rank(fits["bf16"]), fits
     assert rank(table[80, 64]["lean"]) >= rank(table[80, 8]["lean"]) >= rank(table[80, 1]["lean"])
+
+
+def _lean_peaks(rank: int, world: int) -> dict[str, dict[str, int]]:
+    """The tracked peak of a steady-state step of the launcher's tiny Transformer, built by
+    the library's lean call and by the launcher's ``--lean``, by category (bytes)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    import fsdp_int8
+    from launch import precisions, train
+    from launch.model import Transformer, next_token_loss
+
+    args = train.parse_args(["--lean", "--precision", "int8", "--compute-dtype", "bf16", "--preset", "tiny"])
+    recipe = precisions.Recipe.of(args.precision, args.compute_dtype)
+
+    def the_lean_call():
+        with torch.device("meta"):
+            model = Transformer(args.model)
+        model.checkpoint_blocks = True  # activation checkpointing, the launcher model's own switch
+        fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean())
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        return model, fsdp_int8.Int8AdamW.lean(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    def the_launcher():
+        model = precisions.build_model(recipe, args.model, "cpu", seed=args.seed, lean=args.lean,
+                                       quantize_embeddings=args.quantize_embeddings,
+                                       activation_checkpointing=args.activation_checkpointing,
+                                       int8_gathered_weights=args.int8_gathered_weights)
+        return model, train.make_optimizer(args, model)
+
+    peaks = {}
+    for name, build in (("lean call", the_lean_call), ("launcher --lean", the_launcher)):
+        model, optimizer = build()
+        data = torch.Generator().manual_seed(rank)
+
+        def step() -> None:
+            tokens = torch.randint(0, args.model.vocab_size, (2, 33), generator=data)
+            next_token_loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()  # states exist from here on
+        tracker = FSDPMemTracker(model, optimizer)
+        with tracker:
+            step()
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        peaks[name] = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
+        del model, optimizer, tracker
+    return peaks
+
+
+def test_the_lean_call_peaks_as_the_launchers_lean():
+    from fsdp_int8.testing import run_distributed
+
+    peaks = run_distributed(_lean_peaks, 2)[0]
+    # one recipe built two ways: the same storages by category, to the byte
+    assert peaks["lean call"] == peaks["launcher --lean"], peaks
+    assert peaks["lean call"]["Total"] > 0

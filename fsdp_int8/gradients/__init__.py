@@ -27,12 +27,19 @@ HSDP replicas included, draws independent noise, and the weights' stochastic-rou
 stream (:data:`fsdp_int8._quant.generators.WEIGHT_ROUNDING`, which HSDP replicas must share) is
 left untouched.
 
-Modules: ``reduce_scatter`` (the ``ReduceScatter``), ``install`` (putting it on a model and
-finding it again), ``_wire`` (packing and summing the all-to-all buffers), ``_reduce_op``
-(what FSDP2's ``op`` multiplies the sum by).
+The package also holds :class:`InPlaceReduceScatter` (``in_place``): full-precision
+sums like FSDP2's, without the copy of the whole input that gloo's ``reduce_scatter_tensor``
+makes (the lean recipe's, ``Int8TrainingConfig.in_place_reduce_scatter``).
+
+Modules: ``reduce_scatter`` (the ``ReduceScatter``), ``in_place`` (the in-place one),
+``install`` (putting either on a model and finding the quantized one again), ``_wire``
+(packing and summing the all-to-all buffers), ``_reduce_op`` (what FSDP2's ``op``
+multiplies the sum by).
 """
 
-from fsdp_int8.gradients.install import enable_quantized_reduce_scatter
+from fsdp_int8.gradients.in_place import InPlaceReduceScatter
+from fsdp_int8.gradients.install import enable_in_place_reduce_scatter, enable_quantized_reduce_scatter
 from fsdp_int8.gradients.reduce_scatter import QuantizedReduceScatter
 
-__all__ = ["QuantizedReduceScatter", "enable_quantized_reduce_scatter"]
+__all__ = ["InPlaceReduceScatter", "QuantizedReduceScatter", "enable_in_place_reduce_scatter",
+           "enable_quantized_reduce_scatter"]

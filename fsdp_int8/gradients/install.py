@@ -1,4 +1,5 @@
-"""Putting a :class:`QuantizedReduceScatter` on every FSDP module of a model, and finding it.
+"""Putting a :class:`QuantizedReduceScatter` or an :class:`InPlaceReduceScatter` on every
+FSDP module of a model, and finding the quantized one.
 
 FSDP2 offers the setter (``FSDPModule.set_custom_reduce_scatter``) but no getter: what is
 installed is read through :mod:`fsdp_int8._fsdp_compat`.
@@ -10,13 +11,14 @@ import torch.nn as nn
 
 from fsdp_int8._fsdp_compat import BUILTIN_REDUCE_SCATTERS, fsdp_modules, param_groups, reduce_scatter_of
 from fsdp_int8.gradients._wire import DEFAULT_BLOCK_SIZE
+from fsdp_int8.gradients.in_place import InPlaceReduceScatter
 from fsdp_int8.gradients.reduce_scatter import QuantizedReduceScatter
 
-__all__ = ["enable_quantized_reduce_scatter", "installed_quantized_reduce_scatter"]
+__all__ = ["enable_in_place_reduce_scatter", "enable_quantized_reduce_scatter", "installed_quantized_reduce_scatter"]
 
-# What enable_quantized_reduce_scatter may replace without asking (a foreign custom
-# reduce-scatter is refused: silently dropping it would change the user's training).
-_REPLACEABLE = (*BUILTIN_REDUCE_SCATTERS, QuantizedReduceScatter)
+# What the enable_* functions may replace without asking (a foreign custom reduce-scatter
+# is refused: silently dropping it would change the user's training).
+_REPLACEABLE = (*BUILTIN_REDUCE_SCATTERS, QuantizedReduceScatter, InPlaceReduceScatter)
 
 
 def enable_quantized_reduce_scatter(
@@ -43,13 +45,33 @@ def enable_quantized_reduce_scatter(
             groups (per-parameter meshes from ``shard_placement_fn``), which FSDP2's
             hook cannot serve; or a module already uses another custom reduce-scatter.
     """
-    comm = QuantizedReduceScatter(block_size, seed=seed)
+    return _install(model, QuantizedReduceScatter(block_size, seed=seed), "the quantized reduce-scatter")
+
+
+def enable_in_place_reduce_scatter(model: nn.Module) -> int:
+    """Install an :class:`InPlaceReduceScatter` on every ``FSDPModule`` of ``model``: on gloo
+    process groups no copy of each reduce-scatter's input, and its buffer released once
+    reduced; on other backends FSDP2's own reduce-scatter. The same fp32 sums.
+
+    Call it after ``fully_shard`` / :func:`fsdp_int8.shard_model` (which calls it for
+    ``Int8TrainingConfig(in_place_reduce_scatter=True)``) and before the first backward.
+
+    Returns:
+        How many FSDP modules (with parameters) now use it.
+
+    Raises:
+        ValueError: as :func:`enable_quantized_reduce_scatter`.
+    """
+    return _install(model, InPlaceReduceScatter(), "the in-place reduce-scatter")
+
+
+def _install(model: nn.Module, comm: object, what: str) -> int:
+    """Set ``comm`` as the reduce-scatter of every FSDP module of ``model`` (``what`` names it)."""
     modules = fsdp_modules(model)
     if not modules:
         raise ValueError(
             f"{type(model).__name__} holds no FSDP module: shard it first "
-            "(fsdp_int8.shard_model or torch.distributed.fsdp.fully_shard), then enable "
-            "the quantized reduce-scatter"
+            f"(fsdp_int8.shard_model or torch.distributed.fsdp.fully_shard), then enable {what}"
         )
     installed = 0
     for name, module in modules:
@@ -59,13 +81,13 @@ def enable_quantized_reduce_scatter(
             if current is not None and not isinstance(current, _REPLACEABLE):
                 raise ValueError(
                     f"FSDP module {name or '<root>'!r} already uses a custom reduce-scatter "
-                    f"({type(current).__name__}); the quantized reduce-scatter would replace it"
+                    f"({type(current).__name__}); {what} would replace it"
                 )
         try:
             module.set_custom_reduce_scatter(comm)
         except ValueError as error:
             raise ValueError(
-                f"cannot install the quantized reduce-scatter on FSDP module "
+                f"cannot install {what} on FSDP module "
                 f"{name or '<root>'!r}: it has {len(groups)} parameter groups "
                 "(per-parameter meshes from fully_shard's shard_placement_fn), and FSDP2 "
                 "takes one custom reduce-scatter per module only. Shard those parameters "

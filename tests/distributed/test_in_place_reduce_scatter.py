@@ -1,0 +1,78 @@
+"""``fsdp_int8.gradients.InPlaceReduceScatter`` on 2 gloo ranks, one spawn: the same sums as
+torch's ``reduce_scatter_tensor`` bit for bit, with no copy of the whole input (gloo's
+all-reduces one) and the input released once reduced; and ``Int8TrainingConfig.lean()``,
+which installs it through ``shard_model``, trains to the same bytes as without it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import fsdp_int8
+from fsdp_int8._fsdp_compat import fsdp_modules, param_groups, reduce_scatter_of
+from fsdp_int8.gradients import InPlaceReduceScatter
+from fsdp_int8.testing import run_distributed
+
+from _cases import assert_identical, case, snapshot
+from _nets import tiny_transformer
+
+
+class _NewStorages(TorchDispatchMode):
+    """The byte sizes of the storages that ops return and their inputs did not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        result = func(*args, **(kwargs or {}))
+        self.sizes += [t.untyped_storage().nbytes() for t in tree_leaves(result)
+                       if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen]
+        return result
+
+
+def _train_lean(rank: int, **changes) -> dict:
+    """Three steps of the lean call on the launcher's tiny Transformer; its bytes afterwards."""
+    from launch.model import next_token_loss
+
+    model = tiny_transformer(seed=0, vocab_size=64, dim=32)
+    fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean(compute_dtype=None, **changes))
+    optimizer = fsdp_int8.Int8AdamW.lean(model.parameters(), lr=1e-2, block_size=16)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        tokens = torch.randint(0, 64, (2, 17), generator=data)
+        next_token_loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    comms = {type(reduce_scatter_of(g)) for _, m in fsdp_modules(model) for g in param_groups(m)}
+    return dict(snapshot(model, optimizer), comms=comms)
+
+
+def _check(rank: int, world: int) -> None:
+    group = dist.distributed_c10d._get_default_group()
+    data = torch.Generator().manual_seed(rank)
+    for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+        with case(f"{op}: torch's sums, no new storage the size of the input, the input released"):
+            source = torch.randn(world * 50_000, generator=data)
+            expected, output = torch.empty(50_000), torch.empty(50_000)
+            dist.reduce_scatter_tensor(expected, source.clone(), op=op)
+            with _NewStorages() as new:
+                InPlaceReduceScatter()(output, source, group, op)
+            assert torch.equal(output, expected), (output - expected).abs().max()
+            assert all(size < world * 50_000 * 4 // world for size in new.sizes), new.sizes
+            assert source.untyped_storage().nbytes() == 0  # FSDP2 only keeps it alive for stream order
+    with case("gloo's own reduce-scatter makes the copy the in-place one leaves out"):
+        with _NewStorages() as new:
+            dist.reduce_scatter_tensor(torch.empty(50_000), torch.randn(world * 50_000))
+        assert max(new.sizes) == world * 50_000 * 4, new.sizes
+    with case("lean() installs it through shard_model and trains to the same bytes as FSDP2's own"):
+        lean, own = _train_lean(rank), _train_lean(rank, in_place_reduce_scatter=False)
+        assert lean.pop("comms") == {InPlaceReduceScatter} and InPlaceReduceScatter not in own.pop("comms")
+        assert_identical(lean, own, "in-place vs FSDP2's reduce-scatter")
+
+
+def test_in_place_reduce_scatter_sums_as_torch_without_a_copy_and_trains_the_lean_call_alike():
+    run_distributed(_check, 2)
