@@ -7,8 +7,8 @@
 The baseline is **bf16 FSDP2** (bf16 parameters, fp32 gradient reduction: torchtitan's
 default policy), the setting users would otherwise pick; every fsdp_int8 row computes in
 bf16 too (``MixedPrecisionPolicy(param_dtype=bfloat16)``, as the launcher does) and runs
-the compiled quantization kernels (``Int8TrainingConfig(compile=True)``). Rows are recipes
-of ``launch.precisions``.
+the compiled quantization kernels (``Int8TrainingConfig(compile=True)``). Rows are those of
+``benchmarks.rows`` (recipes of ``launch.precisions``), built there.
 
 Every row trains the launcher's Llama-style model (default: preset small) on the
 embedded corpus (Python's standard library source) with torch AdamW (weight decay 0, so
@@ -16,7 +16,8 @@ torchao can run) for the same number of steps, each row in fresh processes (its 
 memory), one after another. Its step time, though, comes from ONE more launch in which
 every row's model takes its steps interleaved with the others' (step 1 of every row,
 then step 2, ...): this machine is shared, and only rows timed side by side can be
-compared. Columns:
+compared (``benchmarks.timing``, the benchmarks' one loop: the order of the rows rotates
+each step, and ratios are medians of the per-step ratios). Columns:
 
 * all-gather / step: bytes of every all-gather buffer in one training step (all ranks'
   shares), counted at the torch.distributed calls;
@@ -47,6 +48,8 @@ import torch.distributed as dist
 
 import fsdp_int8
 from benchmarks import ratios
+from benchmarks import rows as registry
+from benchmarks.timing import interleave, paired_ratio, ratio_lines, train_step
 from fsdp_int8 import hardware
 from fsdp_int8.collectives import count_collectives
 from fsdp_int8.hardware import device_type_for
@@ -54,18 +57,18 @@ from fsdp_int8.memory import persistent_bytes
 from fsdp_int8.testing import run_distributed
 from launch.data import load_corpus, sample_batch
 from launch.model import PRESETS, ModelArgs, Transformer, next_token_loss
-from launch.precisions import parse_row
 
-# (row of benchmarks.ratios.build, AdamW weight decay): weight decay 0, so torchao can run,
+# (row of benchmarks.rows, AdamW weight decay): weight decay 0, so torchao can run,
 # but in the last two rows, which show what weight decay does to each
 ROWS = (("fp32", 0.0), ("bf16", 0.0), ("int8-mm", 0.0), ("int8", 0.0), ("all-bf16", 0.0), ("int8-grads", 0.0),
         ("torchao", 0.0), ("torchao", 0.1), ("int8", 0.1))
 SWEEP_ROWS = ("bf16", "int8-mm", "int8")
+OPTIMIZER = "torch AdamW"  # every row's (torchao's weights take no fused AdamW)
 
 
 def label(row: str, weight_decay: float = 0.0) -> str:
     """What the tables call ``row`` trained with ``weight_decay``."""
-    return parse_row(row, compile=True).label + (f", weight decay {weight_decay:g}" if weight_decay else "")
+    return registry.row(row).label + (f", weight decay {weight_decay:g}" if weight_decay else "")
 
 
 def _batch_fn(settings: dict, rank: int, device: torch.device, corpus=None):
@@ -85,8 +88,8 @@ def _train_row(rank: int, world: int, row: str, weight_decay: float, settings: d
     device = torch.device(device_type_for(world))
     args = ratios.shape(settings)
     corpus = load_corpus(None, settings["max_bytes"])
-    model = ratios.build(row, args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=weight_decay)
+    model, optimizer = registry.build(registry.row(row, optimizer=OPTIMIZER), args, lr=settings["lr"],
+                                      weight_decay=weight_decay)
     batch = _batch_fn(settings, rank, device, corpus)
     gathered, collective, sent, bytes_per_param = 0, 0, 0.0, 0.0
     for step in range(settings["steps"]):
@@ -115,24 +118,27 @@ def _train_row(rank: int, world: int, row: str, weight_decay: float, settings: d
                 bytes_per_param=bytes_per_param, val_loss=val.item() if settings["eval_batches"] else float("nan"))
 
 
-def _timed_rows(rank: int, world: int, rows: list[str], settings: dict) -> dict:
+def timed_rows(rank: int, world: int, rows: list[str], settings: dict) -> dict:
     """Every row's model in this one launch, steps interleaved: ``{row: dict(step_s,
     all_gather, sent_per_rank)}`` (bytes counted on the first step)."""
     torch.set_num_threads(settings["threads"])
     device = torch.device(device_type_for(world))
     args = ratios.shape(settings)
     batch = _batch_fn(settings, rank, device)
-    models, counted = {}, {}
+    steps_of, counted = {}, {}
     for row in rows:
-        model = ratios.build(row, args)
-        models[row] = (model, torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.0))
-    inputs, targets = batch(0)
-    for row, (model, optimizer) in models.items():  # the first warm-up step, counted
+        model, optimizer = registry.build(registry.row(row, optimizer=OPTIMIZER), args, lr=settings["lr"],
+                                          weight_decay=0.0)
+
+        def step(i: int, model=model, optimizer=optimizer) -> float:
+            return train_step(model, optimizer, *batch(i + 1), clip=False)
+
+        steps_of[row] = step
+    for row, step in steps_of.items():  # the first warm-up step, counted
         with count_collectives() as counter:
-            ratios.train_step(model, optimizer, inputs, targets, clip=False)
+            step(-1)
         counted[row] = dict(all_gather=counter.total_bytes("all_gather_single"), sent_per_rank=counter.wire_bytes())
-    times = ratios.time_interleaved(models, lambda step: batch(step + 1), settings["timed_steps"],
-                                    settings["warmup"] - 1, clip=False)
+    times = interleave(steps_of, steps=settings["timed_steps"], warmup=settings["warmup"] - 1)
     return {row: dict(counted[row], step_s=statistics.median(times[row]), times=times[row]) for row in rows}
 
 
@@ -145,7 +151,7 @@ def _run(body, world: int, *args) -> dict | str:
 
 
 def _paired(row: dict, base: dict) -> float:
-    return ratios.paired_ratio({"row": row["times"], "base": base["times"]}, "row", "base")
+    return paired_ratio({"row": row["times"], "base": base["times"]}, "row", "base")
 
 
 def _mb(n: float) -> str:
@@ -202,8 +208,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         results[name] = _run(_train_row, args.world_size, row, weight_decay, settings)
         print(f"  trained {name}: {results[name]}", flush=True)
-    timed_rows = list(dict.fromkeys(row_of[n] for n, r in results.items() if isinstance(r, dict)))
-    timed = _run(_timed_rows, args.world_size, timed_rows, settings)
+    to_time = list(dict.fromkeys(row_of[n] for n, r in results.items() if isinstance(r, dict)))
+    timed = _run(timed_rows, args.world_size, to_time, settings)
     for name, row in results.items():
         if isinstance(row, dict):
             row["step_s"] = timed[row_of[name]]["step_s"] if isinstance(timed, dict) else float("nan")
@@ -241,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.issue_steps:
         say()
         say(f"Step time at the issue's shape (launcher Transformer at dim 1024 and 512, 2 blocks, heads of 64, "
-            f"batch 4 x 256 per rank, {args.world_size} ranks, {args.threads} thread(s) each, torch AdamW, "
+            f"batch 4 x 256 per rank, {args.world_size} ranks, {args.threads} thread(s) each, fused torch AdamW, "
             f"gradient clipping; {args.issue_steps} steps per row interleaved in one launch per width, "
             f"median; lower is faster):")
         for dim in (1024, 512):
@@ -252,16 +258,16 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as error:  # noqa: BLE001
                 say(f"  dim {dim}: failed: {str(error).strip().splitlines()[-1][:100]}")
                 continue
-            issue[dim] = {row: ratios.paired_ratio(times, row) for row in times}
+            issue[dim] = {row: paired_ratio(times, row, "bf16") for row in times}
             say(f"  dim {dim}:")
-            for line in ratios.ratio_lines(times):
+            for line in ratio_lines(times, "bf16", ratios.labels_of(times)):
                 say(f"    {line}")
 
     say()
     summary = []
     for shape, where in (("preset " + args.preset, None), ("dim 1024", 1024), ("dim 512", 512)):
         if where is None and isinstance(timed, dict) and "bf16" in timed:
-            r = {k: ratios.paired_ratio({k: v["times"], "bf16": timed["bf16"]["times"]}, k) for k, v in timed.items()}
+            r = {k: paired_ratio({k: v["times"], "bf16": timed["bf16"]["times"]}, k, "bf16") for k, v in timed.items()}
         elif where in issue:
             r = issue[where]
         else:
@@ -298,7 +304,7 @@ def _sweep(name: str, points: list[tuple[int, int, dict]], rows: list[str], labe
     found = []
     width = max(map(len, labels.values()))
     for key, world, settings in points:
-        point = _run(_timed_rows, world, rows, settings)
+        point = _run(timed_rows, world, rows, settings)
         if isinstance(point, str):
             say(f"  {name} {key}: failed: {point}")
             continue

@@ -50,6 +50,8 @@ import torch.nn.functional as F
 
 import fsdp_int8
 from benchmarks import ratios
+from benchmarks import rows as registry
+from benchmarks.timing import interleave, paired_ratio, train_step
 from fsdp_int8 import Int8MatmulConfig, Int8Weight, hardware
 from fsdp_int8.hardware import device_type_for
 from fsdp_int8.testing import run_distributed
@@ -151,7 +153,7 @@ def _fsdp_one_rank(rank: int, world: int) -> str:
     model = build_model(Recipe.of("int8-mm"), PRESETS["tiny"], device)  # on meta, sharded, then initialised
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (4, 33), device=device)
-    losses = [ratios.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], clip=False) for _ in range(3)]
+    losses = [train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], clip=False) for _ in range(3)]
     assert losses[-1] < losses[0], losses
     return f"{device.type}: losses {losses[0]:.3f} -> {losses[-1]:.3f}"
 
@@ -237,15 +239,23 @@ def _train_body(rank: int, world: int, settings: dict) -> dict:
     args = ratios.shape(settings)
     device = torch.device(device_type_for(world))
     cuda = device.type == "cuda"
-    rows, memory = {}, {}
-    for row in settings["rows"]:
-        model = ratios.build(row, args, compile=settings["compile_kernels"])
-        rows[row] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1))
-    data = torch.Generator().manual_seed(rank)
+    models, memory = {}, {}
 
-    def batch(step: int) -> tuple:
-        tokens = torch.randint(0, args.vocab_size, (settings["batch_size"], settings["seq_len"] + 1), generator=data)
+    def batch(step: int) -> tuple:  # the same batch for every row at a step
+        tokens = torch.randint(0, args.vocab_size, (settings["batch_size"], settings["seq_len"] + 1),
+                               generator=torch.Generator().manual_seed(step * 1000 + rank))
         return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    steps_of = {}
+    for name in settings["rows"]:
+        row = registry.row(name, compile=settings["compile_kernels"], optimizer="torch AdamW")
+        model, optimizer = registry.build(row, args, lr=3e-4)
+        models[name] = model
+
+        def step(i: int, model=model, optimizer=optimizer, clip=row.clip) -> float:
+            return train_step(model, optimizer, *batch(i), clip=clip)
+
+        steps_of[name] = step
 
     def record_peak(name: str, step: int) -> None:  # called after each row's step
         if cuda:
@@ -254,16 +264,16 @@ def _train_body(rank: int, world: int, settings: dict) -> dict:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = ratios.time_interleaved(rows, batch, settings["steps"], settings["warmup"], on_step=record_peak)
+    times = interleave(steps_of, steps=settings["steps"], warmup=settings["warmup"], on_step=record_peak)
     inputs, targets = batch(10_000)
     with torch.no_grad():
-        losses = {name: float(next_token_loss(model, inputs, targets)) for name, (model, _) in rows.items()}
+        losses = {name: float(next_token_loss(model, inputs, targets)) for name, model in models.items()}
     tokens = settings["batch_size"] * settings["seq_len"] * world
     result = {}
     for name, values in times.items():
         seconds = sorted(values)[len(values) // 2]
         result[name] = dict(step_s=seconds, tokens_per_s=tokens / seconds, loss=losses[name],
-                            peak_bytes=memory.get(name), ratio=ratios.paired_ratio(times, name, _baseline_of(name)))
+                            peak_bytes=memory.get(name), ratio=paired_ratio(times, name, _baseline_of(name)))
     return result
 
 

@@ -2,33 +2,34 @@
 
     python -m benchmarks.optimizer_step                 # 4 weights [1024, 1024], 20 steps
     python -m benchmarks.optimizer_step --weights 8 --rows 768 --cols 512
+    python -m benchmarks.optimizer_step --log           # + a dated section in benchmarks/results/performance.md
 
-One process, one thread, no FSDP2: each optimizer owns its own int8 weights (the same
-initial values and gradients) and the steps of all of them are interleaved (step 1 of
-every optimizer, then step 2, ...), once with weights whose quantization kernels run
-eagerly and once with weights made with compiled ones (``Int8TrainingConfig(compile=True)``). Prints the median milliseconds per step (lower is faster) and each
-one's ratio to ``Int8AdamW``'s in the same mode.
+One process, one thread, no FSDP2: each optimizer (built by the registry,
+``benchmarks.rows.OPTIMIZERS``) owns its own int8 weights (the same initial values and
+gradients) and the steps of all of them are interleaved in the benchmarks' one loop
+(``benchmarks.timing``: every optimizer steps once per round, the order rotating), once
+with weights whose quantization kernels run eagerly and once with weights made with
+compiled ones (``compiled=True``, what ``Int8TrainingConfig(compile=True)`` gives every
+weight). Prints the median milliseconds per step (lower is faster) and the median over
+rounds of each one's step time over ``Int8AdamW``'s in the same round.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from typing import Callable
+import sys
 
 import torch
 
-import fsdp_int8
+from benchmarks.report import log_run
+from benchmarks.rows import OPTIMIZERS as FACTORIES
+from benchmarks.timing import interleave, paired_ratio
 from fsdp_int8 import Int8Weight, hardware
 
-OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
-    "Int8AdamW": lambda p: fsdp_int8.Int8AdamW(p, lr=1e-3, weight_decay=0.1),
-    "Int8AdamW 8-bit": lambda p: fsdp_int8.Int8AdamW(p, lr=1e-3, weight_decay=0.1, state_bits=8),
-    "AdamW for-loop": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, foreach=False),
-    "AdamW foreach": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, foreach=True),
-    "AdamW fused": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, fused=True),
-}
+# the registry's names; "torch AdamW" is torch's default form, a for-loop on CPU tensors
+OPTIMIZERS = ("Int8AdamW", "8-bit AdamW", "torch AdamW", "AdamW foreach", "fused AdamW")
+BASELINE = "Int8AdamW"
 
 
 def _weights(count: int, rows: int, cols: int, compiled: bool) -> list[torch.nn.Parameter]:
@@ -42,19 +43,14 @@ def _weights(count: int, rows: int, cols: int, compiled: bool) -> list[torch.nn.
     return params
 
 
-def measure(count: int, rows: int, cols: int, steps: int, warmup: int = 3) -> dict[str, dict[str, float]]:
-    """``{mode: {optimizer: median seconds per step}}``, modes ``eager`` and ``compiled``."""
+def measure(count: int, rows: int, cols: int, steps: int, warmup: int = 3) -> dict[str, dict[str, list[float]]]:
+    """``{mode: {optimizer: [seconds of each timed step]}}``, modes ``eager`` and ``compiled``."""
     results = {}
     for mode in ("eager", "compiled"):
-        optimizers = {name: make(_weights(count, rows, cols, mode == "compiled")) for name, make in OPTIMIZERS.items()}
-        times: dict[str, list[float]] = {name: [] for name in optimizers}
-        for step in range(warmup + steps):
-            for name, optimizer in optimizers.items():
-                began = time.perf_counter()
-                optimizer.step()
-                if step >= warmup:
-                    times[name].append(time.perf_counter() - began)
-        results[mode] = {name: statistics.median(values) for name, values in times.items()}
+        optimizers = {name: FACTORIES[name](_weights(count, rows, cols, mode == "compiled"), 1e-3, 0.1)
+                      for name in OPTIMIZERS}
+        results[mode] = interleave({name: (lambda i, o=o: o.step()) for name, o in optimizers.items()},
+                                   steps=steps, warmup=warmup)
     return results
 
 
@@ -64,16 +60,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer and mode")
+    parser.add_argument("--log", action="store_true",
+                        help="also append a dated section (command, hardware line, table) to "
+                        "benchmarks/results/performance.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"{args.weights} int8 weights [{args.rows}, {args.cols}], stochastic rounding, weight decay 0.1, "
-          f"1 thread; median of {args.steps} interleaved steps")
-    print(hardware.hardware_line())
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    say(f"{args.weights} int8 weights [{args.rows}, {args.cols}], stochastic rounding, weight decay 0.1, "
+        f"1 thread; median of {args.steps} interleaved steps; ratio: median over steps of the step time over "
+        f"{BASELINE}'s in the same step")
+    say(hardware.hardware_line())
     results = measure(args.weights, args.rows, args.cols, args.steps)
-    print(f"{'kernels':<10}" + "".join(f"{name:>17}" for name in OPTIMIZERS))
-    for mode, row in results.items():
-        base = row["Int8AdamW"]
-        print(f"{mode:<10}" + "".join(f"{row[n] * 1e3:9.1f} ms {row[n] / base:4.2f}x" for n in OPTIMIZERS))
+    say(f"{'kernels':<10}" + "".join(f"{name:>17}" for name in OPTIMIZERS))
+    for mode, times in results.items():
+        say(f"{mode:<10}" + "".join(f"{statistics.median(times[n]) * 1e3:9.1f} ms {paired_ratio(times, n, BASELINE):4.2f}x"
+                                    for n in OPTIMIZERS))
+    if args.log:
+        command = "python -m benchmarks.optimizer_step " + " ".join(sys.argv[1:] if argv is None else argv)
+        print(f"logged: {log_run('performance.md', 'One optimizer step', command, lines)}")
 
 
 if __name__ == "__main__":

@@ -3,36 +3,36 @@
     python -m benchmarks.ratios                         # dim 1024, 2 blocks, 4 x 256, 2 ranks
     python -m benchmarks.ratios --dim 512               # the issue's second width
     python -m benchmarks.ratios --quick                 # 4 timed steps: a smoke run
+    python -m benchmarks.ratios --log                   # + a dated section in benchmarks/results/performance.md
     python -m benchmarks.ratios --profile 5             # + where the time goes, per op and step
     python -m benchmarks.ratios --experts 8             # mixture-of-experts blocks, 8 experts, top 2
 
-Each rank builds every row's model (same initial weights, same data), then runs step 1
-of every row, step 2 of every row, ...: a machine shared with other jobs slows all rows
-alike, so the ratios hold even when the absolute times do not. A step is what the
-launcher runs: forward, cross-entropy, backward, gradient clipping, torch AdamW (weight
-decay 0.1), zero_grad, then a barrier; the order of the rows rotates from one round to the
-next. Reported, from rank 0: each row's median step time and its ratio to the bf16 FSDP2
-row's, and the median over the rounds of the two rows' step-time ratio within a round
-(lower is faster; the paired median cancels load that drifts between rounds).
+Each rank builds every row's model (same initial weights, same data) and times them with
+the benchmarks' one loop (``benchmarks.timing``: each step runs every row once, the order
+rotating; ratios are medians of the per-step ratios to the baseline's time in the same
+step). A step is what the launcher runs: forward, cross-entropy, backward, gradient
+clipping at 1.0 (inside backward for the lean call), the optimizer step (weight decay
+0.1), zero_grad, then a barrier. Reported, from rank 0: each row's median step time, the
+ratio of medians and the median of paired ratios to the baseline's (lower is faster).
 
-Rows are recipes of ``launch.precisions`` (``NAME[:OPTION...]``); fsdp_int8 rows compute in
-bf16 with the compiled kernels, as the launcher runs them, unless their options say otherwise:
+Rows (``benchmarks.rows``, the registry; default ``bf16 default lean``):
 
-* ``bf16``: bf16 FSDP2 (bf16 parameters, fp32 gradient reduction: torchtitan's policy),
-  the baseline;
-* ``int8-mm``: int8 weights, all three matmuls (output, grad_input, grad_weight) as int8
-  GEMMs: what the launcher runs by default;
-* ``int8``: weight-only int8 (bf16 matmuls);
-* ``int8-mm:eager``: ``int8-mm`` without torch.compile anywhere (any fsdp_int8 row takes
-  ``:eager``, and ``:fp32`` for fp32 compute: ``int8:fp32``, ``int8:fp32:eager``);
-* ``int8-mm-wgrad-bf16``: output and grad_input in int8, the weight gradient in bf16;
-* ``int8-grads``: weight-only int8 plus the int8 gradient reduce-scatter;
-* ``fp32``: fp32 FSDP2, for context; ``all-bf16``: bf16 FSDP2 with a bf16 reduction;
-  ``torchao``: torchao's int8 weight-only training.
+* ``bf16``: bf16 FSDP2 (bf16 parameters, fp32 gradient reduction: torchtitan's policy)
+  with fused torch AdamW, the baseline;
+* ``default``: the library's default call, ``shard_model(model,
+  config=Int8TrainingConfig(int8_matmul=Int8MatmulConfig()), mp_policy=<bf16 policy>)``
+  with no compile flag (``compile="auto"``), fused torch AdamW;
+* ``lean``: ``shard_model(model, config=Int8TrainingConfig.lean())`` with ``Int8AdamW.lean``;
+* any recipe of ``launch.precisions`` (``NAME[:OPTION...]``), fused torch AdamW, fsdp_int8
+  recipes computing in bf16 with compiled kernels unless their options say otherwise:
+  ``int8-mm`` (all three GEMMs in int8), ``int8`` (weight-only), ``int8-mm:eager`` (no
+  torch.compile; ``:fp32`` for fp32 compute), ``int8-mm-wgrad-bf16``, ``int8-grads``,
+  ``fp32``, ``all-bf16``, ``torchao``, ``bf16:blocks`` (every block compiled whole).
 
 ``--profile N`` records N more steps of every row with torch.profiler (interleaved too)
 and prints, per row, the self CPU time per step of each category of ops and the ops that
-take the most (medians over the profiled steps), then the ops that differ most from bf16.
+take the most (medians over the profiled steps), then the ops that differ most from the
+baseline.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -49,13 +48,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from benchmarks import rows as registry
+from benchmarks.report import log_run
+from benchmarks.timing import interleave, paired_ratio, ratio_lines, train_step
 from fsdp_int8 import hardware
 from fsdp_int8.hardware import device_type_for
 from fsdp_int8.testing import run_distributed
-from launch.model import ModelArgs, Transformer, model_args, next_token_loss
-from launch.precisions import build_model, parse_row, row_argument
+from launch.model import ModelArgs, Transformer, model_args
 
-DEFAULT_ROWS = ("bf16", "int8-mm", "int8")
+DEFAULT_ROWS = ("bf16", "default", "lean")
 
 
 def shape(settings: dict) -> ModelArgs:
@@ -64,45 +65,6 @@ def shape(settings: dict) -> ModelArgs:
     return model_args(settings["preset"], seq_len=settings["seq_len"], dim=settings.get("dim"),
                       n_layers=settings.get("n_layers"), n_heads=settings.get("n_heads"),
                       n_experts=settings.get("n_experts"))
-
-
-def build(row: str, args: ModelArgs, *, compile: bool = True) -> torch.nn.Module:
-    """The launcher's Transformer, initialised whole from seed 0 (the same weights in every
-    row) and sharded as ``row`` (fsdp_int8 rows: compiled kernels unless ``:eager``, or
-    ``compile=False``)."""
-    return build_model(parse_row(row, compile=compile), args, device_type_for(dist.get_world_size()), full_init=True)
-
-
-def train_step(model, optimizer, inputs: torch.Tensor, targets: torch.Tensor, clip: bool = True) -> float:
-    """One training step, ended by a barrier; returns the loss."""
-    loss = next_token_loss(model, inputs, targets)
-    loss.backward()
-    if clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
-    dist.barrier()
-    return loss.item()
-
-
-def time_interleaved(rows: dict, batch: Callable[[int], tuple], steps: int, warmup: int, clip: bool = True,
-                     on_step: Callable | None = None) -> dict:
-    """``{name: [seconds of each timed step]}`` of ``rows`` (``{name: (model, optimizer)}``),
-    step ``i`` of every row before step ``i + 1`` of any."""
-    times = {name: [] for name in rows}
-    names = list(rows)
-    for step in range(warmup + steps):
-        inputs, targets = batch(step)
-        turn = step % len(names)  # rotate the order: no row always runs first (or last)
-        for name in names[turn:] + names[:turn]:
-            model, optimizer = rows[name]
-            began = time.perf_counter()
-            train_step(model, optimizer, inputs, targets, clip)
-            if step >= warmup:
-                times[name].append(time.perf_counter() - began)
-            if on_step is not None:
-                on_step(name, step)
-    return times
 
 
 # Categories of the profile table: the first pattern found in an op's name decides.
@@ -132,24 +94,24 @@ def _short(op: str) -> str:
     return "## Call CompiledFxGraph ##" if "CompiledFxGraph" in op else op
 
 
-def profile_interleaved(rows: dict, batch: Callable[[int], tuple], steps: int) -> dict:
-    """Self CPU ms of every op in each profiled step (median over the steps), each row's
-    steps interleaved with the others' like the timed ones."""
+def profile_interleaved(steps_of: dict[str, Callable[[int], object]], steps: int) -> dict:
+    """Self CPU ms of every op in each profiled step (median over the steps) and the wall
+    time, each row's step run under torch.profiler, interleaved like the timed ones."""
     from torch.profiler import ProfilerActivity, profile
 
-    per_step = {name: [] for name in rows}
-    walls = {name: [] for name in rows}
-    for step in range(steps):
-        inputs, targets = batch(10_000 + step)
-        for name, (model, optimizer) in rows.items():
+    per_step = {name: [] for name in steps_of}
+
+    def profiled(name: str) -> Callable[[int], None]:
+        def step(i: int) -> None:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                began = time.perf_counter()
-                train_step(model, optimizer, inputs, targets)
-                walls[name].append(time.perf_counter() - began)
+                steps_of[name](10_000 + i)
             ops = defaultdict(float)
             for event in prof.key_averages():
                 ops[_short(event.key)] += event.self_cpu_time_total / 1e3
             per_step[name].append(dict(ops))
+        return step
+
+    walls = interleave({name: profiled(name) for name in steps_of}, steps=steps)
     tables = {}
     for name, dicts in per_step.items():
         keys = set().union(*dicts)
@@ -161,20 +123,25 @@ def profile_interleaved(rows: dict, batch: Callable[[int], tuple], steps: int) -
 def _body(rank: int, world: int, settings: dict) -> dict:
     torch.set_num_threads(settings["threads"])
     args = shape(settings)
-    rows = {}
-    for row in settings["rows"]:
-        model = build(row, args)
-        rows[row] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     device = device_type_for(world)
-    data = torch.Generator().manual_seed(rank)
 
-    def batch(step: int) -> tuple:
-        tokens = torch.randint(0, args.vocab_size, (settings["batch_size"], settings["seq_len"] + 1), generator=data)
+    def batch(step: int) -> tuple:  # the same batch for every row at a step
+        tokens = torch.randint(0, args.vocab_size, (settings["batch_size"], settings["seq_len"] + 1),
+                               generator=torch.Generator().manual_seed(step * 1000 + rank))
         return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
-    result = dict(times=time_interleaved(rows, batch, settings["steps"], settings["warmup"]))
+    steps_of = {}
+    for name in settings["rows"]:
+        row = registry.row(name)
+        model, optimizer = registry.build(row, args)
+
+        def step(i: int, model=model, optimizer=optimizer, clip=row.clip) -> float:
+            return train_step(model, optimizer, *batch(i), clip=clip)
+
+        steps_of[name] = step
+    result = dict(times=interleave(steps_of, steps=settings["steps"], warmup=settings["warmup"]))
     if settings["profile"]:
-        result["profile"] = profile_interleaved(rows, batch, settings["profile"])
+        result["profile"] = profile_interleaved(steps_of, settings["profile"])
     return result
 
 
@@ -198,23 +165,13 @@ def default_baseline(device: str = "cpu") -> str:
     return "bf16" if hardware.capability(device).bf16_matmul_fast else "fp32"
 
 
-def paired_ratio(times: dict, row: str, baseline: str = "bf16") -> float:
-    """The median over steps of ``row``'s step time over the baseline's in the same round
-    (run back to back): load that drifts over seconds cancels in each pair."""
-    return statistics.median(t / b for t, b in zip(times[row], times[baseline]))
-
-
-def ratio_lines(times: dict, baseline: str = "bf16") -> list[str]:
-    base = statistics.median(times[baseline])
-    width = max(15, *map(len, times))
-    lines = [f"{'row':<{width}} {'median ms':>10} {'ratio of medians':>17} {'median of ratios':>17} "
-             f"{'min ms':>8} {'max ms':>8} {'steps':>6}"]
-    for row, values in times.items():
-        median = statistics.median(values)
-        lines.append(f"{row:<{width}} {median * 1e3:10.1f} {median / base:16.2f}x "
-                     f"{paired_ratio(times, row, baseline):16.2f}x {min(values) * 1e3:8.1f} "
-                     f"{max(values) * 1e3:8.1f} {len(values):6d}")
-    return lines
+def labels_of(names) -> dict[str, str]:
+    """What the tables call each row: its name, its label and its optimizer."""
+    out = {}
+    for name in names:
+        row = registry.row(name)
+        out[name] = f"{name}: {row.label}, {row.optimizer}" if name != row.label else f"{name}, {row.optimizer}"
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -230,12 +187,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="per rank")
-    parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), type=row_argument, metavar="ROW",
-                        help="recipes of launch.precisions, NAME[:OPTION...] (e.g. int8-mm:eager, int8:fp32)")
+    parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), type=registry.row_argument, metavar="ROW",
+                        help="library calls (default, lean) or recipes of launch.precisions, NAME[:OPTION...] "
+                        "(e.g. int8-mm:eager, int8:fp32)")
     parser.add_argument("--baseline", default="auto", choices=("auto", "bf16", "fp32"),
                         help="the row ratios are taken against; auto: bf16 FSDP2 where this hardware "
                         "has fast bf16 matmuls, else fp32 FSDP2")
     parser.add_argument("--json", type=Path, help="also write the times, ratios and hardware line here")
+    parser.add_argument("--log", action="store_true",
+                        help="also append a dated section (command, hardware line, table) to "
+                        "benchmarks/results/performance.md")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps per row")
     parser.add_argument("--quick", action="store_true", help="4 timed steps after 2")
     args = parser.parse_args(argv)
@@ -246,22 +207,33 @@ def main(argv: list[str] | None = None) -> dict:
     settings = settings_for(args.dim, args.rows, steps=args.steps, warmup=args.warmup, n_layers=args.n_layers,
                             batch_size=args.batch_size, seq_len=args.seq_len, threads=args.threads,
                             profile=args.profile, baseline=baseline, n_experts=args.experts)
+    lines: list[str] = []
+
+    def say(text: str = "") -> None:
+        print(text, flush=True)
+        lines.append(text)
 
     model = shape(settings)
     params = sum(p.numel() for p in Transformer(model).parameters())
     experts = f", {model.n_experts} experts (top {model.top_k}) per block" if model.n_experts else ""
-    print(f"model: launcher Transformer, dim {model.dim}, {model.n_layers} blocks, {model.n_heads} heads{experts} "
-          f"({params / 1e6:.2f}M params); batch {args.batch_size} x {args.seq_len} per rank; "
-          f"{args.world_size} ranks ({device_type_for(args.world_size)}), {args.threads} thread(s) each; "
-          f"{args.steps} timed steps after {args.warmup}, rows interleaved step by step")
+    say(f"model: launcher Transformer, dim {model.dim}, {model.n_layers} blocks, {model.n_heads} heads{experts} "
+        f"({params / 1e6:.2f}M params); batch {args.batch_size} x {args.seq_len} per rank; "
+        f"{args.world_size} ranks ({device}), {args.threads} thread(s) each; "
+        f"{args.steps} timed steps after {args.warmup}, rows interleaved step by step")
     machine = hardware.hardware_line(device)
-    print(machine)
+    say(machine)
     result = measure(settings, args.world_size)
-    print("\n".join(ratio_lines(result["times"], baseline)))
+    for line in ratio_lines(result["times"], baseline, labels_of(result["times"])):
+        say(line)
+    say(f"(ratios: step time over {baseline}'s; median of ratios: the median over steps of the ratio within "
+        "a step; lower is faster)")
     if args.json:
         ratios = {row: paired_ratio(result["times"], row, baseline) for row in result["times"]}
         args.json.write_text(json.dumps(dict(hardware=machine, settings=settings, baseline=baseline,
                                              median_of_ratios=ratios, times=result["times"]), indent=1) + "\n")
+    if args.log:
+        command = "python -m benchmarks.ratios " + " ".join(sys.argv[1:] if argv is None else argv)
+        print(f"logged: {log_run('performance.md', 'Step-time ratios', command, lines)}")
     if args.profile:
         print_profile(result["profile"])
     return result

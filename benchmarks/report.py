@@ -1,12 +1,16 @@
-"""Write a benchmark run into the docs: the printed output verbatim, plus PNG plots.
+"""Write a benchmark run down: the printed output verbatim, plus PNG plots.
 
-Numbers in docs/benchmarks.md come from here, never typed by hand.
+Numbers in docs/benchmarks.md come from here, never typed by hand, and so do the dated
+logs of benchmarks/results/ (:func:`log_run`, the benchmarks' ``--log``).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"  # the dated logs, one page per subject
 
 
 def _plots(folder: Path, results: dict, world_rows: list, width_rows: list) -> list[str]:
@@ -97,4 +101,28 @@ def write_verbatim(path: Path, title: str, command: str, lines: list[str]) -> Pa
         *lines, "```", "",
     ]
     path.write_text("\n".join(text))
+    return path
+
+
+def log_run(page: str, title: str, command: str, lines: list[str], folder: Path | None = None) -> Path:
+    """Append one run to ``benchmarks/results/<page>`` as a dated section: its command, the
+    machine's load while it ran, and its printed output verbatim (which begins with the
+    benchmark's settings and its hardware line, ``fsdp_int8.hardware.hardware_line()``).
+
+    The newest run goes last; nothing already in the page changes."""
+    path = (folder or RESULTS) / page
+    path.parent.mkdir(parents=True, exist_ok=True)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+    section = [
+        "", f"## {datetime.date.today().isoformat()}: {title}", "",
+        "```bash", command.strip(), "```", "",
+        f"Load average at the end (1, 5, 15 min): {load}, on {os.cpu_count()} cores: other jobs share the "
+        "machine when it exceeds this run's own ranks.", "",
+        "```", *lines, "```",
+    ]
+    if not path.exists():
+        section = [f"# Results: {page.removesuffix('.md')}", "",
+                   "Dated runs, appended by the benchmarks' `--log`; newest last.", *section]
+    with path.open("a") as out:
+        out.write("\n".join(section) + "\n")
     return path

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -39,6 +40,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import fsdp_int8
 from fsdp_int8 import hardware
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
+from fsdp_int8.sharding import find_blocks
 from launch import parallel
 from launch.model import ModelArgs, Transformer, check_tp, tp_plan
 
@@ -385,14 +387,21 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
 
 def _fully_shard(model: Transformer, mesh: DeviceMesh, policy: MixedPrecisionPolicy | None,
                  offload: CPUOffloadPolicy | None = None) -> None:
-    """Plain FSDP2 in the groups ``shard_model`` makes (the embedding, each block, then the
-    root: norm and head), so a baseline gathers and reduces what an fsdp_int8 run does.
-    The last block and the root stay gathered after forward: backward needs them first.
-    A mesh with a ``"tp"`` dim splits each block with torch's styles first, as shard_model does."""
+    """Plain FSDP2 in the groups ``shard_model`` makes, found by its own
+    ``fsdp_int8.sharding.find_blocks``: each embedding outside the blocks and not tied to
+    another module, each block, then the root (the rest), so a baseline gathers and
+    reduces what an fsdp_int8 run does. The last group and the root stay gathered after
+    forward: backward needs them first. A mesh with a ``"tp"`` dim splits each block with
+    torch's styles first, as shard_model does."""
+    blocks = find_blocks(model)
     if parallel.has_tp(mesh):
-        for block in model.blocks():
+        for block in blocks:
             parallelize_module(block, mesh["tp"], tp_plan())
-    groups = [*([model.tok_embeddings] if model.tok_embeddings is not None else []), *model.blocks()]
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    elsewhere = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    embeddings = [m for m in model.modules()
+                  if isinstance(m, nn.Embedding) and id(m) not in in_blocks and id(m.weight) not in elsewhere]
+    groups = [*embeddings, *blocks]
     options = dict(mesh=parallel.dp_mesh(mesh), mp_policy=policy or MixedPrecisionPolicy(),
                    offload_policy=offload or OffloadPolicy())
     for index, group in enumerate(groups):

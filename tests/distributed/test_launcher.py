@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 import fsdp_int8
-from benchmarks import ratios
+from benchmarks.timing import train_step
 from fsdp_int8 import hardware
 from fsdp_int8.testing import run_distributed
 from launch import parallel, precisions, run_dir, train
@@ -443,13 +444,14 @@ def _every_precision_trains(rank: int, world: int) -> dict:
         for full_init in (False, True) if row in ("bf16", "int8", "int8-mm:bf16-model") else (False,):
             model = precisions.build_model(recipe, shape, "cpu", full_init=full_init)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses = [ratios.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], clip=False)
+            losses = [train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], clip=False)
                       for _ in range(3)]
             locals_ = [p.to_local() for p in model.parameters()]
             out[row, full_init] = dict(
                 losses=losses, int8=sum(isinstance(p, fsdp_int8.Int8Weight) for p in locals_),
                 compiled=[block._compiled_call_impl is not None for block in model.blocks()],
                 dtypes={p.dtype for p in locals_ if not isinstance(p, fsdp_int8.Int8Weight)},
+                groups=[name for name, m in model.named_modules() if isinstance(m, FSDPModule)],
             )
     return out
 
@@ -466,6 +468,10 @@ def test_every_precision_builds_shards_and_trains():
         assert (found["int8"] == 7 * PRESETS["tiny"].n_layers) == recipe.precision.int8, (row, found)
         stored = torch.bfloat16 if recipe.compute_dtype == "bf16-model" else torch.float32
         assert found["dtypes"] == {stored}, (row, found)
+    # every baseline is grouped as shard_model groups the int8 rows: the embedding, each block, the root
+    groups = {row: found["groups"] for (row, _), found in results.items()}
+    assert groups["bf16"] == groups["int8"] == ["", "tok_embeddings", *(f"layers.{i}" for i in range(PRESETS["tiny"].n_layers))]
+    assert all(found == groups["int8"] for found in groups.values()), groups
 
 
 # ---------------------------------------------------------------- --tp: tensor parallelism

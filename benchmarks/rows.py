@@ -1,0 +1,127 @@
+"""Every row the timing benchmarks train, built in one place: the row registry.
+
+A row is a model, sharded over all ranks, with its optimizer. Its name is one of
+
+* the library's own calls, written as a user writes them:
+
+  * ``default``: ``shard_model(model, config=Int8TrainingConfig(int8_matmul=Int8MatmulConfig()),
+    mp_policy=MixedPrecisionPolicy(bf16 params, fp32 reduce))`` with no compile flag (the
+    library's ``compile="auto"``: compiled kernels for layers of 512 inputs or more where
+    a compiler exists), trained with fused ``torch.optim.AdamW``;
+  * ``lean``: ``shard_model(model, config=Int8TrainingConfig.lean())`` trained with
+    ``Int8AdamW.lean`` (8-bit states, the step inside backward, clipping at 1.0 there);
+
+* or a recipe of :mod:`launch.precisions`, ``NAME[:OPTION...]`` (``bf16``: bf16 FSDP2 with
+  bf16 parameters and an fp32 gradient reduction, the baseline; ``int8-mm``,
+  ``int8:fp32:eager``, ``bf16:blocks``, ...), built by :func:`launch.precisions.build_model`
+  in the same FSDP2 groups as ``shard_model``'s and trained with fused ``torch.optim.AdamW``
+  (torch's default AdamW for ``torchao``, whose weights the fused kernel does not take).
+
+Every row starts from the same weights (the launcher's ``Transformer.init_weights(0)``,
+initialised whole, then sharded) and any row can take another optimizer of
+:data:`OPTIMIZERS` (``compare`` trains every row with torch's default AdamW).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+import fsdp_int8
+from fsdp_int8.hardware import device_type_for
+from launch.model import ModelArgs, Transformer
+from launch.precisions import BF16_POLICY, build_model, parse_row
+
+EIGHT_BIT_BLOCK = 128  # values per scale of the 8-bit Adam states of "8-bit AdamW"
+
+# name -> what builds it from (parameters, lr, weight decay)
+OPTIMIZERS: dict[str, Callable[[Iterable, float, float], torch.optim.Optimizer]] = {
+    "torch AdamW": lambda p, lr, wd: torch.optim.AdamW(p, lr=lr, weight_decay=wd),
+    "AdamW for-loop": lambda p, lr, wd: torch.optim.AdamW(p, lr=lr, weight_decay=wd, foreach=False),
+    "AdamW foreach": lambda p, lr, wd: torch.optim.AdamW(p, lr=lr, weight_decay=wd, foreach=True),
+    "fused AdamW": lambda p, lr, wd: torch.optim.AdamW(p, lr=lr, weight_decay=wd, fused=True),
+    "Int8AdamW": lambda p, lr, wd: fsdp_int8.Int8AdamW(p, lr=lr, weight_decay=wd),
+    "8-bit AdamW": lambda p, lr, wd: fsdp_int8.Int8AdamW(p, lr=lr, weight_decay=wd, state_bits=8,
+                                                         block_size=EIGHT_BIT_BLOCK),
+    "Int8AdamW.lean": lambda p, lr, wd: fsdp_int8.Int8AdamW.lean(p, lr=lr, weight_decay=wd),
+}
+# optimizers that clip inside backward (max_grad_norm): the train step must not clip again
+CLIPS_ITSELF = ("Int8AdamW.lean",)
+
+LIBRARY_ROWS = {
+    "default": ("fsdp_int8 default call", "fused AdamW"),
+    "lean": ("fsdp_int8 lean call", "Int8AdamW.lean"),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: its name, what tables print, its optimizer (a key of :data:`OPTIMIZERS`)
+    and whether a recipe's fsdp_int8 kernels are compiled (``compile``, unless its
+    ``:eager`` or ``:compiled`` says; library calls decide for themselves)."""
+
+    name: str
+    label: str
+    optimizer: str
+    compile: bool = True
+
+    @property
+    def clip(self) -> bool:
+        """Whether the train step clips gradients (not where the optimizer clips inside backward)."""
+        return self.optimizer not in CLIPS_ITSELF
+
+    @property
+    def library_call(self) -> bool:
+        return self.name in LIBRARY_ROWS
+
+
+def row(name: str, *, compile: bool = True, optimizer: str | None = None) -> Row:
+    """The row ``name`` (a library call or a recipe; a recipe's fsdp_int8 kernels are
+    compiled unless ``compile=False`` or its ``:eager``), with ``optimizer`` instead of its own.
+
+    Raises:
+        ValueError: an unknown row, option or optimizer.
+    """
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
+    if name in LIBRARY_ROWS:
+        label, own = LIBRARY_ROWS[name]
+        return Row(name, label, optimizer or own, compile)
+    try:
+        recipe = parse_row(name, compile=compile)
+    except ValueError as error:
+        raise ValueError(f"{error}; or a library call: {', '.join(LIBRARY_ROWS)}") from None
+    own = "torch AdamW" if recipe.precision.family == "torchao" else "fused AdamW"
+    return Row(name, recipe.label, optimizer or own, compile)
+
+
+def row_argument(text: str) -> str:
+    """argparse ``type=`` of a benchmark's ``--rows``: ``text`` if it names a row."""
+    try:
+        row(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def build(which: Row | str, args: ModelArgs, *, lr: float = 1e-3, weight_decay: float = 0.1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Row ``which``'s model of shape ``args`` on this process group's device, and its
+    optimizer. Weights and stochastic rounding come from seed 0 (the configs' default)."""
+    which = which if isinstance(which, Row) else row(which)
+    device = torch.device(device_type_for(dist.get_world_size() if dist.is_initialized() else 1))
+    if which.library_call:
+        with torch.device(device):
+            model = Transformer(args)
+        model.init_weights(0)
+        if which.name == "default":
+            config = fsdp_int8.Int8TrainingConfig(int8_matmul=fsdp_int8.Int8MatmulConfig())
+            fsdp_int8.shard_model(model, config=config, mp_policy=BF16_POLICY)
+        else:
+            fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean())
+    else:
+        model = build_model(parse_row(which.name, compile=which.compile), args, device, full_init=True)
+    return model, OPTIMIZERS[which.optimizer](model.parameters(), lr, weight_decay)
