@@ -35,10 +35,12 @@ Rows (each a recipe users run):
 * ``lean-bf16-gathered``: the same with the gathered weights dequantized to bf16 once
   per unshard (weight-only int8's default; the same values).
 
-``--loss chunked`` computes every row's loss with
-:func:`fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss` (no fp32 logits of the whole batch)
-instead of transformers' own, ``--loss-chunk-tokens`` tokens at a time (64 by default: a
-quarter of the 256 tokens per rank, as its own default of 1024 is of a 4096-token batch).
+``--loss transformers`` (the default) leaves each row its own loss: transformers', except
+the lean rows, whose config installs
+:func:`fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss` (``loss_chunk_tokens``: 128
+tokens a chunk). ``--loss chunked`` computes every row's loss with it (no fp32 logits of
+the whole batch), ``--loss-chunk-tokens`` tokens at a time (64 by default: a quarter of
+the 256 tokens per rank, as its own default of 1024 is of a 4096-token batch).
 
 ``--reduce-scatter chunks`` gives every row the library's in-place gradient reduce-scatter
 (:class:`fsdp_int8.gradients.InPlaceReduceScatter`, which the lean rows' config installs
@@ -242,8 +244,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
     parser.add_argument("--where", type=int, default=0, metavar="N",
                         help="also print each row's N largest snapshots by module and phase (where the peak is)")
     parser.add_argument("--loss", choices=("transformers", "chunked"), default="transformers",
-                        help="every row's loss: transformers' own, or fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss "
-                        "(no fp32 logits of the whole batch)")
+                        help="transformers: each row's own (transformers', the lean rows' config's chunked one); chunked: "
+                        "every row's fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss (no fp32 logits of the batch)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=64, help="tokens per chunk of --loss chunked")
     parser.add_argument("--reduce-scatter", choices=("torch", "chunks"), default="torch",
                         help="FSDP2's gradient reduce-scatter: torch's (gloo all-reduces a copy of the whole input), "

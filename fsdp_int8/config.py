@@ -89,6 +89,11 @@ torch.serialization.add_safe_globals([Int8MatmulConfig])
 # and each matmul and lookup dequantizes a transient copy (the lean recipe's matmuls).
 INT8_GATHERED_WEIGHTS = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
 
+# The lean recipe's loss chunks: their fp32 logits, log-softmax and gradient take about
+# 12 x 128 x vocabulary bytes (200 MB at Llama 3's 128,256), against 12 x tokens x
+# vocabulary for transformers' loss (6.3 GB for 4,096 tokens).
+LEAN_LOSS_CHUNK_TOKENS = 128
+
 
 @dataclass(frozen=True)
 class Int8TrainingConfig:
@@ -152,6 +157,12 @@ class Int8TrainingConfig:
             instead of all-reducing a copy of the whole input, and releases the input once
             reduced; the same fp32 sums (bit for bit on 2 ranks). Other backends keep FSDP2's
             own. Off by default (one ``dist.reduce`` per rank instead of one collective).
+        loss_chunk_tokens: A transformers causal LM that :func:`fsdp_int8.quantize_` (or
+            ``shard_model``) quantizes computes its loss with
+            :func:`fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss`, this many tokens
+            at a time (``model.loss_function``): the same loss without fp32 logits of the
+            whole batch. Models whose loss is not transformers' causal-LM loss, or that set
+            their own ``loss_function``, keep theirs. ``None`` (default): transformers' loss.
 
     :meth:`lean` is the lean-memory recipe's configuration.
 
@@ -170,17 +181,19 @@ class Int8TrainingConfig:
     quantize_embeddings: bool = False
     compute_dtype: torch.dtype | None = None
     in_place_reduce_scatter: bool = False
+    loss_chunk_tokens: int | None = None
 
     @classmethod
     def lean(cls, **changes: Any) -> "Int8TrainingConfig":
         """The lean-memory recipe's configuration (docs/memory.md): int8 embeddings (a tied
         head follows), FSDP2's gathered weights kept int8 (each matmul and lookup
         dequantizes a transient copy: weight-only int8's values, half the gathered bytes),
-        bf16 compute and the in-place gradient reduce-scatter (no copy of its input on
-        gloo; the same sums); ``changes`` replace fields. Train it with
-        :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the step inside backward)."""
+        bf16 compute, the in-place gradient reduce-scatter (no copy of its input on
+        gloo; the same sums) and, for transformers causal LMs, the chunked loss
+        (:data:`LEAN_LOSS_CHUNK_TOKENS` tokens a chunk); ``changes`` replace fields. Train
+        it with :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the step inside backward)."""
         recipe = dict(quantize_embeddings=True, int8_matmul=INT8_GATHERED_WEIGHTS, compute_dtype=torch.bfloat16,
-                      in_place_reduce_scatter=True)
+                      in_place_reduce_scatter=True, loss_chunk_tokens=LEAN_LOSS_CHUNK_TOKENS)
         return cls(**{**recipe, **changes})
 
     def __post_init__(self) -> None:
@@ -199,6 +212,9 @@ class Int8TrainingConfig:
         for name in ("stochastic_rounding", "quantize_embeddings", "in_place_reduce_scatter"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} takes a bool, got {getattr(self, name)!r}")
+        chunk = self.loss_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise TypeError(f"loss_chunk_tokens takes a positive int or None, got {chunk!r}")
         if self.compute_dtype is not None and not (
                 isinstance(self.compute_dtype, torch.dtype) and self.compute_dtype.is_floating_point):
             raise TypeError(f"compute_dtype takes a floating torch.dtype or None, got {self.compute_dtype!r}")

@@ -73,6 +73,33 @@ def test_a_hugging_face_model_trains_with_it():
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, expected, rtol=1e-6, atol=0)
 
 
+def test_the_lean_config_gives_a_causal_lm_the_chunked_loss_and_others_keep_theirs():
+    import fsdp_int8
+    from fsdp_int8.config import LEAN_LOSS_CHUNK_TOKENS
+
+    def llama() -> LlamaForCausalLM:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+
+    ids = torch.randint(0, 128, (2, 300), generator=torch.Generator().manual_seed(1))
+    plain = fsdp_int8.quantize_(llama(), fsdp_int8.Int8TrainingConfig(quantize_embeddings=True))
+    lean = fsdp_int8.quantize_(llama(), fsdp_int8.Int8TrainingConfig.lean(compute_dtype=None))
+    assert "_loss_function" not in vars(plain)  # transformers' own
+    assert lean.loss_function.func is chunked_causal_lm_loss
+    assert lean.loss_function.keywords == {"chunk_tokens": LEAN_LOSS_CHUNK_TOKENS} and 300 > LEAN_LOSS_CHUNK_TOKENS
+    # the same int8 model and tokens: the same loss up to fp32 summation order (3 chunks
+    # summed, then divided, against one mean: a few ulps of a loss near ln(128))
+    torch.testing.assert_close(lean(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss,
+                               rtol=1e-6, atol=0)
+    own = llama()
+    own.loss_function = ForCausalLMLoss  # a loss the user chose stays
+    fsdp_int8.quantize_(own, fsdp_int8.Int8TrainingConfig.lean(compute_dtype=None))
+    assert own.loss_function is ForCausalLMLoss
+    with pytest.raises(TypeError, match="loss_chunk_tokens takes a positive int or None, got 0"):
+        fsdp_int8.Int8TrainingConfig(loss_chunk_tokens=0)
+
+
 @pytest.mark.parametrize("arguments, message", [
     (dict(chunk_tokens=0), "chunk_tokens must be a positive int"),
     (dict(vocab_size=VOCAB + 1), "do not end in vocab_size"),

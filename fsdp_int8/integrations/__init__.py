@@ -29,13 +29,16 @@ __all__: list[str] = []  # the adapters are the submodules hf, hf_quantizer, hf_
 
 
 def _after_quantize(model: nn.Module, config: Int8TrainingConfig) -> None:
-    """``quantize_``'s hook: a transformers model gets the int8 quantizer."""
+    """``quantize_``'s hook: a transformers model gets the int8 quantizer, and the chunked
+    causal-LM loss where ``config.loss_chunk_tokens`` asks for it."""
     transformers = sys.modules.get("transformers")  # a transformers model means it is imported
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return
-    from fsdp_int8.integrations import hf_quantizer
+    from fsdp_int8.integrations import hf_loss, hf_quantizer
 
     hf_quantizer.attach_after_quantize(model, config)
+    if config.loss_chunk_tokens is not None:
+        hf_loss.use_chunked_loss(model, config.loss_chunk_tokens)
 
 
 if _after_quantize not in convert.AFTER_QUANTIZE:

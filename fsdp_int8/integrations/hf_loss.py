@@ -7,18 +7,21 @@ of any recipe's. :func:`chunked_causal_lm_loss` computes the same loss a chunk o
 at a time and recomputes each chunk's fp32 values in backward, so only the logits in their
 own dtype, their gradient in that dtype, and one chunk in fp32 exist at once. It takes the
 arguments of transformers' ``ForCausalLMLoss``: a Hugging Face model uses it with
-``model.loss_function = chunked_causal_lm_loss``.
+``model.loss_function = chunked_causal_lm_loss``, or through
+``Int8TrainingConfig(loss_chunk_tokens=N)`` (part of ``Int8TrainingConfig.lean()``), for
+which ``quantize_`` calls :func:`use_chunked_loss`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_causal_lm_loss"]
+__all__ = ["chunked_causal_lm_loss", "use_chunked_loss"]
 
 
 def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -87,3 +90,16 @@ def chunked_causal_lm_loss(
     else:
         count = num_items_in_batch
     return total / count
+
+
+def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> bool:
+    """Make a transformers causal LM compute its loss with :func:`chunked_causal_lm_loss`,
+    ``chunk_tokens`` tokens at a time (``model.loss_function``); return whether it does.
+
+    Only a model whose loss is transformers' causal-LM loss (``loss_type`` ``"ForCausalLM"``)
+    and that has no ``loss_function`` of its own set: any other keeps its loss.
+    """
+    if getattr(model, "loss_type", None) != "ForCausalLM" or "_loss_function" in vars(model):
+        return False
+    model.loss_function = functools.partial(chunked_causal_lm_loss, chunk_tokens=chunk_tokens)
+    return True
