@@ -12,8 +12,13 @@ and ``save_model`` write the int8 rows with their fp32 scales (``model.safetenso
 ``quantization_config`` into ``config.json``, and ``from_pretrained`` of the saved folder
 gives back the same int8 bytes. ``Int8Trainer`` (``fsdp_int8.integrations.hf``) adds the
 stochastic-rounding generator to the checkpoints, so that ``train(resume_from_checkpoint=
-...)`` repeats the uninterrupted run's losses bit for bit. On CPU, accelerate would pick
-DDP: ``_accelerate_cpu`` switches it to FSDP2 (gloo); on GPUs it changes nothing.
+...)`` repeats the uninterrupted run's losses bit for bit. Last, the lean-memory recipe:
+``shard_model(model, config=Int8TrainingConfig.lean())`` before the Trainer (accelerate
+keeps a model FSDP2 already shards, with the config's bf16 compute), ``Int8AdamW.lean``
+on its sharded parameters, and ``Int8Trainer``, which takes that optimizer in
+``optimizers=`` (the stock Trainer refuses it under FSDP), leaves clipping to it (it
+steps inside backward) and logs its gradient norm. On CPU, accelerate would pick DDP:
+``_accelerate_cpu`` switches it to FSDP2 (gloo); on GPUs it changes nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +63,34 @@ def same_int8(model, trained: dict[str, fsdp_int8.Int8Weight]) -> bool:
     )
 
 
+def lean_run(base: str, args: "TrainingArguments", lr: float) -> dict:
+    """The lean recipe under ``Int8Trainer`` with FSDP2: what it trained and what it holds."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_int8.integrations.hf import Int8Trainer
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean())  # before the Trainer
+    computed = set()  # the dtype a block's matmuls compute in
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, x, y: computed.add(y.dtype))
+    optimizer = fsdp_int8.Int8AdamW.lean(model.parameters(), lr=lr)  # the sharded parameters
+    trainer = Int8Trainer(model=model, args=args, train_dataset=Patterns(), optimizers=(optimizer, None))
+    trainer.train()
+    optimizer = trainer.optimizer.optimizer  # inside accelerate's wrapper
+    up = trainer.model.model.layers[0].mlp.up_proj.weight
+    losses = losses_of(trainer)
+    return {
+        "losses": [losses[s] for s in sorted(losses)],
+        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "loss" in h],
+        "int8_weights": int8_count(trainer.model),
+        "int8_embedding": isinstance(trainer.model.model.embed_tokens.weight.to_local(), fsdp_int8.Int8Weight),
+        "compute_dtypes": sorted(str(d) for d in computed),
+        "optimizer": f"{type(optimizer).__name__}(step_in_backward={optimizer.step_in_backward}, "
+                     f"max_grad_norm={optimizer.max_grad_norm})",
+        "state_dtypes": sorted(str(v.dtype) for k, v in optimizer.state[up].items() if k.startswith("exp_avg")),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -74,8 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     half = args.steps // 2
     with accelerate_session():
 
-        def training(output_dir: str) -> TrainingArguments:
-            out = TrainingArguments(
+        def training(output_dir: str, **changes) -> TrainingArguments:
+            options = dict(
                 output_dir=output_dir, use_cpu=on_cpu(), fsdp=True,
                 fsdp_config={
                     "fsdp_version": 2, "state_dict_type": "FULL_STATE_DICT",
@@ -84,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                 max_steps=args.steps, save_steps=half, per_device_train_batch_size=4,
                 learning_rate=args.lr, logging_steps=1, report_to=[], disable_tqdm=True,
             )
+            out = TrainingArguments(**{**options, **changes})
             fsdp2_accelerator(FullyShardedDataParallelPlugin(**out.fsdp_plugin_args))
             return out
 
@@ -117,6 +151,13 @@ def main(argv: list[str] | None = None) -> dict:
             exact.train()
             resumed = Int8Trainer(model=int8_llama(), args=exact_args, train_dataset=Patterns())
             resumed.train(resume_from_checkpoint=os.path.join(root, "exact", f"checkpoint-{half}"))
+            # 3. The lean recipe: int8 embeddings and gathered weights, 8-bit states, the
+            # optimizer step inside backward, bf16 compute.
+            # FSDP2, nothing left to wrap: shard_model sharded the model (accelerate would look
+            # for LlamaDecoderLayer, which fully_shard renamed FSDPLlamaDecoderLayer)
+            lean_args = training(os.path.join(root, "lean"), save_strategy="no",
+                                 fsdp_config={"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP"})
+            lean = lean_run(base, lean_args, args.lr)
             losses, exact_losses = losses_of(trainer), losses_of(exact)
             again = {s: v for s, v in losses_of(resumed).items() if s > half}  # steps run again
             result = {
@@ -129,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "resumed_losses": [again[s] for s in sorted(again)],
                 "resume_matches": len(again) == args.steps - half
                 and all(again[s] == exact_losses[s] for s in again),
+                "lean": lean,
             }
             dist.barrier()
         finally:

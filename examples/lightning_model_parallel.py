@@ -11,7 +11,11 @@ on CPU, nccl on CUDA). ``trainer.save_checkpoint`` writes a distributed checkpoi
 rank its int8 shards and optimizer state) and ``fit(ckpt_path=...)`` resumes from it,
 every int8 byte restored. ``Int8RoundingCheckpoint`` adds every rank's stochastic-rounding
 generators to the checkpoint, so the resumed run rounds on from where the saved one
-stopped.
+stopped. ``--lean`` trains the lean-memory recipe: ``shard_model(...,
+config=Int8TrainingConfig.lean())`` in ``configure_model`` (int8 embedding, int8 gathered
+weights, bf16 compute) and ``Int8AdamW.lean`` from ``configure_optimizers`` (8-bit states,
+each parameter stepped and clipped inside backward: Lightning's ``optimizer.step(closure)``
+runs the closure's backward, then completes the step; leave ``gradient_clip_val`` unset).
 """
 
 from __future__ import annotations
@@ -40,19 +44,23 @@ VOCAB, SEQ = 64, 16  # TinyNet's default vocabulary
 class TinyLM(L.LightningModule):
     """Trains ``TinyNet``; ``configure_model`` makes it int8 and shards it."""
 
-    def __init__(self, lr: float = 1e-2) -> None:
+    def __init__(self, lr: float = 1e-2, lean: bool = False) -> None:
         super().__init__()
-        self.lr = lr
+        self.lr, self.lean = lr, lean
         self.model = TinyNet()
         self.losses: list[float] = []
         self.state_at_start: dict[str, torch.Tensor] = {}
         self.rounding_at_start: dict = {}
+        self.computed: set[torch.dtype] = set()  # the dtypes a block's matmul computes in
+        self.updated_in_backward: list[bool] = []
 
     def configure_model(self) -> None:
         if isinstance(self.model, FSDPModule):
             return  # Lightning calls this hook again for every fit/validate/test
         # The strategy's mesh is (data_parallel, tensor_parallel); FSDP2 shards over the first.
-        fsdp_int8.shard_model(self.model, mesh=self.device_mesh["data_parallel"])
+        config = fsdp_int8.Int8TrainingConfig.lean() if self.lean else None
+        fsdp_int8.shard_model(self.model, mesh=self.device_mesh["data_parallel"], config=config)
+        self.model.layers[0][1].register_forward_hook(lambda m, x, y: self.computed.add(y.dtype))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
@@ -60,12 +68,25 @@ class TinyLM(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def _int8_rows(self) -> torch.Tensor:
+        return self.model.layers[0][1].weight.to_local().int_data  # this rank's rows of one layer
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        self.before_step = self._int8_rows().clone()
+
+    def on_after_backward(self) -> None:
+        # Lightning runs backward inside optimizer.step(closure): a step inside backward
+        # has changed the weights already
+        self.updated_in_backward.append(not torch.equal(self.before_step, self._int8_rows()))
+
     def on_train_start(self) -> None:
         # Runs after Lightning restored a checkpoint: what resuming loaded.
         self.state_at_start = local_state(self.model, self.trainer.optimizers[0])
         self.rounding_at_start = rounding_states(self.trainer)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.lean:
+            return fsdp_int8.Int8AdamW.lean(self.parameters(), lr=self.lr, weight_decay=0.0)
         return fsdp_int8.Int8AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
 
 
@@ -90,7 +111,7 @@ def dataset(size: int) -> TensorDataset:
 
 def fit(args: argparse.Namespace, max_steps: int, ckpt_path: str | None = None) -> tuple[L.Trainer, TinyLM]:
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = TinyLM()
+    model = TinyLM(lean=args.lean)
     trainer = L.Trainer(
         accelerator="auto",  # CPU here, with gloo; one GPU per process, with nccl
         devices=2,
@@ -119,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--precision", default="32-true", help="Lightning's precision (e.g. bf16-mixed)")
     parser.add_argument("--single-file", action="store_true",
                         help="rank 0 saves one full checkpoint file instead of a directory of shards")
+    parser.add_argument("--lean", action="store_true",
+                        help="the lean recipe: Int8TrainingConfig.lean() and Int8AdamW.lean")
     args = parser.parse_args(argv)
 
     created = not dist.is_initialized()
@@ -136,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
         rounding_saved = rounding_states(trainer)
 
         resumed_trainer, resumed = fit(args, 2 * args.steps, ckpt_path=path)
-        saved, loaded = local_state(model.model, trainer.optimizers[0]), resumed.state_at_start
+        optimizer = trainer.optimizers[0]
+        saved, loaded = local_state(model.model, optimizer), resumed.state_at_start
         after = local_state(resumed.model, resumed_trainer.optimizers[0])
         summary = {
             "rank": rank,
@@ -152,6 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
             ),
             # sharded: a directory (each rank's shards + Lightning's meta.pt); --single-file: a file
             "checkpoint": sorted(os.listdir(path)) if os.path.isdir(path) else "file",
+            "updated_in_backward": model.updated_in_backward,
+            "int8_embedding": isinstance(model.model.embed.weight.to_local(), fsdp_int8.Int8Weight),
+            "compute_dtypes": sorted(str(d) for d in model.computed),
+            "optimizer": f"{type(optimizer).__name__}(step_in_backward={optimizer.step_in_backward}, "
+                         f"max_grad_norm={optimizer.max_grad_norm})",
+            "state_dtypes": sorted({str(v.dtype) for state in optimizer.state.values() for v in state.values()}),
         }
         dist.barrier()  # every rank is done with the checkpoint before rank 0 removes it
         return summary

@@ -16,6 +16,12 @@ CPU changes to the debug config: SDPA instead of FlexAttention (no CPU backward)
 sequences, fp32 compute. The Trainer itself is not run: it needs a tokenizer and a
 dataset that are not part of the torchtitan package.
 
+``--lean``: the lean-memory recipe as far as torchtitan's Trainer takes it,
+``enable_int8_training(config, Int8LinearConverter.Config(lean=True))``: int8 embedding
+and gathered weights, the AdamW groups as ``Int8AdamW.lean``'s (8-bit states), torchtitan's
+own bf16 compute (``mixed_precision_param``); the optimizer steps after backward, where
+torchtitan's Trainer clips (``training.max_norm``).
+
 Install: ``pip install "fsdp_int8[torchtitan]"``
 Run:     ``torchrun --nproc-per-node 2 examples/torchtitan_debug.py [--steps 6]``
 """
@@ -33,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import fsdp_int8
 import fsdp_int8.collectives
-from fsdp_int8.integrations.torchtitan import enable_int8_training
+from fsdp_int8.integrations.torchtitan import Int8LinearConverter, enable_int8_training
 from _common import int8_count, int8_names, int8_shards, same
 
 VOCAB_USED = 64  # the synthetic task's tokens (the debug model's vocabulary has 2048)
@@ -57,13 +63,13 @@ def _trainer_config(args: argparse.Namespace, dump_folder: str):
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     config = llama3_debugmodel()
-    enable_int8_training(config)  # the one int8 switch
+    enable_int8_training(config, Int8LinearConverter.Config(lean=args.lean))  # the one int8 switch
     for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
     config.training.seq_len = args.seq_len
     config.training.local_batch_size = args.batch
     config.training.steps = args.steps
-    config.training.mixed_precision_param = "float32"
+    config.training.mixed_precision_param = "bfloat16" if args.lean else "float32"
     # FSDP2 on plain parameters; torchtitan's default ("spmd_types") stops in fully_shard on
     # this CPU setup with or without int8 ("all parameters must be DTensors on the full
     # SPMD mesh").
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dump-folder", default=None, help="default: a temporary folder")
+    parser.add_argument("--lean", action="store_true", help="the lean recipe (Int8LinearConverter.Config(lean=True))")
     parser.add_argument("--compile", default=None, metavar="BACKEND",
                         help="torchtitan's per-block compile (compile.enable, components ['model']) "
                         "with this torch.compile backend, e.g. inductor")
@@ -183,12 +190,15 @@ def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
         model(_batch(0, rank, args.batch, args.seq_len)[:, :-1])
     param_bytes = sum(p.numel() * 4 for p in model.parameters())  # in fp32 (global sizes)
     # what one forward gathers if every int8 weight travels as int8 rows + one fp32 scale
-    # per row and every other parameter in fp32 (the debug model's shards need no padding)
-    int8_weight_names = set(int8_names(model))
+    # per row and every other parameter in the compute dtype (fp32; bf16 with --lean; the
+    # debug model's shards need no padding)
+    int8_weight_names, plain = set(int8_names(model)), 2 if args.lean else 4
     int8_gather_bytes = sum(
-        p.numel() + 4 * p.shape[0] if name in int8_weight_names else 4 * p.numel()
+        p.numel() + 4 * p.shape[0] if name in int8_weight_names else plain * p.numel()
         for name, p in model.named_parameters()
     )
+    computed = set()  # the dtypes a block's matmul computes in
+    model.layers["0"].feed_forward.w2.register_forward_hook(lambda m, x, y: computed.add(y.dtype))
 
     losses = _train(run, range(1, args.steps + 1), args, rank, world)
     int8_weights = int8_count(model)
@@ -212,7 +222,12 @@ def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:
     resumed_exact = same(int8_shards(fresh["model"]), went_on)
     for part in (run, fresh):
         part["checkpointer"].close()
+    optimizer = run["optimizers"].optimizers[0]  # inside torchtitan's container
     return {
+        "int8_embedding": isinstance(model.tok_embeddings.weight.to_local(), fsdp_int8.Int8Weight),
+        "compute_dtypes": sorted(str(d) for d in computed),
+        "optimizer": type(optimizer).__name__,
+        "state_dtypes": sorted({str(v.dtype) for state in optimizer.state.values() for v in state.values()}),
         "losses": losses,
         "int8_weights": int8_weights,
         "int8_weights_after_load": int8_count(fresh["model"]),

@@ -171,6 +171,11 @@ def test_int8_trainer_refuses_clipping_an_optimizer_stepping_in_backward_does_no
     trainer = _lean_trainer(tmp_path, Int8Trainer, trainer_clip=0.0, max_grad_norm=None)
     trainer.train()  # no clipping asked, none done; no norm measured, none logged
     assert trainer.state.global_step == 6 and not any("grad_norm" in h for h in trainer.state.log_history)
+    # under FSDP, accelerate would shard the model after the optimizer hooked its parameters
+    trainer = _lean_trainer(tmp_path, Int8Trainer)
+    trainer.is_fsdp_enabled = True  # as FSDP in TrainingArguments sets it on several processes
+    with pytest.raises(ValueError, match=r"shard the model before the Trainer, fsdp_int8\.shard_model"):
+        trainer.create_optimizer()  # what train() calls before accelerate shards the model
 
 
 def test_accelerate_saves_through_save_pretrained_and_state_through_torch_save(tmp_path):

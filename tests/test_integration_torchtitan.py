@@ -124,7 +124,78 @@ def test_enable_int8_training_refuses_a_foreign_checkpoint_manager_before_changi
     assert type(config.checkpoint) is titan.Int8CheckpointManager.Config
     assert config.checkpoint.interval == 7
     assert config.model_spec.post_optimizer_build_fn is titan.int8_post_optimizer_build
-    assert any(titan._is_int8_config(c) for _, c, _, _ in config.model_spec.model.traverse(Linear.Config))
+    assert any(titan.is_int8_config(c) for _, c, _, _ in config.model_spec.model.traverse(Linear.Config))
+
+
+def test_the_lean_converter_trains_int8_embeddings_with_int8_adamw_lean_in_torchtitans_container():
+    """The lean recipe's parts that torchtitan takes, in one process: the converter's int8
+    embedding and gathered weights, Int8AdamW.lean's 8-bit states through torchtitan's
+    container and its flat, FQN-keyed optimizer state dict (2 ranks, torchtitan's FSDP with
+    bf16 compute and its checkpoints: tests/distributed/test_examples.py)."""
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from fsdp_int8.config import INT8_GATHERED_WEIGHTS
+    from fsdp_int8.optim.adamw import LEAN_STEP_ELEMENTS
+
+    config = titan.Int8LinearConverter.Config(lean=True).build().convert(titan_config())
+    model = _build(config, "meta")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    titan_init(model)
+    wqkv = model.layers["0"].attention.qkv_linear.wqkv.weight
+    assert isinstance(model.tok_embeddings.weight, Int8Weight)
+    assert wqkv.int8_matmul == INT8_GATHERED_WEIGHTS and not isinstance(model.lm_head.weight, Int8Weight)
+    group = ParamGroupConfig(pattern=".*", optimizer_name="Int8AdamW.lean", optimizer_kwargs={"lr": 1e-2})
+    optimizers = titan.Int8OptimizersContainer.Config(param_groups=[group]).build(model_parts=[model])
+    (optimizer,) = optimizers.optimizers
+    assert isinstance(optimizer, fsdp_int8.Int8AdamW) and optimizer.param_groups[0]["state_bits"] == 8
+    # torchtitan's Trainer clips after backward: the step stays there
+    assert not optimizer.step_in_backward and optimizer._step_elements == LEAN_STEP_ELEMENTS
+    tokens = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
+    losses = train_steps(model, titan_loss, optimizers, tokens, 3)
+    assert losses[-1] < losses[0], losses
+    state = optimizer.state[wqkv]
+    assert state["exp_avg_int8"].dtype == torch.int8 and state["exp_avg_sq_sqrt_uint8"].dtype == torch.uint8
+    saved = copy.deepcopy(optimizers.state_dict())
+    train_steps(model, titan_loss, optimizers, tokens, 1)
+    assert not torch.equal(state["exp_avg_int8"], saved["state.layers.0.attention.qkv_linear.wqkv.weight.exp_avg_int8"])
+    optimizers.load_state_dict(saved)
+    for key, value in optimizer.state[wqkv].items():
+        assert torch.equal(value, saved[f"state.layers.0.attention.qkv_linear.wqkv.weight.{key}"]), key
+
+
+def test_enable_int8_training_with_lean_names_int8_adamw_lean_and_refuses_a_foreign_optimizer():
+    from torchtitan.components.optimizer import OptimizersContainer, default_adamw
+    from torchtitan.models.common.embedding import Embedding
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    class MyOptimizers(OptimizersContainer):
+        from dataclasses import dataclass
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(OptimizersContainer.Config):
+            pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = llama3_debugmodel()
+    model_config, lean = config.model_spec.model, titan.Int8LinearConverter.Config(lean=True)
+    config.optimizer = MyOptimizers.Config(param_groups=default_adamw(lr=3e-4).param_groups)
+    with pytest.raises(TypeError, match="cannot adapt a .*MyOptimizers.Config optimizer"):
+        titan.enable_int8_training(config, lean)
+    assert config.model_spec.model is model_config and type(config.optimizer) is MyOptimizers.Config
+    config.optimizer = default_adamw(lr=3e-4)
+    titan.enable_int8_training(config, lean)
+    assert type(config.optimizer) is titan.Int8OptimizersContainer.Config
+    (group,) = config.optimizer.param_groups
+    assert group.optimizer_name == "Int8AdamW.lean" and group.optimizer_kwargs["lr"] == 3e-4
+    assert all(titan.is_int8_config(c) for _, c, _, _ in config.model_spec.model.traverse(Embedding.Config))
+    # without lean the groups keep torchtitan's optimizer (and may name Int8AdamW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = titan.enable_int8_training(llama3_debugmodel())
+    assert [g.optimizer_name for g in plain.optimizer.param_groups] == ["AdamW"]
+    assert not any(titan.is_int8_config(c) for _, c, _, _ in plain.model_spec.model.traverse(Embedding.Config))
 
 
 def test_model_wrapper_keeps_the_fused_qkv_split_current_where_torchtitans_cannot_run():

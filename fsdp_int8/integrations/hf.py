@@ -22,7 +22,8 @@ With an optimizer that steps inside backward (``Int8AdamW(step_in_backward=True)
 their norm, and any read of them raises. The mixin then leaves clipping to the
 optimizer's ``max_grad_norm`` (``TrainingArguments.max_grad_norm > 0`` with an optimizer
 that does not clip is refused when the optimizer is created) and logs the optimizer's
-measured norm, ``optimizer.grad_norm``, as ``grad_norm``.
+measured norm, ``optimizer.grad_norm``, as ``grad_norm``. A model sharded before the
+Trainer sees it (``shard_model``) takes its optimizer in ``optimizers=`` under FSDP too.
 
 Usage::
 
@@ -47,6 +48,7 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel, Trainer
 
 from fsdp_int8._dist import local_shard
@@ -73,7 +75,10 @@ class Int8SaveMixin:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        held = _optimizers_of_a_sharded_model(args, kwargs)
         super().__init__(*args, **kwargs)
+        if held is not None:
+            self.optimizer, self.lr_scheduler = held
         model = self.model
         if (
             isinstance(model, PreTrainedModel)
@@ -100,6 +105,15 @@ class Int8SaveMixin:
         then: an optimizer stepping inside backward must do the clipping asked for."""
         optimizer = super().create_optimizer(*args, **kwargs)
         _check_clipping(optimizer, self.args.max_grad_norm)
+        if self.is_fsdp_enabled and not isinstance(self.model, FSDPModule) and _stepping_in_backward(optimizer):
+            raise ValueError(
+                f"{type(optimizer).__name__}(step_in_backward=True) hooks the parameters it is given, and "
+                "accelerate shards the model after the optimizer took them (FSDP2 makes new ones), so it "
+                "would step nothing inside backward: shard the model before the Trainer, "
+                "fsdp_int8.shard_model(model, config=...), build the optimizer on model.parameters() then, "
+                "pass it in optimizers=(optimizer, None), and set fsdp_config={'fsdp_version': 2, "
+                "'auto_wrap_policy': 'NO_WRAP'} (accelerate keeps an FSDP2 model as it is)"
+            )
         return optimizer
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
@@ -117,6 +131,20 @@ class Int8SaveMixin:
         if optimizer is not None:
             grad_norm = optimizer.grad_norm  # the completed step's norm, before clipping
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+
+def _optimizers_of_a_sharded_model(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+    """``kwargs``' ``optimizers``, taken out of them, when the model is sharded already.
+
+    transformers refuses ``optimizers=`` under FSDP because it would shard the model after
+    the optimizer took its parameters; a model that ``shard_model`` (or ``fully_shard``)
+    sharded keeps them (accelerate leaves an FSDP2 module as it is), so the mixin hands
+    them to the Trainer after its checks."""
+    model = kwargs.get("model", args[0] if args else None)
+    optimizers = kwargs.get("optimizers", (None, None))
+    if not isinstance(model, FSDPModule) or tuple(optimizers) == (None, None) or "optimizer_cls_and_kwargs" in kwargs:
+        return None
+    return tuple(kwargs.pop("optimizers"))
 
 
 def _stepping_in_backward(optimizer: Any) -> Any:

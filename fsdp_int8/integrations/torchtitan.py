@@ -21,7 +21,11 @@ function once the optimizers exist (``ModelSpec.post_optimizer_build_fn``). Here
   access so that raw-bytes writers such as safetensors cannot write wrong bytes). It also
   saves each rank's stochastic-rounding generators, so a resumed run repeats the
   uninterrupted one bit for bit.
-* :func:`enable_int8_training` applies all three to a ``Trainer.Config`` in one call.
+* :class:`Int8OptimizersContainer` is torchtitan's ``OptimizersContainer`` whose parameter
+  groups may also name ``"Int8AdamW"`` and ``"Int8AdamW.lean"``.
+* :func:`enable_int8_training` applies them all to a ``Trainer.Config`` in one call
+  (``Int8LinearConverter.Config(lean=True)``: the lean-memory recipe, as far as
+  torchtitan's Trainer takes it).
 * :func:`fsdp_int8.export_full_state_dict` exports the trained model in full precision in
   torchtitan's own keys (its fused-QKV hooks split ``wqkv``); :func:`export_hf_state_dict`
   does it through torchtitan's state-dict adapter, in Hugging Face's keys.
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 import torch
@@ -43,6 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
 from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.models.common.embedding import Embedding
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
@@ -54,13 +59,15 @@ from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.checkpoint import (
     CpuCopyStager, capture_generators, check_int8_entries, export_full_state_dict, restore_generators,
 )
-from fsdp_int8.config import Int8TrainingConfig, counts_experts, expert_weight_names
-from fsdp_int8.convert import int8_parameter
+from fsdp_int8.config import Int8TrainingConfig, counts_experts
 from fsdp_int8.gradients import enable_quantized_reduce_scatter
+from fsdp_int8.integrations._torchtitan_modules import int8_class, is_int8_config
+from fsdp_int8.integrations._torchtitan_optim import Int8OptimizersContainer, int8_optimizers_config
 
 __all__ = [
     "Int8LinearConverter",
     "Int8CheckpointManager",
+    "Int8OptimizersContainer",
     "int8_post_optimizer_build",
     "enable_int8_training",
     "export_hf_state_dict",
@@ -68,52 +75,11 @@ __all__ = [
 
 logger = logging.getLogger("fsdp_int8")
 
-# module class -> its int8 subclass, made once per class (as torchtitan's LoRA does)
-_INT8_CLASSES: dict[type, type] = {}
-
-
-def _int8_class(parent: type) -> type:
-    """``parent`` (a torchtitan ``Linear`` class, or ``GroupedExperts``) whose weight (its
-    3-D expert weights) is int8 from ``__init__`` on."""
-    if parent in _INT8_CLASSES:
-        return _INT8_CLASSES[parent]
-
-    class Int8Module(parent):  # type: ignore[valid-type, misc]
-        @dataclass(kw_only=True, slots=True)
-        class Config(parent.Config):  # type: ignore[misc, name-defined]
-            # a leading underscore keeps it out of torchtitan's config dumps (to_dict)
-            _int8: Int8TrainingConfig = field(default_factory=Int8TrainingConfig)
-            _quantize_gradients: bool = False
-
-        def __init__(self, config: Any) -> None:
-            super().__init__(config)
-            self._fsdp_int8_training = config._int8
-            self._fsdp_int8_quantize_gradients = config._quantize_gradients
-            for name in expert_weight_names(self) or ("weight",):
-                setattr(self, name, int8_parameter(getattr(self, name), config._int8))
-
-        def parallelize(self, parallel_dims: Any) -> None:
-            """torchtitan's placement, then: an int8 expert weight cut by expert parallelism
-            (whole experts per ep rank) is the whole weight FSDP2 shards on the efsdp mesh."""
-            super().parallelize(parallel_dims)
-            for name in expert_weight_names(self):
-                local = local_shard(getattr(self, name))
-                if isinstance(local, Int8Weight):
-                    local.full_rows = local.rows
-
-    Int8Module.__name__ = Int8Module.__qualname__ = f"Int8{parent.__name__}"
-    _INT8_CLASSES[parent] = Int8Module
-    return Int8Module
-
-
-def _is_int8_config(config: Any) -> bool:
-    return config._owner in _INT8_CLASSES.values()
-
 
 class Int8LinearConverter(QuantizationConverter):
-    """torchtitan model-config converter: selected linear layers and MoE experts
-    (``GroupedExperts``: 3-D weights, one scale per expert and output feature) get int8
-    weights; MoE routers stay in full precision.
+    """torchtitan model-config converter: selected linear layers, MoE experts
+    (``GroupedExperts``: 3-D weights, one scale per expert and output feature) and, with
+    ``quantize_embeddings``, embeddings get int8 weights; MoE routers stay in full precision.
 
     Use it as torchtitan uses its float8 converter::
 
@@ -139,30 +105,48 @@ class Int8LinearConverter(QuantizationConverter):
         (:func:`fsdp_int8.gradients.enable_quantized_reduce_scatter`, called by
         :func:`int8_post_optimizer_build` once the model is sharded)."""
 
+        lean: bool = False
+        """The lean-memory recipe as far as torchtitan's Trainer takes it: ``training``
+        gets ``Int8TrainingConfig.lean()``'s int8 embeddings and int8 gathered weights, and
+        :func:`enable_int8_training` makes the optimizer's ``AdamW`` groups
+        ``"Int8AdamW.lean"`` ones (8-bit states; :class:`Int8OptimizersContainer`). Not
+        applied: its compute dtype (torchtitan's ``training.mixed_precision_param``, bf16 by
+        default, decides) and ``Int8AdamW.lean``'s step inside backward with its
+        ``max_grad_norm`` (torchtitan's Trainer clips every gradient after backward:
+        ``training.max_norm``)."""
+
+    def _training(self) -> Int8TrainingConfig:
+        """``training``, with the lean recipe's embeddings and gathered weights under ``lean``."""
+        if not self.config.lean:
+            return self.config.training
+        lean = Int8TrainingConfig.lean()
+        return replace(self.config.training, quantize_embeddings=lean.quantize_embeddings, int8_matmul=lean.int8_matmul)
+
     def __init__(self, config: Config) -> None:
         self.config = config
 
     def _selects(self, fqn: str, module_config: Any, parent: Any) -> bool:
-        if not issubclass(module_config._owner, (Linear, GroupedExperts)):
+        if not issubclass(module_config._owner, (Linear, GroupedExperts, Embedding)):
             return False  # another converter's layer (float8): not ours to change
         if any(part in fqn for part in self.config.filter_fqns):
             return False
         with torch.device("meta"):  # the filter looks at a module: a free one
             probe = module_config.build()
         # a MoE router's gate (TokenChoiceTopKRouter.Config has num_experts) stays as it is
-        return self.config.training.should_quantize(probe, fqn, router=counts_experts(parent))
+        return self._training().should_quantize(probe, fqn, router=counts_experts(parent))
 
     def convert(self, model_config: Any) -> Any:
-        """Return ``model_config`` with every selected ``Linear.Config`` (and MoE
-        ``GroupedExperts.Config``) made int8."""
+        """Return ``model_config`` with every selected ``Linear.Config`` (MoE
+        ``GroupedExperts.Config``, ``Embedding.Config``) made int8."""
         converted = []
-        found = [*model_config.traverse(Linear.Config), *model_config.traverse(GroupedExperts.Config)]
+        found = [found for kind in (Linear.Config, GroupedExperts.Config, Embedding.Config)
+                 for found in model_config.traverse(kind)]
         for fqn, linear_config, parent, attr in found:
-            if _is_int8_config(linear_config) or not self._selects(fqn, linear_config, parent):
+            if is_int8_config(linear_config) or not self._selects(fqn, linear_config, parent):
                 continue
-            int8_config = _int8_class(linear_config._owner).Config(
+            int8_config = int8_class(linear_config._owner).Config(
                 **{f.name: getattr(linear_config, f.name) for f in fields(linear_config) if f.init},
-                _int8=self.config.training,
+                _int8=self._training(),
                 _quantize_gradients=self.config.quantize_gradients,
             )
             if parent is None:
@@ -174,7 +158,7 @@ class Int8LinearConverter(QuantizationConverter):
             converted.append(fqn)
         if converted:
             logger.info("Int8LinearConverter: %d linear and experts layers get int8 weights", len(converted))
-        elif not any(_is_int8_config(c) for _, c, _, _ in model_config.traverse(Linear.Config)):
+        elif not any(is_int8_config(c) for _, c, _, _ in model_config.traverse(Linear.Config)):
             warnings.warn(
                 "Int8LinearConverter selected no linear layer: the model trains in full "
                 "precision. Check Int8TrainingConfig's module_filter, skip_names and "
@@ -358,13 +342,15 @@ def enable_int8_training(trainer_config: Any, converter: Int8LinearConverter.Con
 
     Converts ``trainer_config.model_spec.model`` with :class:`Int8LinearConverter`, adds
     :func:`int8_post_optimizer_build` to the model spec's ``post_optimizer_build_fn``
-    (after any it had) and makes the checkpoint component an
-    :class:`Int8CheckpointManager` with the same settings.
+    (after any it had), makes the checkpoint component an :class:`Int8CheckpointManager`
+    and torchtitan's optimizer component an :class:`Int8OptimizersContainer` with the same
+    settings (with the converter's ``lean``, its ``AdamW`` groups ``"Int8AdamW.lean"``).
 
     Raises:
         ValueError: the config has no ``model_spec`` yet.
         TypeError: its checkpoint component is neither torchtitan's ``CheckpointManager``
-            nor :class:`Int8CheckpointManager`.
+            nor :class:`Int8CheckpointManager`, or ``lean`` meets an optimizer component
+            other than torchtitan's ``OptimizersContainer``.
     """
     spec = trainer_config.model_spec
     if spec is None:
@@ -372,10 +358,12 @@ def enable_int8_training(trainer_config: Any, converter: Int8LinearConverter.Con
             "enable_int8_training needs trainer_config.model_spec (set by torchtitan's model "
             "registry, e.g. config.model_spec = model_registry('debugmodel'))"
         )
+    converter = converter or Int8LinearConverter.Config()
     checkpoint = _int8_checkpoint_config(trainer_config.checkpoint)  # refuse before changing
-    spec.model = (converter or Int8LinearConverter.Config()).build().convert(spec.model)
+    optimizer = int8_optimizers_config(trainer_config.optimizer, lean=converter.lean)
+    spec.model = converter.build().convert(spec.model)
     spec.post_optimizer_build_fn = _chain(spec.post_optimizer_build_fn, int8_post_optimizer_build)
-    trainer_config.checkpoint = checkpoint
+    trainer_config.checkpoint, trainer_config.optimizer = checkpoint, optimizer
     return trainer_config
 
 

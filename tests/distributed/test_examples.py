@@ -32,6 +32,7 @@ def _run_examples(rank: int, world_size: int) -> dict:
 
     environ = dict(os.environ)  # after importing Lightning, which sets some variables
     results = {"lightning": lightning_model_parallel.main(["--steps", str(STEPS)])}
+    results["lightning lean"] = lightning_model_parallel.main(["--steps", str(STEPS), "--lean"])
     if FULL_MATRIX:  # the variants of a script: the exhaustive run (README, "Tests")
         results["lightning_single_file_bf16"] = lightning_model_parallel.main(
             ["--steps", str(STEPS), "--single-file", "--precision", "bf16-mixed"]
@@ -44,6 +45,7 @@ def _run_examples(rank: int, world_size: int) -> dict:
         results["accelerate full"] = accelerate_fsdp2.main(["--steps", "3", "--state-dict-type", "FULL_STATE_DICT"])
     results["trainer"] = hf_trainer.main(["--steps", str(STEPS)])
     results["torchtitan"] = torchtitan_debug.main(["--steps", str(STEPS)])
+    results["torchtitan lean"] = torchtitan_debug.main(["--steps", str(STEPS), "--lean"])
     # torchtitan's own per-block compile (compile.enable) over the int8 converter; aot_eager
     # runs eager's kernels through AOTAutograd (inductor: examples/README.md)
     if FULL_MATRIX:
@@ -116,6 +118,28 @@ def _check_plain_and_lightning(runs: list[dict]) -> None:
     assert runs[1]["fsdp2"]["export_max_diff"] is None
 
 
+def _check_lean(result: dict, what: str, int8_weights: int) -> None:
+    """The lean recipe in effect: int8 embedding and gathered weights (the int8 weight count
+    includes the embedding), bf16 compute, 8-bit moments, the step inside backward, and a
+    falling loss."""
+    assert result["int8_embedding"] and result["int8_weights"] == int8_weights, (what, result)
+    assert result["compute_dtypes"] == ["torch.bfloat16"], (what, result)
+    assert result["optimizer"] == "Int8AdamW(step_in_backward=True, max_grad_norm=1.0)", (what, result)
+    assert {"torch.int8", "torch.uint8"} <= set(result["state_dtypes"]), (what, result)
+    assert len(result["losses"]) == STEPS and result["losses"][-1] < result["losses"][0], (what, result)
+
+
+def _check_lightning_lean(runs: list[dict]) -> None:
+    for rank, run in enumerate(runs):
+        result, what = run["lightning lean"], f"lightning lean on rank {rank}"
+        _check_lean(result, what, TINY_LM_INT8_WEIGHTS + 1)
+        # every step had changed the weights before Lightning's optimizer.step(closure) returned
+        assert result["updated_in_backward"] == [True] * STEPS, (what, result)
+        _assert_trained(result["losses"], STEPS, what)
+        assert result["resumed_from_step"] == STEPS and result["restored_exactly"], (what, result)
+        assert result["rounding_restored"], what
+
+
 def _check_hf(results: list[dict]) -> None:
     for rank, by_example in enumerate(results):
         for name in ("accelerate sharded", "accelerate full"):
@@ -132,6 +156,12 @@ def _check_hf(results: list[dict]) -> None:
         assert trainer["int8_weights"] == trainer["int8_weights_resumed"] == LLAMA_INT8_WEIGHTS, (rank, trainer)
         assert "model.safetensors" in trainer["saved_files"], trainer["saved_files"]
         assert trainer["resume_matches"], (rank, trainer)  # resumed steps repeat the losses exactly
+        # Int8Trainer with the lean recipe under FSDP2: the logged gradient norm is the
+        # optimizer's, measured inside backward over both ranks' shards (the same on each)
+        lean = trainer["lean"]
+        _check_lean(lean, f"Int8Trainer lean on rank {rank}", LLAMA_INT8_WEIGHTS + 1)
+        assert len(lean["grad_norms"]) == STEPS and all(0 < g < float("inf") for g in lean["grad_norms"]), lean
+        assert lean["grad_norms"] == results[0]["trainer"]["lean"]["grad_norms"], (rank, lean)
     assert results[0]["trainer"]["reload_exact"] is True  # checked where the full weights are
 
 
@@ -139,14 +169,16 @@ def _check_torchtitan(results: list[dict]) -> None:
     for run in results:  # compiled blocks train exactly as eager ones
         if "torchtitan compiled" in run:
             assert run["torchtitan compiled"]["losses"] == run["torchtitan"]["losses"]
-    for summary in (run[name] for run in results for name in ("torchtitan", "torchtitan compiled") if name in run):
+    names = ("torchtitan", "torchtitan compiled", "torchtitan lean")
+    for name, summary in ((name, run[name]) for run in results for name in names if name in run):
         losses = summary["losses"]
         assert len(losses) == STEPS
         # from ln(2048) ~ 7.6 at init towards the 64 tokens the task uses (ln 64 ~ 4.2)
         assert max(losses[-2:]) < losses[0] - 2, losses
-        # 6 blocks x (wqkv, wo, w1, w2, w3); the output head stays in full precision
-        assert summary["int8_weights"] == 30
-        assert summary["int8_weights_after_load"] == 30
+        # 6 blocks x (wqkv, wo, w1, w2, w3); the output head stays in full precision; the
+        # lean recipe's embedding is int8 too
+        int8_weights = 31 if name == "torchtitan lean" else 30
+        assert summary["int8_weights"] == summary["int8_weights_after_load"] == int8_weights, (name, summary)
         assert summary["checkpoint_loaded"] and summary["step_after_load"] == STEPS
         # the reload is checked against a model that started out different
         assert summary["differed_before_load"] and summary["reload_exact"]
@@ -154,10 +186,15 @@ def _check_torchtitan(results: list[dict]) -> None:
         # holds each rank's stochastic-rounding generators (Int8CheckpointManager)
         assert summary["resume_exact"]
         # torchtitan's FSDP gathers int8 rows + fp32 scales for the 5.1M int8 parameters,
-        # fp32 for the embedding, norms and head: to the byte (0.38 of fp32 gathers)
+        # fp32 for the embedding, norms and head: to the byte (0.38 of fp32 gathers; lean:
+        # the embedding int8 too, the rest bf16, 0.27)
         gathered = summary["all_gather_bytes_per_forward"]
         assert gathered == summary["int8_all_gather_bytes_expected"]
-        assert gathered < 0.4 * summary["fp32_param_bytes"]
+        assert gathered < (0.3 if name == "torchtitan lean" else 0.4) * summary["fp32_param_bytes"]
+    for rank, run in enumerate(results):  # the lean recipe's parts that torchtitan's Trainer takes
+        lean, what = run["torchtitan lean"], f"torchtitan lean on rank {rank}"
+        assert lean["int8_embedding"] and lean["compute_dtypes"] == ["torch.bfloat16"], (what, lean)
+        assert lean["optimizer"] == "Int8AdamW" and {"torch.int8", "torch.uint8"} <= set(lean["state_dtypes"]), lean
 
 
 def _check_lightning_default_refused(runs: list[dict]) -> None:
@@ -170,5 +207,6 @@ def test_every_example_on_two_ranks():
     runs = run_distributed(_run_examples, 2, timeout=480)
     _check_lightning_default_refused(runs)
     _check_plain_and_lightning(runs)
+    _check_lightning_lean(runs)
     _check_hf(runs)
     _check_torchtitan(runs)
