@@ -2,6 +2,7 @@
 
     python -m benchmarks.memory                     # every row, with and without activation checkpointing
     python -m benchmarks.memory --rows bf16 lean --checkpointing on --json memory.json
+    python -m benchmarks.memory --rows bf16 lean --checkpointing on --log   # + a dated section in benchmarks/results/memory.md
 
 A Hugging Face Llama with Llama-3.2-1B's proportions scaled down (hidden 512, 12 blocks,
 8 query / 2 key-value heads, MLP 2048, vocab 16,000, tied embeddings: ~15% of the
@@ -91,6 +92,9 @@ INT8_ROWS: dict[str, tuple[Int8TrainingConfig, functools.partial]] = {
     "int8-8bit-in-backward": (Int8TrainingConfig(), _adamw(state_bits=8, step_in_backward=True)),
     "lean": (Int8TrainingConfig.lean(), Int8AdamW.lean),
     "lean-bf16-gathered": (Int8TrainingConfig.lean(int8_matmul=None), Int8AdamW.lean),
+    # the lean call with FSDP2's own reduce-scatter: on gloo it all-reduces a copy of its
+    # whole input (NCCL makes none), what the bf16 row also pays
+    "lean-torch-reduce-scatter": (Int8TrainingConfig.lean(in_place_reduce_scatter=False), Int8AdamW.lean),
 }
 ROWS = ("bf16", "fp32", *INT8_ROWS)
 SHAPES = {
@@ -228,6 +232,7 @@ def _largest_parts(figures: dict[str, float]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
     """Print the table; return each ``(row, checkpointing)``'s figures (bytes/param)."""
+    from benchmarks.report import RunLog
     from fsdp_int8 import hardware
     from fsdp_int8.testing import run_distributed
 
@@ -254,7 +259,10 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
     parser.add_argument("--step-elements", type=int,
                         help="Int8AdamW's step_elements (the most elements one update works on) for the int8 rows; "
                         "default: its own (2^20 on CPU, a fixed size, so a larger share of a scaled-down model)")
+    parser.add_argument("--log", action="store_true", help="also append a dated section (command, hardware line, "
+                        "table) to benchmarks/results/memory.md")
     args = parser.parse_args(argv)
+    log = RunLog("memory.md", "Peak memory", "benchmarks.memory", argv) if args.log else None
     shape = SHAPES[args.shape]
     capability = hardware.capability(torch.device("cpu"))
     print(f"# {capability.name}, {', '.join(capability.features) or 'no avx512_vnni/avx512_bf16/amx'}; "
@@ -292,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
                                                  parameters=result["parameters"], where=result["where"])
     if args.json:
         _write_json(args, capability, results)
+    if log is not None:
+        log.finish()
     return results
 
 

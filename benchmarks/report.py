@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"  # the dated logs, one page per subject
@@ -104,12 +105,17 @@ def write_verbatim(path: Path, title: str, command: str, lines: list[str]) -> Pa
     return path
 
 
-def log_run(page: str, title: str, command: str, lines: list[str], folder: Path | None = None) -> Path:
+def log_run(page: str, title: str, command: str, lines: list[str], folder: Path | None = None,
+            device: str = "cpu") -> Path:
     """Append one run to ``benchmarks/results/<page>`` as a dated section: its command, the
-    machine's load while it ran, and its printed output verbatim (which begins with the
-    benchmark's settings and its hardware line, ``fsdp_int8.hardware.hardware_line()``).
+    machine's load when it ended, and its printed output verbatim, headed by the hardware
+    line (``fsdp_int8.hardware.hardware_line(device)``) unless the output prints it.
 
     The newest run goes last; nothing already in the page changes."""
+    from fsdp_int8.hardware import hardware_line
+
+    machine = hardware_line(device)
+    lines = lines if machine in lines else [machine, *lines]
     path = (folder or RESULTS) / page
     path.parent.mkdir(parents=True, exist_ok=True)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
@@ -126,3 +132,29 @@ def log_run(page: str, title: str, command: str, lines: list[str], folder: Path 
     with path.open("a") as out:
         out.write("\n".join(section) + "\n")
     return path
+
+
+class RunLog:
+    """``--log`` for a benchmark that prints as it goes: from construction on, everything
+    printed is also kept, and :meth:`finish` appends it to ``benchmarks/results/<page>``
+    (:func:`log_run`) under the command ``python -m <module> <argv>``."""
+
+    def __init__(self, page: str, title: str, module: str, argv: list[str] | None) -> None:
+        self.page, self.title = page, title
+        self.command = f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
+        self._stdout, self._kept = sys.stdout, []
+        sys.stdout = self
+
+    def write(self, text: str) -> int:
+        self._kept.append(text)
+        return self._stdout.write(text)
+
+    def flush(self) -> None:
+        self._stdout.flush()
+
+    def finish(self) -> Path:
+        """Stop keeping the output and append it; returns the page."""
+        sys.stdout = self._stdout
+        path = log_run(self.page, self.title, self.command, "".join(self._kept).splitlines())
+        print(f"logged: {path}")
+        return path

@@ -44,6 +44,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from benchmarks.report import RunLog
+
 GIB = 1 << 30
 USABLE = 0.9  # of a GPU's memory, for the step's peak
 GPU_SIZES_GB = (24, 40, 80)
@@ -224,7 +226,10 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("measured", help="the JSON file of benchmarks.memory --json")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per micro-batch")
+    parser.add_argument("--log", action="store_true", help="also append a dated section (command, the measurement's "
+                        "machine, table) to benchmarks/results/memory.md")
     args = parser.parse_args(argv)
+    log = RunLog("memory.md", "What fits", "benchmarks.what_fits", argv) if args.log else None
     with open(args.measured) as handle:
         measured = json.load(handle)
     costs = coefficients(measured)
@@ -253,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]
         for gpus in GPU_COUNTS:
             table[gpu_gb, gpus] = {row: largest_fitting(gpu_gb, gpus, costs[row], args.tokens, shapes) for row in rows}
             print(f"| {gpu_gb} GB | {gpus} | " + " | ".join(table[gpu_gb, gpus].values()) + " |")
+    if log is not None:
+        log.finish()
     return table
 
 

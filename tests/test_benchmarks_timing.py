@@ -74,3 +74,17 @@ def test_ratios_times_bf16_fsdp2_the_default_call_and_the_lean_call(tmp_path, mo
     assert "default: fsdp_int8 default call, fused AdamW" in shown and "lean: fsdp_int8 lean call" in shown
     logged = (tmp_path / "performance.md").read_text()
     assert "python -m benchmarks.ratios --dim 64" in logged and "CPU " in logged and "median of ratios" in logged
+
+
+def test_a_benchmark_that_prints_as_it_goes_logs_what_it_printed(tmp_path, monkeypatch, capsys):
+    from fsdp_int8.hardware import hardware_line
+
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    log = report.RunLog("memory.md", "Peak memory", "benchmarks.memory", ["--rows", "lean"])
+    print("lean peak 5.10")
+    path = log.finish()
+    print("after the log")  # printing goes back to the terminal alone
+    text = path.read_text()
+    assert "python -m benchmarks.memory --rows lean" in text and "lean peak 5.10" in text
+    assert hardware_line() in text  # the machine, which this output did not print itself
+    assert "after the log" not in text and "lean peak 5.10" in capsys.readouterr().out
