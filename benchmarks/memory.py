@@ -8,8 +8,10 @@ A Hugging Face Llama with Llama-3.2-1B's proportions scaled down (hidden 512, 12
 8 query / 2 key-value heads, MLP 2048, vocab 16,000, tied embeddings: ~15% of the
 parameters) trains on 2 gloo ranks, batch 1 x 256 per rank; ``--shape qwen3-moe-scaled``
 trains a Qwen3-MoE with Qwen3-30B-A3B's proportions scaled down (64 experts, top 8, 24
-blocks: the experts hold 94.7% of the parameters) instead. Each row runs in fresh
-processes; its second (steady-state) step runs under
+blocks: the experts hold 94.7% of the parameters) instead. The rows run one after the
+other in one pair of processes (each row's model, optimizer and tracker collected before
+the next: the figures of a fresh process per row, with one start-up; ``--shape tiny``
+takes under a minute); a row's second (steady-state) step runs under
 ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which counts every live
 storage by category (sharded / unsharded parameters and gradients, activations,
 temporaries, optimizer states, all-gather and reduce-scatter buffers) and records the
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 
 import torch
@@ -184,6 +187,18 @@ def _module_peaks(tracker, share: float, count: int) -> list[dict]:
     return [dict(module=module, phase=phase, figures=figures) for (module, phase), figures in ranked]
 
 
+def _measure_rows(rank: int, world: int, rows: list[tuple[str, bool]], *options) -> list[dict]:
+    """:func:`_measure` of each ``(row, checkpointing)`` in turn, in this one process group:
+    a row's model, optimizer and tracker are gone (collected) before the next is built, so
+    each peak counts only its own storages (the same figures as a fresh process per row),
+    without a start-up of torch and transformers per row."""
+    results = []
+    for row, checkpointing in rows:
+        results.append(_measure(rank, world, row, checkpointing, *options))
+        gc.collect()
+    return results
+
+
 def _measure(
     rank: int, world: int, row: str, checkpointing: bool, shape: dict, batch: int, seq_len: int, where: int = 0,
     reduce_dtype: str = "fp32", loss: str = "transformers", loss_chunk_tokens: int = 64,
@@ -273,14 +288,16 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, bool], dict]:
           f"{f', int8 updates of at most {args.step_elements} elements' if args.step_elements else ''}", flush=True)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]
     results: dict[tuple[str, bool], dict] = {}
+    # every row of every mode in one process group: one start-up of torch and transformers
+    runs = [(row, checkpointing) for checkpointing in modes for row in args.rows]
+    figures = run_distributed(_measure_rows, args.world_size, runs, shape, args.batch_size, args.seq_len,
+                              args.where, args.reduce_dtype, args.loss, args.loss_chunk_tokens,
+                              args.reduce_scatter, args.step_elements, timeout=3600)[0]
+    measured = {mode: [f for (_, m), f in zip(runs, figures) if m == mode] for mode in modes}
     for checkpointing in modes:
         print(f"\nactivation checkpointing {'on' if checkpointing else 'off'}; bytes/param per rank")
         baseline = None
-        for row in args.rows:
-            result = run_distributed(_measure, args.world_size, row, checkpointing, shape,
-                                     args.batch_size, args.seq_len, args.where, args.reduce_dtype,
-                                     args.loss, args.loss_chunk_tokens, args.reduce_scatter, args.step_elements,
-                                     timeout=1800)[0]
+        for row, result in zip(args.rows, measured[checkpointing]):
             peak, after = result["peak"], result["after"]
             total = peak.pop("Total", sum(peak.values()))
             after_total = after.pop("Total", sum(after.values()))
