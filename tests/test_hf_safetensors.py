@@ -96,7 +96,7 @@ def test_save_pretrained_writes_int8_rows_and_scales_and_from_pretrained_restore
     assert recorded == {
         "quant_method": "fsdp_int8", "format_version": 2, "stochastic_rounding": True, "seed": 0,
         "skip_names": ["lm_head", "output", "head"], "min_features": 16, "modules_to_not_convert": None,
-        "int8_matmul": None, "compile": False, "quantize_embeddings": False,
+        "int8_matmul": None, "compile": "auto", "quantize_embeddings": False,
     }
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")

@@ -80,7 +80,7 @@ def _refused_torchtitan_load(rank, world, folder):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import torchtitan_debug as example
 
-    args = argparse.Namespace(steps=1, batch=2, seq_len=16, lr=3e-3, compile=None)
+    args = argparse.Namespace(steps=1, batch=2, seq_len=16, lr=3e-3, compile=None, lean=False)
     torch.manual_seed(0)
     written = example._build(example._trainer_config(args, folder), world)
     example._train(written, range(1, 2), args, rank, world)
