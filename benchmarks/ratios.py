@@ -55,6 +55,7 @@ from fsdp_int8 import hardware
 from fsdp_int8.hardware import device_type_for
 from fsdp_int8.testing import run_distributed
 from launch.model import ModelArgs, Transformer, model_args
+from launch.precisions import BLOCKS_OPTION
 
 DEFAULT_ROWS = ("bf16", "default", "lean")
 
@@ -165,6 +166,16 @@ def default_baseline(device: str = "cpu") -> str:
     return "bf16" if hardware.capability(device).bf16_matmul_fast else "fp32"
 
 
+COMPILED_BASELINE = "bf16:blocks"  # bf16 FSDP2 with every block compiled whole
+
+
+def compiled_block_rows(times: dict) -> dict:
+    """The rows with compiled blocks and their compiled baseline (``bf16:blocks``), when it
+    ran and another compiled-block row did: ``{}`` otherwise."""
+    rows = {name: t for name, t in times.items() if name.split(":")[-1] == BLOCKS_OPTION}
+    return rows if COMPILED_BASELINE in rows and len(rows) > 1 else {}
+
+
 def labels_of(names) -> dict[str, str]:
     """What the tables call each row: its name, its label and its optimizer."""
     out = {}
@@ -227,6 +238,12 @@ def main(argv: list[str] | None = None) -> dict:
         say(line)
     say(f"(ratios: step time over {baseline}'s; median of ratios: the median over steps of the ratio within "
         "a step; lower is faster)")
+    compiled = compiled_block_rows(result["times"])
+    if compiled:  # like with like: compiled blocks against compiled bf16 FSDP2, in the same steps
+        say()
+        say(f"compiled blocks against {COMPILED_BASELINE}:")
+        for line in ratio_lines(compiled, COMPILED_BASELINE, labels_of(compiled)):
+            say(line)
     if args.json:
         ratios = {row: paired_ratio(result["times"], row, baseline) for row in result["times"]}
         args.json.write_text(json.dumps(dict(hardware=machine, settings=settings, baseline=baseline,

@@ -77,8 +77,8 @@ def ratio_lines(times: Times, baseline: str, labels: dict[str, str] | None = Non
              f"{'min ms':>8} {'max ms':>8} {'steps':>6}"]
     for row, values in times.items():
         median = statistics.median(values)
-        lines.append(f"{labels[row]:<{width}} {median * 1e3:10.1f} {median / base:16.2f}x "
-                     f"{paired_ratio(times, row, baseline):16.2f}x {min(values) * 1e3:8.1f} "
+        lines.append(f"{labels[row]:<{width}} {median * 1e3:10.1f} {median / base:16.3f}x "
+                     f"{paired_ratio(times, row, baseline):16.3f}x {min(values) * 1e3:8.1f} "
                      f"{max(values) * 1e3:8.1f} {len(values):6d}")
     return lines
 

@@ -119,13 +119,14 @@ COMPILE_MODES = ("auto", "on", "off", "blocks")
 
 
 def compile_wanted(mode: str, dim: int) -> bool:
-    """Whether ``--compile`` ``mode`` compiles fsdp_int8's quantization kernels on their own:
-    ``"on"``, or ``"auto"`` as the library's own ``compile="auto"`` chooses for layers of
-    width ``dim``, where blocks are not compiled
-    (``"blocks"`` compiles them inside each block's graph)."""
+    """Whether ``--compile`` ``mode`` compiles fsdp_int8's quantization kernels: ``"on"``,
+    or ``"auto"`` and ``"blocks"`` as the library's own ``compile="auto"`` chooses for
+    layers of width ``dim``. Inside a compiled block the kernels are traced into the
+    block's graph; outside it (the optimizer's write-back of each weight) they run
+    compiled on their own."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"--compile is one of {', '.join(COMPILE_MODES)}, not {mode!r}")
-    return mode == "on" or (mode == "auto" and fsdp_int8.Int8TrainingConfig().compiles(dim))
+    return mode == "on" or (mode in ("auto", "blocks") and fsdp_int8.Int8TrainingConfig().compiles(dim))
 
 
 def blocks_wanted(mode: str, device_type: str, *, tp: int = 1, pp: int = 1, fp32_experts: bool = False) -> bool:
@@ -160,8 +161,8 @@ class Recipe:
     precisions only; the others fix their own dtypes (``compute_dtype`` ``None``,
     ``compile`` ``False``). ``blocks`` (every transformer block compiled whole, before
     sharding) applies to every precision, so that a compiled run is compared with a
-    compiled baseline; it compiles the quantization kernels inside each block's graph, so
-    it excludes ``compile``.
+    compiled baseline. With both, the quantization kernels are traced into each block's
+    graph and run compiled on their own outside it (the optimizer's write-back).
     """
 
     precision: Precision
@@ -175,18 +176,14 @@ class Recipe:
         if not self.precision.int8 and (self.compute_dtype is not None or self.compile):
             raise ValueError(f"{self.precision.name} fixes its own dtypes and kernels: it takes no options "
                              f"but {BLOCKS_OPTION}")
-        if self.compile and self.blocks:
-            raise ValueError(f"{BLOCKS_OPTION} compiles the quantization kernels inside each block: "
-                             "it takes no 'compiled'")
 
     @classmethod
     def of(cls, name: str, compute_dtype: str = "bf16", compile: bool = False, blocks: bool = False) -> "Recipe":
-        """The recipe of precision ``name``; the options are dropped where it fixes its own
-        (``compile`` also where ``blocks`` compiles the kernels inside the blocks)."""
+        """The recipe of precision ``name``; the options are dropped where it fixes its own."""
         precision = PRECISIONS[name]
         if not precision.int8:
             return cls(precision, None, False, blocks)
-        return cls(precision, compute_dtype, compile and not blocks, blocks)
+        return cls(precision, compute_dtype, compile, blocks)
 
     @property
     def computes_in_fp32(self) -> bool:
@@ -203,7 +200,7 @@ class Recipe:
         options = []
         if self.precision.int8:
             options += [self.compute_dtype] if self.compute_dtype != "bf16" else []
-            options += [] if self.compile or self.blocks else ["eager"]
+            options += [] if self.compile else ["eager"]
         options += [BLOCKS_OPTION] if self.blocks else []
         return ":".join([self.precision.name, *options])
 
@@ -237,8 +234,6 @@ def parse_row(text: str, *, compile: bool) -> Recipe:
                              f"({', '.join(COMPUTE_DTYPES)}), {' / '.join(COMPILE_OPTIONS)} or {BLOCKS_OPTION}")
     if set(options) - {BLOCKS_OPTION} and not PRECISIONS[name].int8:
         raise ValueError(f"{text!r}: {name} fixes its own dtypes and kernels, it takes no options but {BLOCKS_OPTION}")
-    if blocks and "compiled" in options:
-        raise ValueError(f"{text!r}: {BLOCKS_OPTION} compiles the quantization kernels inside each block")
     return Recipe.of(name, compute_dtype, compile, blocks)
 
 

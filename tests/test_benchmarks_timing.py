@@ -30,7 +30,7 @@ def test_ratios_are_medians_of_ratios_within_a_step():
     times = {"base": [1.0, 1.0, 4.0, 4.0], "row": [0.5, 0.5, 2.0, 2.0]}
     assert timing.paired_ratio(times, "row", "base") == 0.5
     lines = timing.ratio_lines(times, "base", {"row": "the row"})
-    assert "the row" in lines[2] and "0.50x" in lines[2] and "1.00x" in lines[1]
+    assert "the row" in lines[2] and "0.500x" in lines[2] and "1.000x" in lines[1]
     with pytest.raises(ValueError, match="same steps"):
         timing.paired_ratio({"base": [1.0], "row": [1.0, 2.0]}, "row", "base")
 
@@ -88,3 +88,12 @@ def test_a_benchmark_that_prints_as_it_goes_logs_what_it_printed(tmp_path, monke
     assert "python -m benchmarks.memory --rows lean" in text and "lean peak 5.10" in text
     assert hardware_line() in text  # the machine, which this output did not print itself
     assert "after the log" not in text and "lean peak 5.10" in capsys.readouterr().out
+
+
+def test_compiled_block_rows_are_also_compared_with_compiled_bf16():
+    times = {"bf16": [2.0], "int8-mm": [1.5], "bf16:blocks": [1.6], "int8-mm:blocks": [1.2]}
+    assert list(ratios.compiled_block_rows(times)) == ["bf16:blocks", "int8-mm:blocks"]
+    assert ratios.compiled_block_rows({"bf16": [2.0], "int8-mm:blocks": [1.2]}) == {}  # no compiled baseline
+    assert ratios.compiled_block_rows({"bf16": [2.0], "bf16:blocks": [1.6]}) == {}  # nothing to compare
+    lines = timing.ratio_lines(ratios.compiled_block_rows(times), ratios.COMPILED_BASELINE)
+    assert "0.750x" in lines[2]

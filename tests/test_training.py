@@ -153,3 +153,28 @@ def test_stochastic_rounding_lets_sub_step_updates_accumulate():
     changed = sum(int((w.int_data != w0.int_data).sum()) for w, w0 in zip(sr_w, sr_start))
     assert changed > 1000, changed
     assert sr_drop > 0.8 * fp32_drop, (sr_drop, fp32_drop)
+
+
+def test_launcher_rope_backward_is_autograds_bit_for_bit():
+    """The launcher's RoPE writes its backward as the inverse rotation (a form inductor
+    vectorizes); its values must be what autograd derives from the forward formula."""
+    from launch.model import apply_rope, rope_frequencies
+
+    def autograd_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        pairs = x.float().unflatten(-1, (-1, 2))
+        cos, sin = freqs[: x.shape[1], None, :, 0], freqs[: x.shape[1], None, :, 1]
+        even, odd = pairs[..., 0], pairs[..., 1]
+        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).type_as(x)
+
+    freqs = rope_frequencies(16, 32, 10000.0)
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 24, 3, 16, generator=generator).to(dtype)
+        grad = torch.randn(2, 24, 3, 16, generator=generator).to(dtype)
+        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ours, out_theirs = apply_rope(ours, freqs), autograd_rope(theirs, freqs)
+        out_ours.backward(grad)
+        out_theirs.backward(grad)
+        assert torch.equal(out_ours, out_theirs), dtype
+        assert torch.equal(ours.grad, theirs.grad), dtype
+        assert not torch.equal(ours.grad, grad)  # a rotation, not the identity

@@ -143,11 +143,16 @@ def use_compiled(wanted: bool, tensor: torch.Tensor) -> bool:
 def run_compiled(function: Callable, *args):
     """``compiled(function)(*args)``; on a compile failure, warn once and go eager for good.
 
+    Inside a graph being traced (a user's ``torch.compile`` of a block or model) the body
+    runs as it is, so that the enclosing compile traces it and fuses it with its
+    neighbours: a nested ``torch.compile`` cannot run there, and its failure must not turn
+    off the compiled kernels outside that graph (the optimizer's write-back).
+
     An error that the eager function raises too is the caller's: it propagates, and the
     compiled kernels stay on.
     """
     global _compile_failed
-    if _compile_failed:
+    if _compile_failed or torch.compiler.is_compiling():
         return function(*args)
     try:
         return compiled(function)(*args)

@@ -412,11 +412,14 @@ def test_a_row_spells_a_precision_and_its_options():
 def test_compiled_blocks_are_a_row_option_of_every_precision_and_a_compile_mode():
     parse = precisions.parse_row
     assert parse("bf16:blocks", compile=True) == precisions.Recipe(precisions.PRECISIONS["bf16"], None, False, True)
-    assert parse("int8-mm:blocks", compile=True) == precisions.Recipe(precisions.PRECISIONS["int8-mm"], "bf16", False, True)
-    for name in ("bf16:blocks", "int8-mm:blocks", "int8:fp32:blocks"):
+    # compiled blocks keep the compiled kernels for what runs outside them (the weights' updates)
+    assert parse("int8-mm:blocks", compile=True) == precisions.Recipe(precisions.PRECISIONS["int8-mm"], "bf16", True, True)
+    assert parse("int8-mm:eager:blocks", compile=True).compile is False
+    for name in ("bf16:blocks", "int8-mm:blocks", "int8:fp32:blocks", "int8-mm:eager:blocks"):
         assert parse(name, compile=True).name == name
-    for bad, message in (("int8:compiled:blocks", "compiles the quantization kernels inside"),
-                         ("fp32:eager:blocks", "takes no options but blocks")):
+    assert parse("int8:compiled:blocks", compile=False).name == "int8:blocks"
+    assert precisions.compile_wanted("blocks", 512) and not precisions.compile_wanted("blocks", 511)
+    for bad, message in (("fp32:eager:blocks", "takes no options but blocks"),):
         with pytest.raises(ValueError, match=message):
             parse(bad, compile=False)
     wanted = precisions.blocks_wanted
