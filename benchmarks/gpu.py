@@ -284,15 +284,16 @@ MEMORY_ROWS = ("bf16", "int8-8bit-bf16-grads", "lean")
 
 def _build_for_memory(row: str, args, device: torch.device):
     """bf16 FSDP2 + torch AdamW; int8 + 8-bit AdamW keeping bf16 gradients until the step;
-    or the lean recipe (the launcher's ``--lean``)."""
+    or the library's lean call (``Int8TrainingConfig.lean()`` + ``Int8AdamW.lean``)."""
     if row == "bf16":
         model = build_model(Recipe.of("bf16"), args, device, full_init=True, activation_checkpointing=True)
         return model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    lean = row == "lean"
-    model = build_model(Recipe.of("int8"), args, device, full_init=True, quantize_embeddings=lean,
-                        int8_gathered_weights=lean, activation_checkpointing=True)
+    if row == "lean":
+        model = build_model(Recipe.of("int8"), args, device, full_init=True, lean=True, activation_checkpointing=True)
+        return model, fsdp_int8.Int8AdamW.lean(model.parameters(), lr=3e-4, weight_decay=0.1)
+    model = build_model(Recipe.of("int8"), args, device, full_init=True, activation_checkpointing=True)
     return model, fsdp_int8.Int8AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, state_bits=8,
-                                      step_in_backward=lean, grad_dtype=None if lean else torch.bfloat16)
+                                      grad_dtype=torch.bfloat16)
 
 
 def _memory_body(rank: int, world: int, settings: dict) -> dict:

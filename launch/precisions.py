@@ -357,7 +357,9 @@ def build_model(recipe: Recipe, args: ModelArgs, device: torch.device | str, *, 
         int8_matmul = precision.int8_matmul
         if int8_matmul is None and int8_gathered_weights:
             int8_matmul = INT8_GATHERED_WEIGHTS
-        fields = dict(seed=seed, int8_matmul=int8_matmul, compile=recipe.compile)
+        fields = dict(seed=seed, compile=recipe.compile)
+        if int8_matmul is not None:  # else the config's own: none, or the lean call's gathered int8
+            fields["int8_matmul"] = int8_matmul
         if lean:  # the library's lean call, computing in this recipe's dtype
             config = fsdp_int8.Int8TrainingConfig.lean(
                 **fields, compute_dtype=torch.bfloat16 if recipe.compute_dtype == "bf16" else None)

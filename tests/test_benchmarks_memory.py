@@ -113,8 +113,14 @@ def _lean_peaks(rank: int, world: int) -> dict[str, dict[str, int]]:
                                        int8_gathered_weights=args.int8_gathered_weights)
         return model, train.make_optimizer(args, model)
 
+    def build_model_lean_alone():  # lean=True without the flags the launcher adds (benchmarks.gpu's row)
+        model = precisions.build_model(recipe, args.model, "cpu", seed=args.seed, lean=True,
+                                       activation_checkpointing=True)
+        return model, fsdp_int8.Int8AdamW.lean(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
     peaks = {}
-    for name, build in (("lean call", the_lean_call), ("launcher --lean", the_launcher)):
+    for name, build in (("lean call", the_lean_call), ("launcher --lean", the_launcher),
+                        ("build_model(lean=True)", build_model_lean_alone)):
         model, optimizer = build()
         data = torch.Generator().manual_seed(rank)
 
@@ -139,5 +145,5 @@ def test_the_lean_call_peaks_as_the_launchers_lean():
 
     peaks = run_distributed(_lean_peaks, 2)[0]
     # one recipe built two ways: the same storages by category, to the byte
-    assert peaks["lean call"] == peaks["launcher --lean"], peaks
+    assert peaks["lean call"] == peaks["launcher --lean"] == peaks["build_model(lean=True)"], peaks
     assert peaks["lean call"]["Total"] > 0
