@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--compile", default="auto", choices=COMPILE_MODES,
                        help="on: fuse int8 quantization steps with torch.compile; blocks: compile every "
                        "transformer block whole (torchtitan's per-block compile, the quantization steps "
-                       "inside, the weight updates' compiled as with on); auto (default): blocks on GPUs; on CPUs on from width 512, where it repays "
+                       "inside; outside them, the weight updates compiled from width 512 as with auto); "
+                       "auto (default): blocks on GPUs; on CPUs on from width 512, where it repays "
                        "its ~15 s of start-up per process")
     train.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
