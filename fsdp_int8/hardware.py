@@ -5,11 +5,18 @@ torch runs ``torch._int_mm`` and bf16 matmuls with native kernels only where the
 the instructions for them (VNNI or AMX for int8, AVX-512 BF16 or AMX for bf16); without
 them both fall back to reference loops (measured on an AVX2-only EPYC, one thread,
 128^3: 16-18x the fp32 matmul; 512^3: 51-52x). On CUDA, int8 tensor cores exist from
-sm_75 and bf16 ones from sm_80.
+sm_75 and bf16 ones from sm_80, but an int8 GEMM only pays where its rate is above the
+bf16 matmul's: Blackwell Ultra (sm_103, B300 / GB300) has about 0.15 POPS of dense int8
+against 2.25-2.5 PFLOPS of dense bf16, 15x slower.
 
 The rule, decided once per process and device and cached (docs/performance.md):
 
-1. CUDA: the compute capability decides (int8 from sm_75, bf16 from sm_80).
+1. CUDA: bf16 is fast from sm_80. Int8 is fast where the published dense int8 rate is
+   above the bf16 rate, read from the one table of GPU peaks (:data:`GPUS`) by compute
+   capability: sm_75, sm_80, sm_86, sm_89, sm_90 and sm_100 yes, sm_103 no; below sm_75
+   never (no int8 tensor cores). A capability the table does not list is measured: a
+   ``_INT8_PROBE_SIZE``^3 int8 GEMM against a bf16 matmul of the same shape, fast if it
+   takes less time.
 2. CPU: a feature torch reports (``torch.cpu._is_vnni_supported`` /
    ``_is_amx_tile_supported`` for int8, ``_is_avx512_bf16_supported`` / AMX for bf16)
    says "fast".
@@ -41,11 +48,18 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fsdp_int8._dist import device_type_for
+from fsdp_int8._gpu_specs import GPUS, GpuSpec, gpus_with_capability
 
-__all__ = ["Capability", "FAST_RATIO", "best_seconds", "capability", "device_type_for", "hardware_line"]
+__all__ = ["Capability", "FAST_RATIO", "GPUS", "GpuSpec", "best_seconds", "capability", "device_type_for",
+           "hardware_line"]
 
 FAST_RATIO = 2.0  # a kernel at most this many times the fp32 matmul's time counts as fast
 _PROBE_SIZE = 128  # m = n = k: a few milliseconds on a reference loop, microseconds natively
+# m = n = k of the int8-against-bf16 probe of a GPU the table does not list: large enough
+# that both GEMMs run at their tensor cores' rate rather than at the launch latency
+_INT8_PROBE_SIZE = 4096
+_INT8_TENSOR_CORES = (7, 5)  # the first compute capability with int8 tensor cores
+_BF16_TENSOR_CORES = (8, 0)
 _CPU_FEATURES = (  # (name printed, torch's query)
     ("avx2", "_is_avx2_supported"),
     ("avx512", "_is_avx512_supported"),
@@ -64,7 +78,7 @@ class Capability:
     features: tuple[str, ...]  # CPU features present, or ("sm_90",)
     int8_gemm_fast: bool
     bf16_matmul_fast: bool
-    int8_evidence: str  # e.g. "vnni", "sm_90 >= sm_75", "probe: 18.2x the fp32 matmul"
+    int8_evidence: str  # e.g. "vnni", "sm_90: dense int8 above bf16 (...)", "probe: 18.2x the fp32 matmul"
     bf16_evidence: str
 
 
@@ -125,6 +139,36 @@ def _timed_ratio(device: torch.device, kind: str) -> float:
     return best_seconds(kernel, device, repeats=2) / fp32
 
 
+def _probe_int8_vs_bf16(device: torch.device) -> float:
+    """Time of an int8 GEMM over a bf16 matmul's, ``_INT8_PROBE_SIZE``^3, on ``device``.
+
+    Runs outside every active dispatch mode and autograd, like :func:`_probe`.
+    """
+    n = _INT8_PROBE_SIZE
+    with torch.no_grad(), _disable_current_modes():
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+        ha, hb = a.to(device, torch.bfloat16), b.to(device, torch.bfloat16)
+        qa, qb = (t.mul(40).round().clamp(-127, 127).to(device, torch.int8) for t in (a, b))
+        bf16 = best_seconds(lambda: ha @ hb, device, repeats=5)
+        return best_seconds(functools.partial(torch._int_mm, qa, qb), device, repeats=5) / bf16
+
+
+def _cuda_int8(device: torch.device, major: int, minor: int) -> tuple[bool, str]:
+    """Whether int8 GEMMs beat bf16 matmuls on a CUDA device of this capability, and why."""
+    sm = f"sm_{major}{minor}"
+    if (major, minor) < _INT8_TENSOR_CORES:
+        return False, f"{sm} < sm_75 (no int8 tensor cores)"
+    listed = gpus_with_capability(major, minor)
+    if listed:
+        fast = all(spec.int8_faster_than_bf16 for spec in listed)
+        sign = ">" if fast else "<="
+        peaks = "; ".join(f"{spec.name} {spec.int8_tops:g} TOPS {sign} {spec.bf16_tflops:g} TFLOPS" for spec in listed)
+        return fast, f"{sm}: dense int8 {'above' if fast else 'not above'} bf16 ({peaks})"
+    ratio = _probe_int8_vs_bf16(device)
+    return ratio < 1.0, f"{sm} not in the GPU table; probe: int8 GEMM {ratio:.2f}x the bf16 matmul's time"
+
+
 def _decide(flag_evidence: str | None, device: torch.device, kind: str) -> tuple[bool, str]:
     if flag_evidence is not None:
         return True, flag_evidence
@@ -142,11 +186,12 @@ def _capability(device_type: str, index: int | None) -> Capability:
     if device_type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         sm = f"sm_{major}{minor}"
+        bf16_fast = (major, minor) >= _BF16_TENSOR_CORES
+        int8_fast, int8_evidence = _cuda_int8(device, major, minor)
         return Capability(
             device_type, torch.cuda.get_device_name(device), (sm,),
-            int8_gemm_fast=(major, minor) >= (7, 5), bf16_matmul_fast=major >= 8,
-            int8_evidence=f"{sm} {'>=' if (major, minor) >= (7, 5) else '<'} sm_75 (int8 tensor cores)",
-            bf16_evidence=f"{sm} {'>=' if major >= 8 else '<'} sm_80 (bf16 tensor cores)",
+            int8_gemm_fast=int8_fast, bf16_matmul_fast=bf16_fast, int8_evidence=int8_evidence,
+            bf16_evidence=f"{sm} {'>=' if bf16_fast else '<'} sm_80 (bf16 tensor cores)",
         )
     features = _cpu_features() if device_type == "cpu" else ()
     name = _cpu_name() if device_type == "cpu" else device_type
@@ -200,7 +245,7 @@ def warn_if_slow(device: torch.device, compute_dtype: torch.dtype, *, int8_matmu
         if kind == "int8" and not found.int8_gemm_fast:
             warnings.warn(
                 f"fsdp_int8: int8 matmuls (Int8MatmulConfig) run slowly on this {found.name} "
-                f"({found.int8_evidence}: torch._int_mm has no native kernel here). Weight-only "
+                f"({found.int8_evidence}). Weight-only "
                 "int8 (Int8TrainingConfig(int8_matmul=None)) keeps the int8 weights and the "
                 "int8 all-gather and runs the matmuls in the compute dtype. See "
                 "docs/performance.md.",

@@ -6,6 +6,7 @@ features torch reports, the timing probe, the CUDA compute capability.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -60,18 +61,99 @@ def test_without_the_features_a_probe_decides(fresh, ratio, fast):
     assert sorted(probed) == ["bf16", "int8"]  # once per process: the second call is cached
 
 
-@pytest.mark.parametrize("sm,int8,bf16", [((7, 0), False, False), ((7, 5), True, False), ((9, 0), True, True)])
-def test_cuda_compute_capability_decides(fresh, sm, int8, bf16):
-    fresh.setattr(torch.cuda, "get_device_capability", lambda device=None: sm)
-    fresh.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+def _cuda(monkeypatch, sm, probe_ratio=None):
+    """A CUDA device of compute capability ``sm``; the int8-against-bf16 probe returns
+    ``probe_ratio`` (``None``: it must not run). Returns the devices probed."""
+    probed = []
+
+    def probe(device):
+        if probe_ratio is None:
+            raise AssertionError(f"probed int8 on sm_{sm[0]}{sm[1]} although the GPU table decides it")
+        probed.append(device)
+        return probe_ratio
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: sm)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(_hardware, "_probe_int8_vs_bf16", probe)
+    return probed
+
+
+@pytest.mark.parametrize("sm,int8,bf16", [
+    ((7, 0), False, False),  # no int8 tensor cores
+    ((7, 5), True, False),   # T4: int8 tensor cores, no bf16 ones
+    ((8, 0), True, True),    # A100
+    ((8, 6), True, True),
+    ((8, 9), True, True),
+    ((9, 0), True, True),    # H100, H200
+    ((10, 0), True, True),   # B200
+    ((10, 3), False, True),  # B300 / GB300: dense int8 about 15x below dense bf16
+])
+def test_cuda_compute_capability_decides_from_the_gpu_table(fresh, sm, int8, bf16):
+    _cuda(fresh, sm)
     found = _hardware._capability("cuda", 0)
     assert (found.int8_gemm_fast, found.bf16_matmul_fast) == (int8, bf16)
     assert found.features == (f"sm_{sm[0]}{sm[1]}",)
+    assert found.int8_evidence.startswith(f"sm_{sm[0]}{sm[1]}")
+
+
+def test_blackwell_ultra_names_its_peaks(fresh):
+    _cuda(fresh, (10, 3))
+    evidence = _hardware._capability("cuda", 0).int8_evidence
+    assert "not above" in evidence and "150 TOPS" in evidence and "2250 TFLOPS" in evidence
+
+
+@pytest.mark.parametrize("ratio,fast", [(0.5, True), (1.0, False), (6.0, False)])
+def test_an_unknown_capability_is_probed_against_bf16(fresh, ratio, fast):
+    probed = _cuda(fresh, (12, 7), probe_ratio=ratio)
+    found = _hardware._capability("cuda", 0)
+    assert found.int8_gemm_fast is fast and found.bf16_matmul_fast
+    assert "not in the GPU table" in found.int8_evidence and f"{ratio:.2f}x" in found.int8_evidence
+    _hardware._capability("cuda", 0)
+    assert len(probed) == 1  # once per process and device
+
+
+def test_the_rule_reads_the_gpu_table(fresh):
+    # one source of truth: change a listed GPU's int8 peak and the rule follows
+    h100 = _hardware.GPUS["h100"]
+    fresh.setitem(_hardware.GPUS, "h100", dataclasses.replace(h100, int8_tops=h100.bf16_tflops / 2))
+    _cuda(fresh, (9, 0))
+    assert not _hardware._capability("cuda", 0).int8_gemm_fast
+
+
+def test_the_gpu_table_holds_dense_peaks():
+    gpus = _hardware.GPUS
+    for key in ("a100", "h100", "h200", "b200", "b300"):
+        spec = gpus[key]
+        assert spec.key == key and spec.hbm_gbs > 0 and spec.interconnect_gbs > 0 and spec.fp32_tflops > 0
+    assert gpus["h100"].compute_capability == gpus["h200"].compute_capability == (9, 0)
+    assert (gpus["b200"].sm, gpus["b300"].sm) == ("sm_100", "sm_103")
+    assert gpus["b300"].bf16_tflops / gpus["b300"].int8_tops == 15.0
+    assert gpus["h200"].hbm_gbs > gpus["h100"].hbm_gbs
+
+
+@pytest.mark.parametrize("key,torch_name", [("h100", "NVIDIA H100"), ("a100", "NVIDIA A100")])
+def test_the_gpu_table_agrees_with_torchs_dense_figures(key, torch_name):
+    # torch's device_info prints H100's tensor-core rates with 2:4 sparsity; its dense
+    # figures are those over tops_sparsity_factor
+    device_info = pytest.importorskip("torch._inductor.analysis.device_info")
+    info = device_info.lookup_device_info(torch_name)
+    dense = {dtype: info.tops[dtype] / info.tops_sparsity_factor for dtype in (torch.bfloat16, torch.int8)}
+    spec = _hardware.GPUS[key]
+    assert spec.bf16_tflops == pytest.approx(dense[torch.bfloat16], rel=0.01)
+    assert spec.int8_tops == pytest.approx(dense[torch.int8], rel=0.01)
+    assert spec.hbm_gbs == pytest.approx(info.dram_bw_gbs, rel=0.01)
 
 
 def test_the_probe_measures_this_machine():
     # the real probe, once: a positive ratio (its value is the machine's)
     assert _hardware._probe(torch.device("cpu"), "int8") > 0
+
+
+def test_the_int8_against_bf16_probe_runs(monkeypatch):
+    # the unknown-GPU probe's code, on the CPU at a small size: a positive ratio
+    monkeypatch.setattr(_hardware, "_INT8_PROBE_SIZE", 32)
+    assert _hardware._probe_int8_vs_bf16(torch.device("cpu")) > 0
 
 
 def _train_step(int8_matmul, dtype=torch.float32) -> list[str]:
