@@ -279,8 +279,8 @@ def absmax_quantize(
         else:
             amax = x.amax(dim=2)
         parts.append((x, amax, columns, scale_columns, blocks, width))
-    if nonfinite == "raise" and not values.is_meta and not all(
-        bool(torch.isfinite(part[1]).all()) for part in parts
+    if nonfinite == "raise" and not values.is_meta and not bool(  # one read for all parts
+        torch.stack([torch.isfinite(part[1]).all() for part in parts]).all()
     ):
         raise_non_finite(values, what, "int8" if signed else "uint8")
     for x, amax, columns, scale_columns, blocks, width in parts:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8SGD, Int8TrainingConfig, Int8Weight, quantize_
+from fsdp_int8._weight import update_checks
 from fsdp_int8.guard import NonFiniteGradientError
 from fsdp_int8.optim._in_backward import is_applied
 
@@ -23,6 +24,16 @@ OPTIMIZERS = {
     "adamw-8bit": (Int8AdamW, dict(lr=1e-2, weight_decay=0.1, state_bits=8, block_size=16)),
     "sgd-nesterov": (Int8SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
 }
+
+
+@pytest.fixture(params=[False, True], ids=["cpu-policy", "accelerator-policy"])
+def policy(request, monkeypatch):
+    """Whether the step inside backward decides on the device as on an accelerator (no
+    host read per parameter: the skip of a non-finite gradient is a masked write, and
+    the verdicts wait for ``step()``), or reads each verdict on the host, as on the CPU."""
+    if request.param:
+        monkeypatch.setattr(update_checks, "defers", lambda device: True)
+    return request.param
 
 
 def _model(stochastic: bool = True) -> nn.Module:
@@ -72,7 +83,7 @@ def _same_tensors(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_in_backward_equals_after_backward_bit_for_bit(name):
+def test_in_backward_equals_after_backward_bit_for_bit(name, policy):
     after, after_opt, after_losses = _train(name, in_backward=False, scheduler=True)
     inside, inside_opt, inside_losses = _train(name, in_backward=True, scheduler=True)
     assert inside_losses == after_losses
@@ -129,7 +140,7 @@ def test_clipping_an_applied_gradient_raises(foreach):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_non_finite_gradient_never_reaches_a_weight():
+def test_non_finite_gradient_never_reaches_a_weight(policy):
     model = _model()
     opt = Int8AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
     poisoned = model[3].weight
@@ -151,7 +162,7 @@ def test_non_finite_gradient_never_reaches_a_weight():
     assert float(opt.state[poisoned]["step"]) == 1.0
 
 
-def test_state_dict_resumes_exactly():
+def test_state_dict_resumes_exactly(policy):
     """Save after 2 in-backward steps, load into a fresh model and optimizer, train 2
     more: the same as 4 uninterrupted steps (the rounding streams are saved too)."""
     from fsdp_int8.checkpoint import capture_generators, restore_generators
@@ -352,7 +363,7 @@ def _clipped_run(in_backward: bool, max_norm: float | None, steps: int = 4, resu
     return seen, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def test_clipping_inside_backward_by_the_norm_estimated_so_far():
+def test_clipping_inside_backward_by_the_norm_estimated_so_far(policy):
     """``max_grad_norm`` scales each gradient by max_norm / (the step's norm estimated from
     the squares so far and the previous step's proportions): the same weights, bit for
     bit, as the same rule applied by hand after backward; the norms are torch's (fp64 sums
@@ -372,7 +383,7 @@ def test_clipping_inside_backward_by_the_norm_estimated_so_far():
     _same_tensors(resumed, inside)
 
 
-def test_a_gradient_spike_is_clipped_in_the_step_that_carries_it():
+def test_a_gradient_spike_is_clipped_in_the_step_that_carries_it(policy):
     """A gradient 1000x the previous step's norm is scaled to max_grad_norm within its own
     step (the previous step's norm alone would let it through nearly whole)."""
     param = nn.Parameter(torch.zeros(8, 8))

@@ -240,7 +240,7 @@ class Int8Weight(torch.Tensor):
             compiled=self.compiled,
         )
         if deferred:
-            _update_checks.defer(torch.isfinite(scale).all(), tuple(self.shape))
+            _update_checks.defer(torch.isfinite(scale).all(), _update_checks.describe("weight", tuple(self.shape)))
         return self.write_rows_(int_data, scale)
 
     def numpy(self, *, force: bool = False):

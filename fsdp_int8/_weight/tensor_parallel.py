@@ -7,11 +7,14 @@ the whole row**: the row's absmax over all tensor-parallel peers. So the stored 
 1-D's, and a checkpoint reshards across any ``tp``. Every write of such a weight takes the
 row absmax over the peers (an ``all_reduce(MAX)`` of ``[rows]`` fp32) before it rounds:
 
-* an optimizer's update (``step_update``) is **deferred**: its fp32 values wait in the
-  end-of-step queue :data:`UPDATES`, which rounds every deferred weight after one
-  ``all_reduce`` per process group when the step ends, or before anything reads a waiting
-  weight (:mod:`~fsdp_int8._weight.end_of_step`);
-* any other write (a load, an initialiser, ``copy_``) reduces at once.
+* an optimizer's update (``step_update``) made inside a step that holds such work
+  (``Int8AdamW`` / ``Int8SGD`` after backward, or a ``torch.optim`` optimizer given to
+  :func:`fsdp_int8.optim.batch_int8_updates`) is **deferred**: its fp32 values wait in
+  that step's :class:`~fsdp_int8._weight.end_of_step.EndOfStep`, which rounds every
+  deferred weight after one ``all_reduce`` per process group when the step ends, or
+  before an op of the same step reads a waiting weight;
+* any other write (a load, an initialiser, ``copy_``, an update outside such a step, the
+  step inside backward) reduces at once.
 
 The scale is fixed before the noise is drawn and bounds every value of the row, so
 stochastic rounding stays unbiased and nothing is clipped. A non-finite value on any peer
@@ -29,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_int8._dist import released_by_backend
 from fsdp_int8._quant.generators import WEIGHT_ROUNDING, active_update_stream
-from fsdp_int8._weight import end_of_step
+from fsdp_int8._weight import end_of_step, update_checks
 from fsdp_int8.quant import absmax_quantize, raise_non_finite, signed_row_absmax
 
 __all__ = [
@@ -121,8 +124,11 @@ def shared_row_absmax(values: list[torch.Tensor], mesh: DeviceMesh) -> list[torc
 
 
 def _round_into(weight: Int8Weight, values: torch.Tensor, amax: torch.Tensor, stochastic: bool, generator) -> None:
-    if not values.is_meta and not bool(torch.isfinite(amax).all()):
-        raise_non_finite(values, "a tensor-parallel weight (on this rank or a peer)", "int8")
+    if not values.is_meta:  # read at once on the CPU, with the step's other verdicts on accelerators
+        update_checks.check(
+            torch.isfinite(amax).all(), update_checks.describe("tensor-parallel weight", tuple(weight.shape)),
+            lambda: raise_non_finite(values, "a tensor-parallel weight (on this rank or a peer)", "int8"),
+        )
     int_data, scale = absmax_quantize(
         values, rounding="stochastic" if stochastic else "nearest", generator=generator,
         nonfinite="unchecked", amax=amax, what="a weight",
@@ -149,20 +155,20 @@ def _round_held(waiting: list[tuple[Int8Weight, torch.Tensor, bool, "torch.Gener
 
 
 # Deferred optimizer updates: (weight, fp32 values [rows, K], stochastic, generator), in
-# write order; the cap bounds manual update loops outside optimizers.
-UPDATES = end_of_step.held_work("tensor-parallel updates", _round_held, cap=4096)
+# write order, held by the optimizer step that made them.
+UPDATES = end_of_step.register_kind("tensor-parallel updates", _round_held)
 
 
 def write_shared_rows(
     weight: Int8Weight, values: torch.Tensor, *, stochastic: bool, generator, step_update: bool
 ) -> None:
     """Round ``values`` (``[rows, K]`` fp32) into ``weight`` with row scales shared by its
-    tensor-parallel peers: at once, or when the step ends for an optimizer update."""
-    if not step_update:
-        end_of_step.settle()  # keep the peers' collectives in one order
-        (amax,) = shared_row_absmax([values], weight.tensor_parallel.mesh)
-        _round_into(weight, values, amax, stochastic, generator)
-        return
-    if UPDATES.holds(weight):
-        end_of_step.settle()  # a second update of one weight before the step ended: the first lands first
-    UPDATES.hold((weight, values.detach().float(), stochastic, generator), weight)
+    tensor-parallel peers: when the step ends for an optimizer update made inside a step
+    that holds them, at once otherwise."""
+    if step_update:
+        end_of_step.settle_if_waiting((weight,))  # a second update of one weight in a step: the first lands first
+        if end_of_step.hold(UPDATES, (weight, values.detach().float(), stochastic, generator), weight):
+            return
+    end_of_step.settle_active(through=UPDATES)  # keep the peers' collectives in one order
+    (amax,) = shared_row_absmax([values], weight.tensor_parallel.mesh)
+    _round_into(weight, values, amax, stochastic, generator)

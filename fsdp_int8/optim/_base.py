@@ -22,7 +22,9 @@ from fsdp_int8._dist import local_shard
 from fsdp_int8._quant.generators import draw_update_seeds, update_stream
 from fsdp_int8._weight.tensor_parallel import rounding_generator
 from fsdp_int8._weight.ops.views import contiguous_strides
+from fsdp_int8._weight.end_of_step import ORDER, EndOfStep
 from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8._weight.update_checks import VERDICTS
 from fsdp_int8.guard import check_finite_gradients
 from fsdp_int8.optim._checks import check_floating
 from fsdp_int8.optim._grad_dtype import GradientCast, check_grad_dtype
@@ -123,6 +125,15 @@ def _row_ranges(local: torch.Tensor, limit: int) -> list[slice | None]:
     return [slice(start, min(start + rows, local.shape[0])) for start in range(0, local.shape[0], rows)]
 
 
+def _written(piece: "Piece") -> list[torch.Tensor]:
+    """The plain tensors an update of ``piece`` writes: its int8 rows and scales (or its
+    values) and its state tensors but the 0-dim step counter."""
+    local = piece.local
+    tensors = [local.int_data, local.scale] if isinstance(local, Int8Weight) else [local]
+    tensors += [local_shard(v) for v in piece.state.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return tensors
+
+
 class _KeepAsLoaded:
     """Hides a state tensor from ``Optimizer.load_state_dict``'s cast (see there)."""
 
@@ -173,6 +184,9 @@ class FusedInt8Optimizer(Optimizer):
         check_grad_dtype(grad_dtype, step_in_backward)
         self._step_elements = step_elements
         self._in_backward = InBackward(self, max_grad_norm) if step_in_backward else None
+        # the work this optimizer's updates leave for the end of its step (the step inside
+        # backward holds verdicts only: its tensor-parallel writes round at once)
+        self._end_of_step = EndOfStep(kinds=(VERDICTS,) if step_in_backward else ORDER)
         self._grad_cast = GradientCast(type(self).__name__, grad_dtype) if grad_dtype is not None else None
         self._seeds: dict[int, int] | None = None  # id(param) -> its update's rounding seed
         self._streams: dict[int, torch.Generator] = {}  # id(param) -> its seeded generator
@@ -226,13 +240,21 @@ class FusedInt8Optimizer(Optimizer):
             self._in_backward.finish()
             return loss
         check_finite_gradients(self)  # before anything changes: a refused step changes nothing
-        for group in self.param_groups:
-            self.update_params([p for p in group["params"] if p.grad is not None], group)
+        with self._end_of_step.collecting():
+            for group in self.param_groups:
+                self.update_params([p for p in group["params"] if p.grad is not None], group)
         self.end_step()
         return loss
 
-    def update_params(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
-        """Update ``params`` (of ``group``, each with a gradient) in chunks of bounded size."""
+    def update_params(
+        self, params: list[torch.Tensor], group: dict[str, Any], keep: torch.Tensor | None = None
+    ) -> None:
+        """Update ``params`` (of ``group``, each with a gradient) in chunks of bounded size.
+
+        ``keep``: a 0-dim bool tensor on the device; where it is False every tensor the
+        update writes (weights and states, not the CPU step counter) is put back as it
+        was, decided on the device without reading ``keep`` (the step inside backward's
+        verdict on an accelerator). Each chunk's tensors are copied first for that."""
         self._draw_seeds()
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for param in params:
@@ -243,10 +265,13 @@ class FusedInt8Optimizer(Optimizer):
             chunk_limit = self._step_elements or (_CHUNK_ELEMENTS_CPU if cpu else _CHUNK_ELEMENTS)
             pieces = [piece for param in on_device for piece in self._pieces(param, group, piece_limit)]
             for chunk in _chunks(pieces, chunk_limit):
+                before = [] if keep is None else [(t, t.clone()) for piece in chunk for t in _written(piece)]
                 slots = [self._slot(piece) for piece in chunk]
                 self._update(slots, group)
                 self._write_back(slots, skip_int8=float(group["lr"]) == 0.0)
                 del slots
+                for tensor, old in before:
+                    torch.where(keep, tensor, old, out=tensor)
 
     def _stream(self, param: torch.Tensor, device: torch.device) -> torch.Generator | None:
         """The generator of ``param``'s rounding this step (one per parameter, shared by

@@ -46,7 +46,6 @@ logging) fails there, saying why, instead of finding no gradients and clipping n
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +57,7 @@ from torch.utils._pytree import tree_leaves
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
 from fsdp_int8.guard import NonFiniteGradientError
+from fsdp_int8._weight import update_checks
 from fsdp_int8.optim._hooks import watch_new
 
 if TYPE_CHECKING:
@@ -136,16 +136,19 @@ class InBackward:
     def __init__(self, optimizer: FusedInt8Optimizer, max_grad_norm: float | None = None) -> None:
         self._optimizer_ref = weakref.ref(optimizer)  # the optimizer owns this, not the reverse
         self._max_grad_norm = max_grad_norm
-        # max_grad_norm: this step's squared gradient norms so far (every rank's), the
-        # previous step's of the same parameters, and each parameter's, kept at step()
-        self._squares = 0.0
-        self._previous: float | None = None  # the previous step's squared norm, summed at this step's first hook
-        self._previous_seen = 0.0
-        self._step_squares: dict[int, float] = {}
+        # max_grad_norm, as 0-dim float64 tensors on the collective device (no host reads):
+        # this step's squared gradient norms so far (every rank's), the previous step's of
+        # all parameters and of those seen so far, and each parameter's, kept at step()
+        self._squares: torch.Tensor | None = None
+        self._previous: torch.Tensor | None = None  # summed at this step's first hook
+        self._previous_seen: torch.Tensor | None = None
+        self._step_squares: dict[int, torch.Tensor] = {}
         self._group_index: dict[int, int] = {}  # id(param) -> its group's index (load_state_dict makes new groups)
         self._names: dict[int, str] = {}
         self._updated: set[int] = set()
-        self._skipped: list[int] = []
+        self._skipped: list[int] = []  # decided on the host (CPU)
+        # decided on the device: (id(param), finite flag, whether its state was made this step)
+        self._verdicts: list[tuple[int, torch.Tensor, bool]] = []
 
     @property
     def _optimizer(self) -> FusedInt8Optimizer:
@@ -183,13 +186,25 @@ class InBackward:
         # one verdict on every rank: the squared norm is all-reduced, so a NaN in any rank's
         # shard makes it NaN everywhere, and no rank writes a parameter another rank skips
         squares = self._squared_norm(param)
-        if not math.isfinite(squares):
-            self._skipped.append(id(param))
-        else:
-            if self._max_grad_norm is not None:
-                self._clip(param, squares)
-            optimizer.update_params([param], group)
-            self._updated.add(id(param))
+        finite = torch.isfinite(squares)
+        with optimizer._end_of_step.collecting(settle=False):  # verdicts wait for step()
+            if not update_checks.defers(squares.device):  # the CPU: reading the verdict costs nothing
+                if not bool(finite):
+                    self._skipped.append(id(param))
+                else:
+                    if self._max_grad_norm is not None:
+                        self._clip(param, squares, finite)
+                    optimizer.update_params([param], group)
+                    self._updated.add(id(param))
+            else:  # an accelerator: decide on the device, no sync per parameter
+                fresh = param not in optimizer.state
+                grad = local_shard(param.grad)
+                grad.masked_fill_(finite.logical_not().to(grad.device), 0.0)  # the update stays finite
+                if self._max_grad_norm is not None:
+                    self._clip(param, squares, finite)
+                optimizer.update_params([param], group, keep=finite.to(local_shard(param).device))
+                self._verdicts.append((id(param), finite, fresh))
+                self._updated.add(id(param))
         param.grad = _applied_gradient(param, (
             f"{type(optimizer).__name__}(step_in_backward=True) applied the gradient of "
             f"{self.name(param)} inside backward and freed it; nothing can read it or add to it "
@@ -203,10 +218,11 @@ class InBackward:
             "Or use step_in_backward=False"
         ))
 
-    def _squared_norm(self, param: torch.Tensor) -> float:
-        """The squared 2-norm of ``param``'s whole gradient, on every rank: this rank's share,
-        all-reduced (one scalar; every rank runs the same hooks in the same order). NaN or
-        Inf where any rank's shard holds one."""
+    def _squared_norm(self, param: torch.Tensor) -> torch.Tensor:
+        """The squared 2-norm of ``param``'s whole gradient, on every rank, as a 0-dim
+        tensor on the collective device: this rank's share, all-reduced (one scalar; every
+        rank runs the same hooks in the same order). NaN or Inf where any rank's shard
+        holds one."""
         grad = param.grad
         copies = 1  # ranks holding the same values, counted once in the world's sum
         if isinstance(grad, DTensor):
@@ -225,39 +241,58 @@ class InBackward:
             squares = squares.to(_dist.collective_device())
             with _dist.released_by_backend(squares):
                 dist.all_reduce(squares)
-        return float(squares)
+        return squares
 
-    def _clip(self, param: torch.Tensor, squares: float) -> None:
-        """Add ``squares`` (``param``'s squared gradient norm) to the step's sum and scale the
-        gradient by ``min(1, max_grad_norm / norm)``, ``norm`` the step's norm estimated
-        from the sum so far and the previous step's proportions (the module docstring)."""
-        self._squares += squares
+    def _clip(self, param: torch.Tensor, squares: torch.Tensor, finite: torch.Tensor) -> None:
+        """Add ``squares`` (``param``'s squared gradient norm; nothing where not ``finite``)
+        to the step's sum and scale the gradient by ``min(1, max_grad_norm / norm)``,
+        ``norm`` the step's norm estimated from the sum so far and the previous step's
+        proportions (the module docstring). All on the device: nothing is read back."""
+        counted = torch.where(finite, squares, 0.0)
+        self._squares = counted if self._squares is None else self._squares + counted
         self._step_squares[id(param)] = squares
         if self._previous is None:
-            self._previous = sum(self._previous_norm_sq(p) for g in self._optimizer.param_groups for p in g["params"])
-        self._previous_seen += self._previous_norm_sq(param)
-        estimate = self._squares
-        if self._previous > 0.0 and self._previous_seen > 0.0:
-            estimate *= max(1.0, self._previous / self._previous_seen)
-        norm = estimate ** 0.5
-        if norm > self._max_grad_norm:
-            grad = local_shard(param.grad)
-            grad.mul_(self._max_grad_norm / (norm + 1e-6))
+            self._previous = self._previous_total(squares.device)
+        seen = torch.where(finite, self._previous_norm_sq(param, squares.device), 0.0)
+        self._previous_seen = seen if self._previous_seen is None else self._previous_seen + seen
+        # the estimate grows by the previous step's P / P_seen (at least 1) once both are known
+        known = (self._previous > 0.0) & (self._previous_seen > 0.0)
+        growth = torch.where(known, (self._previous / self._previous_seen).clamp(min=1.0), 1.0)
+        norm = (self._squares * growth).sqrt()
+        factor = torch.where(norm > self._max_grad_norm, self._max_grad_norm / (norm + 1e-6), 1.0)
+        grad = local_shard(param.grad)
+        grad.mul_(factor.to(grad.device))  # by exactly 1 where the norm is within the bound
 
-    def _previous_norm_sq(self, param: torch.Tensor) -> float:
-        """``param``'s squared gradient norm at the previous step (0 without one)."""
+    def _previous_norm_sq(self, param: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``param``'s squared gradient norm at the previous step (0 without one), on ``device``."""
         value = self._optimizer.state.get(param, {}).get("previous_grad_norm_sq")
-        return 0.0 if value is None else float(value)
+        if value is None:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return value.to(device=device, dtype=torch.float64)
+
+    def _previous_total(self, device: torch.device) -> torch.Tensor:
+        """The previous step's squared global norm: the sum of its parameters' (0 without)."""
+        kept = [
+            self._previous_norm_sq(p, device) for g in self._optimizer.param_groups for p in g["params"]
+            if "previous_grad_norm_sq" in self._optimizer.state.get(p, {})
+        ]
+        return torch.stack(kept).sum() if kept else torch.zeros((), dtype=torch.float64, device=device)
 
     @property
     def grad_norm(self) -> float | None:
-        """The global gradient norm of the last completed step (``max_grad_norm`` only)."""
-        groups = self._optimizer.param_groups
-        return groups[0].get("previous_grad_norm") if groups else None
+        """The global gradient norm of the last completed step (``max_grad_norm`` only):
+        read from the parameters' squared norms when asked (one host read)."""
+        device = _dist.collective_device() if _dist.is_distributed() else torch.device("cpu")
+        kept = [
+            p for g in self._optimizer.param_groups for p in g["params"]
+            if "previous_grad_norm_sq" in self._optimizer.state.get(p, {})
+        ]
+        return float(self._previous_total(device).sqrt()) if kept else None
 
     def finish(self) -> None:
         """Complete the step: update parameters that hold a gradient the hooks did not see
-        (set by hand), agree on the non-finite verdict across ranks, reset."""
+        (set by hand), agree on the non-finite verdict across ranks (one read), read the
+        updates' verdicts (one read on accelerators), reset."""
         optimizer = self._optimizer
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -267,22 +302,24 @@ class InBackward:
                     self._on_gradient(param)
                     param.grad = None
         skipped = [self._names[i] for i in self._skipped]
+        verdicts, self._verdicts = self._verdicts, []
         self._updated.clear()
         self._skipped.clear()
         optimizer.end_step()
-        squares, self._squares, self._previous, self._previous_seen = self._squares, 0.0, None, 0.0
+        self._squares, self._previous, self._previous_seen = None, None, None
         step_squares, self._step_squares = self._step_squares, {}
-        # one all-reduce: whether any rank skipped a parameter (the norm's sum is already global)
-        any_skipped = not _dist.all_ranks_true([torch.tensor(not skipped)])
+        # one all-reduce and one read: whether any rank skipped a parameter (each verdict
+        # is already the same on every rank; the host's and the device's together)
+        any_skipped = not _dist.all_ranks_true([torch.tensor(not skipped)] + [f for _, f, _ in verdicts])
+        if any_skipped:
+            skipped += self._restore_counters(verdicts)
+        optimizer._end_of_step.settle()  # the updates' own verdicts, read once
         if self._max_grad_norm is not None and not any_skipped:
             for group in optimizer.param_groups:
-                group["previous_grad_norm"] = squares ** 0.5
                 for param in group["params"]:
                     if id(param) in step_squares:
                         # a 0-d tensor, as torch keeps "step": checkpoints carry tensors
-                        optimizer.state.setdefault(param, {})["previous_grad_norm_sq"] = torch.tensor(
-                            step_squares[id(param)], dtype=torch.float64
-                        )
+                        optimizer.state.setdefault(param, {})["previous_grad_norm_sq"] = step_squares[id(param)]
                     elif param in optimizer.state:  # no gradient this step: no part of its norm
                         optimizer.state[param].pop("previous_grad_norm_sq", None)
         if any_skipped:
@@ -294,3 +331,24 @@ class InBackward:
                 "cannot be undone). Skip this batch and go on, or lower the learning rate; "
                 "use step_in_backward=False to refuse a whole step before anything changes."
             )
+
+    def _restore_counters(self, verdicts: list[tuple[int, torch.Tensor, bool]]) -> list[str]:
+        """After a step with a non-finite gradient: the parameters the device skipped (their
+        weights and states were put back on the device) also get back their CPU step
+        counter, or lose the state made this step. One more read; returns their names."""
+        if not verdicts:
+            return []
+        finite = torch.stack([flag for _, flag, _ in verdicts]).tolist()
+        params = {id(p): p for g in self._optimizer.param_groups for p in g["params"]}
+        names = []
+        for (key, _, fresh), ok in zip(verdicts, finite):
+            if ok:
+                continue
+            names.append(self._names[key])
+            state = self._optimizer.state
+            param = params[key]
+            if fresh:
+                state.pop(param, None)
+            elif isinstance(state.get(param, {}).get("step"), torch.Tensor):
+                state[param]["step"] -= 1
+        return names

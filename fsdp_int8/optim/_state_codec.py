@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_int8.quant import absmax_dequantize, absmax_quantize
+from fsdp_int8.quant import NonFinite, absmax_dequantize, absmax_quantize
 
 
 def quantize_state_blocks(
-    values: torch.Tensor, block_size: int, *, signed: bool, out: torch.Tensor | None = None
+    values: torch.Tensor, block_size: int, *, signed: bool, out: torch.Tensor | None = None,
+    nonfinite: NonFinite = "raise",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest block-wise absmax quantization of a ``[rows, K]`` float state.
 
@@ -26,11 +27,16 @@ def quantize_state_blocks(
     second moment, and a zero there would turn the Adam denominator into ``eps`` (see
     :class:`~fsdp_int8.Int8AdamW`).
 
+    ``nonfinite="propagate"`` leaves the check to the caller: a block holding NaN or Inf
+    gets a non-finite scale (an optimizer step on an accelerator reads that verdict once
+    per step, :mod:`fsdp_int8._weight.update_checks`).
+
     Raises:
-        ValueError: if ``values`` holds NaN or Inf (a NaN scale would corrupt the state).
+        ValueError: with ``nonfinite="raise"``, if ``values`` holds NaN or Inf (a NaN scale
+            would corrupt the state).
     """
     q, scale = absmax_quantize(
-        values, block_size=block_size, signed=signed, rounding="nearest", nonfinite="raise",
+        values, block_size=block_size, signed=signed, rounding="nearest", nonfinite=nonfinite,
         out=out, what="an optimizer state",
     )
     if not signed:

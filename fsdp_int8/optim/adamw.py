@@ -11,6 +11,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from fsdp_int8._dist import local_shard
 from fsdp_int8._quant.kernels import ceil_div
+from fsdp_int8._weight import update_checks
 from fsdp_int8.optim._base import FusedInt8Optimizer, Slot, column_parts, like_param
 from fsdp_int8.optim._checks import check_number
 from fsdp_int8.optim._state_codec import dequantize_state_blocks, quantize_state_blocks
@@ -309,11 +310,7 @@ class Int8AdamW(FusedInt8Optimizer):
         exp_avgs = [m for m, _ in moments]
         exp_avg_sqs = [v for _, v in moments]
         del moments
-        steps = []
-        for slot in slots:
-            if slot.first:  # a parameter cut into pieces counts its step once
-                slot.state["step"] += 1
-            steps.append(slot.state["step"].item())
+        steps = self._step_counts(slots)
 
         if _use_fused(group.get("fused"), works[0].device):
             # torch.optim.AdamW(fused=True)'s kernel, in place on the fp32 work tensors
@@ -349,15 +346,33 @@ class Int8AdamW(FusedInt8Optimizer):
         torch._foreach_addcdiv_(works, exp_avgs, denoms, step_sizes)
 
     @staticmethod
+    def _step_counts(slots: list[Slot]) -> list[float]:
+        """Count this step in each parameter's ``step`` (once for a parameter cut into
+        pieces) and read the counts: the counters live on the CPU, as in ``torch.optim``,
+        so reading them waits for no device."""
+        for slot in slots:
+            if slot.first:
+                slot.state["step"] += 1
+        return [slot.state["step"].item() for slot in slots]
+
+    @staticmethod
     def _store_8bit(slot: Slot, m: torch.Tensor, r: torch.Tensor, block: int) -> None:
         """Requantize ``m`` and ``r = sqrt(v)`` into the 8-bit states, in place."""
         state = slot.state
         rows_shape = local_shard(state["exp_avg_int8"]).shape
+        # on accelerators the finiteness verdict joins the step's single read
+        deferred = update_checks.defers(m.device)
+        finite = []
         for (q_key, s_key), values, signed in (
             (("exp_avg_int8", "exp_avg_scale"), m, True),
             (("exp_avg_sq_sqrt_uint8", "exp_avg_sq_sqrt_scale"), r, False),
         ):
             _, scale = quantize_state_blocks(
-                values.reshape(rows_shape), block, signed=signed, out=local_shard(state[q_key])
+                values.reshape(rows_shape), block, signed=signed, out=local_shard(state[q_key]),
+                nonfinite="propagate" if deferred else "raise",
             )
             local_shard(state[s_key]).copy_(scale)
+            if deferred:
+                finite.append(torch.isfinite(scale).all())
+        if deferred:
+            update_checks.defer(finite[0] & finite[1], update_checks.describe("optimizer state", tuple(rows_shape)))

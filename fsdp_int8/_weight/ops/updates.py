@@ -139,7 +139,7 @@ def _fused_addcdiv_(target: Int8Weight, t1: torch.Tensor, t2: torch.Tensor, *, v
         generator=_tensor_parallel.rounding_generator(target, target.device) if target.stochastic_rounding else None,
         stochastic=target.stochastic_rounding,
     )
-    _update_checks.check(finite, tuple(target.shape), lambda: raise_non_finite(
+    _update_checks.check(finite, _update_checks.describe("weight", tuple(target.shape)), lambda: raise_non_finite(
         target.dequantize(torch.float32).addcdiv_(t1, t2, value=value), "a weight", "int8"))
     return target.write_rows_(q, scale)
 
