@@ -119,10 +119,19 @@ def _probe(device: torch.device, kind: str) -> float:
     """Time of ``kind`` ("int8" or "bf16") over an fp32 matmul's, same shape, this device.
 
     Runs outside every active dispatch mode (a caller's GEMM counter, fake tensors) and
-    autograd: the probe is not part of the caller's computation.
+    autograd: the probe is not part of the caller's computation. On a CPU it runs on one
+    thread: a multi-threaded fp32 matmul on cores other jobs share waits for its slowest
+    thread, which can make it slower than a single-threaded reference loop and the ratio
+    meaningless.
     """
-    with torch.no_grad(), _disable_current_modes():
-        return _timed_ratio(device, kind)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        with torch.no_grad(), _disable_current_modes():
+            return _timed_ratio(device, kind)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _timed_ratio(device: torch.device, kind: str) -> float:

@@ -150,6 +150,19 @@ def test_the_probe_measures_this_machine():
     assert _hardware._probe(torch.device("cpu"), "int8") > 0
 
 
+def test_the_cpu_probe_runs_on_one_thread(monkeypatch):
+    # a multi-threaded fp32 matmul on shared cores can be slower than a reference loop
+    seen = []
+    monkeypatch.setattr(_hardware, "_timed_ratio", lambda device, kind: seen.append(torch.get_num_threads()) or 1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _hardware._probe(torch.device("cpu"), "bf16")
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_int8_against_bf16_probe_runs(monkeypatch):
     # the unknown-GPU probe's code, on the CPU at a small size: a positive ratio
     monkeypatch.setattr(_hardware, "_INT8_PROBE_SIZE", 32)
