@@ -129,9 +129,8 @@ def released_by_backend(*tensors: torch.Tensor) -> Iterator[None]:
             time.sleep(0)  # lets the backend's thread run (and take the GIL if it must)
 
 
-def all_ranks_true(flags: list[torch.Tensor]) -> bool:
-    """Whether every flag is true on every rank: one all-reduce (with a process group) and
-    one host sync, whatever the number of flags and devices."""
+def _verdict(flags: list[torch.Tensor]) -> torch.Tensor:
+    """Every flag, on every rank, as one int32 on the collective device (1: all true)."""
     device = collective_device()
     if flags:
         verdict = torch.stack([flag.to(device, torch.int32) for flag in flags]).min()
@@ -140,7 +139,21 @@ def all_ranks_true(flags: list[torch.Tensor]) -> bool:
     if is_distributed():
         with released_by_backend(verdict):
             dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
-    return bool(verdict)
+    return verdict
+
+
+def all_ranks_true(flags: list[torch.Tensor]) -> bool:
+    """Whether every flag is true on every rank: one all-reduce (with a process group) and
+    one host sync, whatever the number of flags and devices."""
+    return bool(_verdict(flags))
+
+
+def all_ranks_true_reading(flags: list[torch.Tensor], values: torch.Tensor) -> tuple[bool, list[int]]:
+    """:func:`all_ranks_true`, and this rank's integer ``values`` (1-D, any device) read
+    back in the same host sync: ``(verdict, values as a list)``."""
+    verdict = _verdict(flags)
+    read = torch.cat([verdict.to(torch.int64).view(1), values.to(verdict.device, torch.int64)]).tolist()
+    return bool(read[0]), read[1:]
 
 
 TENSOR_PARALLEL_DIM = "tp"  # the mesh dim tensor parallelism splits on (torchtitan's name)

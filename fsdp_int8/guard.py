@@ -39,20 +39,27 @@ class NonFiniteGradientError(ValueError):
     """An optimizer step refused because a gradient holds NaN or Inf (nothing was changed)."""
 
 
-def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+def _all_finite(tensors: Iterable[torch.Tensor], read_with: torch.Tensor | None = None) -> tuple[bool, list[int]]:
     """Whether every tensor on every rank is finite: one fused reduction per device and
-    dtype, one host sync, and (with a process group) one all-reduce of the verdict."""
+    dtype, one host sync, and (with a process group) one all-reduce of the verdict. The
+    integer tensor ``read_with`` is read back in the same sync (``[]`` without it)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for tensor in tensors:
         local = local_shard(tensor)
         # Sparse gradients are the optimizer's to refuse (or handle): strided ones only.
         if local.layout == torch.strided and local.is_floating_point() and local.numel():
             groups[(local.device, local.dtype)].append(local)
-    if _dist.all_ranks_true([norms_finite(group) for group in groups.values()]):
-        return True
+    flags = [norms_finite(group) for group in groups.values()]
+    if read_with is None:
+        finite, values = _dist.all_ranks_true(flags), []
+    else:
+        finite, values = _dist.all_ranks_true_reading(flags, read_with)
+    if finite:
+        return True, values
     # Rare: a norm is NaN or Inf, on some rank. Every rank gets here (the verdict is
     # shared): look at the values themselves, since a norm may only have overflowed.
-    return _dist.all_ranks_true([torch.stack([t.isfinite().all() for t in group]).all() for group in groups.values()])
+    flags = [torch.stack([t.isfinite().all() for t in group]).all() for group in groups.values()]
+    return _dist.all_ranks_true(flags), values
 
 
 def norms_finite(group: list[torch.Tensor]) -> torch.Tensor:
@@ -68,16 +75,22 @@ def norms_finite(group: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(group, 2)).isfinite().all()
 
 
-def check_finite_gradients(optimizer: torch.optim.Optimizer) -> None:
+def check_finite_gradients(optimizer: torch.optim.Optimizer, *, read_with: torch.Tensor | None = None) -> list[int]:
     """Raise :class:`NonFiniteGradientError` if any gradient of ``optimizer``'s parameters,
-    on any rank, holds NaN or Inf. Call on every rank (it all-reduces the verdict)."""
+    on any rank, holds NaN or Inf. Call on every rank (it all-reduces the verdict).
+
+    ``read_with``: a 1-D integer tensor read back in the same host sync as the verdict
+    (an optimizer's rounding seeds: one device sync per step for both); returned as a
+    list (``[]`` without it)."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not _all_finite(grads):
+    finite, values = _all_finite(grads, read_with)
+    if not finite:
         raise NonFiniteGradientError(
             f"{type(optimizer).__name__}.step() refused: a gradient holds NaN or Inf (on this or "
             "another rank). Parameters, optimizer states and generators are unchanged; skip "
             "this batch (zero_grad) or lower the learning rate / enable gradient clipping."
         )
+    return values
 
 
 def guard_finite_steps(optimizer: torch.optim.Optimizer) -> RemovableHandle:

@@ -91,12 +91,12 @@ def test_the_check_tells_huge_finite_gradients_from_non_finite_ones(dtype):
 
     huge = 1e30 if dtype != torch.float16 else 3e4
     finite = [torch.full((5, 7), huge, dtype=dtype), torch.randn(3, dtype=dtype)]
-    assert _all_finite(finite)
+    assert _all_finite(finite) == (True, [])
     for bad in (float("nan"), float("inf"), float("-inf")):
         tensor = torch.randn(5, 7, dtype=dtype)
         tensor[2, 3] = bad
-        assert not _all_finite([finite[1], tensor]), bad
-        assert not _all_finite([torch.full((4,), huge, dtype=dtype), tensor]), bad
+        assert not _all_finite([finite[1], tensor])[0], bad
+        assert not _all_finite([torch.full((4,), huge, dtype=dtype), tensor])[0], bad
 
 
 @pytest.mark.parametrize("make", [
@@ -117,3 +117,14 @@ def test_an_optimizer_built_before_quantize_is_refused_at_its_first_step(make):
     late.step()
     assert not torch.equal(before, model[0].weight.int_data)
     late.step()  # checked once, at the first step
+
+
+def test_values_read_with_the_verdict_come_back_in_the_same_sync():
+    """An optimizer's seeds ride along with the verdict: one host read for both."""
+    from fsdp_int8.guard import _all_finite
+    from fsdp_int8.testing.host_syncs import count_host_syncs
+
+    values = torch.tensor([5, -3, 2**62], dtype=torch.int64)
+    with count_host_syncs() as reads:
+        assert _all_finite([torch.ones(3)], read_with=values) == (True, [5, -3, 2**62])
+    assert reads.count == 1, reads.summary()

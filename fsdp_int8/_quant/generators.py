@@ -149,17 +149,39 @@ _UPDATE_STREAM: contextvars.ContextVar[torch.Generator | None] = contextvars.Con
 )
 
 
-def draw_update_seeds(generators: list[torch.Generator]) -> list[int]:
-    """One 63-bit seed per entry of ``generators``, drawn from each in list order (one
-    draw per entry; entries that share a generator draw from it in turn)."""
+def draw_update_seed_values(generators: list[torch.Generator]) -> torch.Tensor | None:
+    """The draws behind :func:`draw_update_seeds`, not read back: one int64 tensor on the
+    first generator's device, each distinct generator's draws in turn (``None`` for no
+    generators). :func:`update_seeds_from` turns the values into seeds."""
+    if not generators:
+        return None
     counts: dict[int, int] = {}
     for gen in generators:
         counts[id(gen)] = counts.get(id(gen), 0) + 1
+    device = generators[0].device
+    return torch.cat([
+        torch.randint(0, _MASK63, (counts[id(gen)],), dtype=torch.int64, generator=gen, device=gen.device).to(device)
+        for gen in {id(g): g for g in generators}.values()
+    ])
+
+
+def update_seeds_from(generators: list[torch.Generator], values: list[int]) -> list[int]:
+    """One seed per entry of ``generators`` from :func:`draw_update_seed_values`' values
+    (read back): entries that share a generator take its draws in list order."""
     drawn: dict[int, list[int]] = {}
+    start = 0
     for gen in {id(g): g for g in generators}.values():
-        seeds = torch.randint(0, _MASK63, (counts[id(gen)],), dtype=torch.int64, generator=gen, device=gen.device)
-        drawn[id(gen)] = seeds.tolist()[::-1]  # popped from the end: list order
+        count = sum(1 for g in generators if g is gen)
+        drawn[id(gen)] = values[start:start + count][::-1]  # popped from the end: list order
+        start += count
     return [drawn[id(gen)].pop() for gen in generators]
+
+
+def draw_update_seeds(generators: list[torch.Generator]) -> list[int]:
+    """One 63-bit seed per entry of ``generators``, drawn from each in list order (one
+    draw per entry; entries that share a generator draw from it in turn)."""
+    values = draw_update_seed_values(generators)
+    return [] if values is None else update_seeds_from(generators, values.tolist())
 
 
 @contextlib.contextmanager

@@ -19,13 +19,15 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer
 
 from fsdp_int8._dist import local_shard
-from fsdp_int8._quant.generators import draw_update_seeds, update_stream
+from fsdp_int8._quant.generators import (
+    draw_update_seed_values, draw_update_seeds, update_seeds_from, update_stream,
+)
 from fsdp_int8._weight.tensor_parallel import rounding_generator
 from fsdp_int8._weight.ops.views import contiguous_strides
 from fsdp_int8._weight.end_of_step import ORDER, EndOfStep
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8._weight.update_checks import VERDICTS
-from fsdp_int8.guard import check_finite_gradients
+from fsdp_int8.guard import NonFiniteGradientError, check_finite_gradients
 from fsdp_int8.optim._checks import check_floating
 from fsdp_int8.optim._grad_dtype import GradientCast, check_grad_dtype
 from fsdp_int8.optim._in_backward import InBackward, check_max_grad_norm
@@ -239,7 +241,7 @@ class FusedInt8Optimizer(Optimizer):
         if self._in_backward is not None:
             self._in_backward.finish()
             return loss
-        check_finite_gradients(self)  # before anything changes: a refused step changes nothing
+        self._seeds = self._checked_seeds()
         with self._end_of_step.collecting():
             for group in self.param_groups:
                 self.update_params([p for p in group["params"] if p.grad is not None], group)
@@ -289,6 +291,22 @@ class FusedInt8Optimizer(Optimizer):
         self._seeds = None
         self._streams.clear()
 
+    def _seeded_weights(self) -> tuple[list[torch.Tensor], list[torch.Generator]]:
+        """The stochastically rounded int8 weights of the groups with ``lr != 0`` that have
+        a rounding generator, in parameter order, and their generators."""
+        weights, generators = [], []
+        for group in self.param_groups:
+            if float(group["lr"]) == 0.0:
+                continue
+            for param in group["params"]:
+                local = local_shard(param)
+                if isinstance(local, Int8Weight) and local.stochastic_rounding:
+                    generator = rounding_generator(local, local.device)
+                    if generator is not None:
+                        weights.append(param)
+                        generators.append(generator)
+        return weights, generators
+
     def _draw_seeds(self) -> None:
         """Once per step: one rounding seed per stochastically rounded int8 weight of the
         groups with ``lr != 0``, drawn in parameter order from each weight's stream. Each
@@ -297,14 +315,24 @@ class FusedInt8Optimizer(Optimizer):
         got gradients."""
         if self._seeds is not None:
             return
-        weights = [
-            param for group in self.param_groups if float(group["lr"]) != 0.0 for param in group["params"]
-            if isinstance(local_shard(param), Int8Weight) and local_shard(param).stochastic_rounding
-        ]
-        generators = [rounding_generator(local_shard(p), local_shard(p).device) for p in weights]
-        drawn = draw_update_seeds([g for g in generators if g is not None])
-        seeds = iter(drawn)
-        self._seeds = {id(p): next(seeds) for p, g in zip(weights, generators) if g is not None}
+        weights, generators = self._seeded_weights()
+        self._seeds = {id(p): seed for p, seed in zip(weights, draw_update_seeds(generators))}
+
+    def _checked_seeds(self) -> dict[int, int]:
+        """The step's rounding seeds (as :meth:`_draw_seeds`), read back in the same host
+        sync as the finite-gradient verdict of :func:`~fsdp_int8.guard.check_finite_gradients`:
+        one device sync for both. A refused step puts the generators back: it changes
+        nothing."""
+        weights, generators = self._seeded_weights()
+        states = [(g, g.get_state()) for g in {id(g): g for g in generators}.values()]  # host-side state
+        draws = draw_update_seed_values(generators)
+        try:
+            values = check_finite_gradients(self, read_with=draws)
+        except NonFiniteGradientError:
+            for generator, state in states:
+                generator.set_state(state)
+            raise
+        return {id(p): seed for p, seed in zip(weights, update_seeds_from(generators, values))}
 
     def _pieces(self, param: torch.Tensor, group: dict[str, Any], limit: int) -> list[Piece]:
         """Check ``param``'s gradient, make its state on the first step, and cut both into

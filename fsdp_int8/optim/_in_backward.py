@@ -58,6 +58,7 @@ from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
 from fsdp_int8.guard import NonFiniteGradientError
 from fsdp_int8._weight import update_checks
+from fsdp_int8._weight.update_checks import VERDICTS
 from fsdp_int8.optim._hooks import watch_new
 
 if TYPE_CHECKING:
@@ -308,12 +309,19 @@ class InBackward:
         optimizer.end_step()
         self._squares, self._previous, self._previous_seen = None, None, None
         step_squares, self._step_squares = self._step_squares, {}
-        # one all-reduce and one read: whether any rank skipped a parameter (each verdict
-        # is already the same on every rank; the host's and the device's together)
-        any_skipped = not _dist.all_ranks_true([torch.tensor(not skipped)] + [f for _, f, _ in verdicts])
-        if any_skipped:
-            skipped += self._restore_counters(verdicts)
-        optimizer._end_of_step.settle()  # the updates' own verdicts, read once
+        # one all-reduce and one read for the step: no rank skipped a parameter (each skip
+        # verdict is already the same on every rank; the host's and the device's together)
+        # and every update came out finite
+        skip_flags = [torch.tensor(not skipped)] + [f for _, f, _ in verdicts]
+        update_flags = [flag for flag, _ in optimizer._end_of_step.held(VERDICTS)]
+        any_skipped = False
+        if _dist.all_ranks_true(skip_flags + update_flags):
+            optimizer._end_of_step.discard()  # every verdict held was read true just now
+        else:  # something failed on some rank: find out what (more reads, on this path only)
+            any_skipped = not _dist.all_ranks_true(skip_flags)
+            if any_skipped:
+                skipped += self._restore_counters(verdicts)
+            optimizer._end_of_step.settle()  # raises where this rank's updates were not finite
         if self._max_grad_norm is not None and not any_skipped:
             for group in optimizer.param_groups:
                 for param in group["params"]:
