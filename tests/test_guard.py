@@ -122,7 +122,7 @@ def test_an_optimizer_built_before_quantize_is_refused_at_its_first_step(make):
 def test_values_read_with_the_verdict_come_back_in_the_same_sync():
     """An optimizer's seeds ride along with the verdict: one host read for both."""
     from fsdp_int8.guard import _all_finite
-    from fsdp_int8.testing.host_syncs import count_host_syncs
+    from fsdp_int8.testing import count_host_syncs
 
     values = torch.tensor([5, -3, 2**62], dtype=torch.int64)
     with count_host_syncs() as reads:

@@ -20,14 +20,14 @@ parameter they cost: docs/optim.md.
 
 A ``torch.optim`` optimizer's updates do their end-of-step work (finiteness verdicts on
 accelerators, tensor-parallel rounding) one weight at a time unless it is passed to
-:func:`batch_int8_updates` (:mod:`~fsdp_int8.optim.batching`).
+:func:`batch_int8_updates` (``_batching``).
 
 Modules: :mod:`~fsdp_int8.optim.adamw`, :mod:`~fsdp_int8.optim.sgd`; the shared step
 (``_base``), argument checks (``_checks``) and the 8-bit state codec (``_state_codec``).
 """
 
 from fsdp_int8.optim.adamw import Int8AdamW
-from fsdp_int8.optim.batching import BatchedUpdates, batch_int8_updates
+from fsdp_int8.optim._batching import BatchedUpdates, batch_int8_updates
 from fsdp_int8.optim.sgd import Int8SGD
 
 __all__ = ["Int8AdamW", "Int8SGD", "batch_int8_updates", "BatchedUpdates"]

@@ -4,11 +4,14 @@
   one GPU per rank + NCCL): :func:`run_distributed`, :class:`DistributedTestCase`.
 * :mod:`~fsdp_int8.testing.conformance`: the FSDP2 conformance suite for any tensor-subclass
   weight: :func:`check_fsdp2_conformance` / :func:`assert_fsdp2_conformance`.
+* :func:`count_host_syncs`: the host reads of tensor values (device syncs on a GPU) a block
+  of code makes, counted on any device.
 """
 
 from typing import Any
 
 from fsdp_int8.testing import processes
+from fsdp_int8.testing._host_syncs import HostSyncs, count_host_syncs
 from fsdp_int8.testing.conformance import (
     SCENARIOS,
     ConformanceReport,
@@ -29,6 +32,8 @@ __all__ = [
     "ConformanceReport",
     "ScenarioResult",
     "SCENARIOS",
+    "count_host_syncs",
+    "HostSyncs",
 ]
 
 

@@ -8,7 +8,7 @@ the updates' finiteness flags, or in the lean call the rounding seeds and the ve
 one read known to grow with depth is the int8 grouped GEMM of experts with int8 matmuls,
 which needs each expert's rows on the host (docs/limits.md; a device-side grouped int8
 GEMM is future work). Reads of the optimizers' CPU step counters are not counted
-(``fsdp_int8.testing.host_syncs``).
+(``fsdp_int8.testing.count_host_syncs``).
 
 One spawn runs every case.
 """
@@ -28,8 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import fsdp_int8
 from fsdp_int8._weight import update_checks
-from fsdp_int8.testing import run_distributed
-from fsdp_int8.testing.host_syncs import count_host_syncs
+from fsdp_int8.testing import count_host_syncs, run_distributed
 
 VOCAB = 128
 RECIPES = ("bf16", "int8-weight-only", "int8-matmuls", "lean")
