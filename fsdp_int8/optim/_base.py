@@ -19,18 +19,15 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer
 
 from fsdp_int8._dist import local_shard
-from fsdp_int8._quant.generators import (
-    draw_update_seed_values, draw_update_seeds, update_seeds_from, update_stream,
-)
-from fsdp_int8._weight.tensor_parallel import rounding_generator
+from fsdp_int8._quant.generators import update_stream
 from fsdp_int8._weight.ops.views import contiguous_strides
 from fsdp_int8._weight.end_of_step import ORDER, EndOfStep
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8._weight.update_checks import VERDICTS
-from fsdp_int8.guard import NonFiniteGradientError, check_finite_gradients
 from fsdp_int8.optim._checks import check_floating
 from fsdp_int8.optim._grad_dtype import GradientCast, check_grad_dtype
 from fsdp_int8.optim._in_backward import InBackward, check_max_grad_norm
+from fsdp_int8.optim._seeds import StepSeeds
 
 # The update of a chunk of parameters runs on fp32 copies (dequantized weights, moments,
 # the denominator): at most this many elements at a time (one parameter at least), so the
@@ -190,8 +187,7 @@ class FusedInt8Optimizer(Optimizer):
         # backward holds verdicts only: its tensor-parallel writes round at once)
         self._end_of_step = EndOfStep(kinds=(VERDICTS,) if step_in_backward else ORDER)
         self._grad_cast = GradientCast(type(self).__name__, grad_dtype) if grad_dtype is not None else None
-        self._seeds: dict[int, int] | None = None  # id(param) -> its update's rounding seed
-        self._streams: dict[int, torch.Generator] = {}  # id(param) -> its seeded generator
+        self._step_seeds = StepSeeds()
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -241,7 +237,7 @@ class FusedInt8Optimizer(Optimizer):
         if self._in_backward is not None:
             self._in_backward.finish()
             return loss
-        self._seeds = self._checked_seeds()
+        self._step_seeds.draw_checked(self)  # with the finite-gradient verdict: a refused step changes nothing
         with self._end_of_step.collecting():
             for group in self.param_groups:
                 self.update_params([p for p in group["params"] if p.grad is not None], group)
@@ -257,7 +253,7 @@ class FusedInt8Optimizer(Optimizer):
         update writes (weights and states, not the CPU step counter) is put back as it
         was, decided on the device without reading ``keep`` (the step inside backward's
         verdict on an accelerator). Each chunk's tensors are copied first for that."""
-        self._draw_seeds()
+        self._step_seeds.draw(self)
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for param in params:
             by_device[local_shard(param).device].append(param)
@@ -275,64 +271,9 @@ class FusedInt8Optimizer(Optimizer):
                 for tensor, old in before:
                     torch.where(keep, tensor, old, out=tensor)
 
-    def _stream(self, param: torch.Tensor, device: torch.device) -> torch.Generator | None:
-        """The generator of ``param``'s rounding this step (one per parameter, shared by
-        its pieces in row order), ``None`` if it has no seed (round to nearest)."""
-        stream = self._streams.get(id(param))
-        if stream is None:
-            seed = (self._seeds or {}).get(id(param))
-            if seed is None:
-                return None
-            stream = self._streams[id(param)] = torch.Generator(device=device).manual_seed(seed)
-        return stream
-
     def end_step(self) -> None:
         """Forget this step's rounding seeds: the next update draws new ones."""
-        self._seeds = None
-        self._streams.clear()
-
-    def _seeded_weights(self) -> tuple[list[torch.Tensor], list[torch.Generator]]:
-        """The stochastically rounded int8 weights of the groups with ``lr != 0`` that have
-        a rounding generator, in parameter order, and their generators."""
-        weights, generators = [], []
-        for group in self.param_groups:
-            if float(group["lr"]) == 0.0:
-                continue
-            for param in group["params"]:
-                local = local_shard(param)
-                if isinstance(local, Int8Weight) and local.stochastic_rounding:
-                    generator = rounding_generator(local, local.device)
-                    if generator is not None:
-                        weights.append(param)
-                        generators.append(generator)
-        return weights, generators
-
-    def _draw_seeds(self) -> None:
-        """Once per step: one rounding seed per stochastically rounded int8 weight of the
-        groups with ``lr != 0``, drawn in parameter order from each weight's stream. Each
-        weight is then rounded from its own seed, so the noise it gets does not depend on
-        the order of the updates (after backward or inside it) or on which other weights
-        got gradients."""
-        if self._seeds is not None:
-            return
-        weights, generators = self._seeded_weights()
-        self._seeds = {id(p): seed for p, seed in zip(weights, draw_update_seeds(generators))}
-
-    def _checked_seeds(self) -> dict[int, int]:
-        """The step's rounding seeds (as :meth:`_draw_seeds`), read back in the same host
-        sync as the finite-gradient verdict of :func:`~fsdp_int8.guard.check_finite_gradients`:
-        one device sync for both. A refused step puts the generators back: it changes
-        nothing."""
-        weights, generators = self._seeded_weights()
-        states = [(g, g.get_state()) for g in {id(g): g for g in generators}.values()]  # host-side state
-        draws = draw_update_seed_values(generators)
-        try:
-            values = check_finite_gradients(self, read_with=draws)
-        except NonFiniteGradientError:
-            for generator, state in states:
-                generator.set_state(state)
-            raise
-        return {id(p): seed for p, seed in zip(weights, update_seeds_from(generators, values))}
+        self._step_seeds.forget()
 
     def _pieces(self, param: torch.Tensor, group: dict[str, Any], limit: int) -> list[Piece]:
         """Check ``param``'s gradient, make its state on the first step, and cut both into
@@ -396,7 +337,7 @@ class FusedInt8Optimizer(Optimizer):
                 # value by one step (recomputed scale, stochastic noise): leave it untouched.
                 if skip_int8:
                     continue
-                stream = self._stream(slot.param, slot.local.device)
+                stream = self._step_seeds.stream(slot.param, slot.local.device)
                 with update_stream(stream) if stream is not None else contextlib.nullcontext():
                     slot.local.assign_(slot.work, stochastic=slot.local.stochastic_rounding, step_update=True)
             elif slot.work is not slot.local:
