@@ -190,18 +190,21 @@ def _check_all_gather_bytes(mesh) -> None:
 
 
 def _check_updates_batch_one_reduction_per_step(mesh) -> None:
-    """Every rowwise weight's update of one optimizer step waits for ONE all_reduce(MAX) of
-    all their row absmaxes (not one per weight)."""
-    with case("one all_reduce per optimizer step for the shared row scales"):
-        model = fsdp_int8.shard_model(_model(), mesh=mesh, config=_config(), tp_plan=PLAN)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model(_batch()).sum().backward()
-        with fsdp_int8.collectives.count_collectives() as counter:
-            optimizer.step()
-        reductions = [r for r in counter.records if r.name == "all_reduce"]
-        rowwise = sum(1 for _, p in int8_params(model) if local_of(p).tensor_parallel.shares_row_scales)
-        assert rowwise == 2 and len(reductions) == 1, (rowwise, counter.records)
-        _check_shared_scales_and_replicas(model, mesh)
+    """With batch_int8_updates, every rowwise weight's update of one optimizer step waits
+    for ONE all_reduce(MAX) of all their row absmaxes; without it, each rounds at once."""
+    for batched in (True, False):
+        with case(f"all_reduces per optimizer step for the shared row scales, batched={batched}"):
+            model = fsdp_int8.shard_model(_model(), mesh=mesh, config=_config(), tp_plan=PLAN)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            if batched:
+                fsdp_int8.optim.batch_int8_updates(optimizer)
+            model(_batch()).sum().backward()
+            with fsdp_int8.collectives.count_collectives() as counter:
+                optimizer.step()
+            reductions = [r for r in counter.records if r.name == "all_reduce"]
+            rowwise = sum(1 for _, p in int8_params(model) if local_of(p).tensor_parallel.shares_row_scales)
+            assert rowwise == 2 and len(reductions) == (1 if batched else 2), (rowwise, counter.records)
+            _check_shared_scales_and_replicas(model, mesh)
 
 
 def _check_rounding_streams(mesh) -> None:
