@@ -125,6 +125,7 @@ def _check_compiled_matches_eager(device: str) -> None:
 def _check_deferred_finiteness(device: str) -> None:
     weight = torch.nn.Parameter(Int8Weight.from_float(torch.randn(32, 32, device=device)))
     optimizer = torch.optim.SGD([weight], lr=1.0)
+    fsdp_int8.optim.batch_int8_updates(optimizer)  # on a GPU: the flag is read once, when step() ends
     weight.grad = torch.full((32, 32), float("inf"), device=device)
     try:
         optimizer.step()

@@ -277,7 +277,9 @@ def choose_recipe(args: argparse.Namespace, device: torch.device) -> Recipe:
 
 def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.Optimizer:
     if args.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        fsdp_int8.optim.batch_int8_updates(optimizer)  # int8 updates' checks: one device sync per step
+        return optimizer
     state_bits = 8 if args.optimizer.endswith("8bit") else 32
     if args.lean:  # the library's lean call, with this run's --optimizer and --grad-clip
         return fsdp_int8.Int8AdamW.lean(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
