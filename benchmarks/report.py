@@ -12,6 +12,10 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"  # the dated logs, one page per subject
+# docs/benchmarks.md points to the GPU estimates, which compare.py does not measure
+ROOFLINE_LINE = ("Estimated step-time ratios on GPUs (H100, H200, B200, B300) from a roofline of each recipe's "
+                 "traced step, not measurements: `python -m benchmarks.roofline`, "
+                 "[performance.md](performance.md#a-roofline-of-a-training-step).")
 
 
 def _plots(folder: Path, results: dict, world_rows: list, width_rows: list) -> list[str]:
@@ -76,6 +80,8 @@ def write_report(docs: Path, command: str, lines: list[str], results: dict, worl
         "pip install -r requirements-ci.txt -e \".[bench]\"",
         command.strip(),
         "```",
+        "",
+        ROOFLINE_LINE,
         "",
         f"Run on {datetime.date.today().isoformat()}. Its output, verbatim:",
         "",
