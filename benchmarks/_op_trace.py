@@ -293,6 +293,7 @@ class OpCounter(TorchDispatchMode):
         self.answer_reads = answer_reads
         self.costs: dict[str, OpCost] = defaultdict(OpCost)
         self.counting = True
+        self.host_tensors: set[int] = set()  # ids of tensors whose reads wait for no device
         self._region: FusedRegion | None = None
 
     @contextlib.contextmanager
@@ -316,7 +317,8 @@ class OpCounter(TorchDispatchMode):
             return NotImplemented  # the subclass's own ops on its plain tensors come back here
         name = _name(func)
         if func in HOST_READS:
-            self._record_sync(name)
+            if id(args[0]) not in self.host_tensors:
+                self._record_sync(name)
             if self.answer_reads:
                 dtype = args[0].dtype
                 return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)

@@ -8,6 +8,11 @@ backend: collectives return at once), under :class:`benchmarks._op_trace.OpCount
 first step runs uncounted (FSDP2's lazy init, the optimizer's states); the second is the
 count, ``benchmarks.timing.train_step`` as the benchmarks time it.
 
+The library picks some paths by device type (it reads an update's finite verdict at once
+on the CPU, where that costs nothing, and defers it on accelerators; it sizes the
+optimizer's chunks per device). ``accelerator=True`` traces its accelerator paths on the
+CPU's fake tensors, as its own tests switch them on, for a GPU's estimate.
+
 What fake tensors cannot do is arranged around, for the trace only:
 
 * a device mesh is made of real tensors (it is built outside fake mode);
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections import defaultdict
 from typing import Iterator
@@ -83,6 +89,27 @@ def _kernel_name(function) -> str:
 
 
 @contextlib.contextmanager
+def _accelerator_policy() -> Iterator[None]:
+    """fsdp_int8's choices for an accelerator, on the CPU's fake tensors: update verdicts
+    deferred to the step's one check (as its tests switch it on) and the optimizer's
+    chunks of accelerator size."""
+    from fsdp_int8._weight import update_checks
+    from fsdp_int8.optim import _base
+
+    with mock.patch.object(update_checks, "defers", lambda device: True), \
+            mock.patch.object(_base, "_CHUNK_ELEMENTS_CPU", _base._CHUNK_ELEMENTS), \
+            mock.patch.object(_base, "_PIECE_ELEMENTS_CPU", _base._PIECE_ELEMENTS):
+        yield
+
+
+def _step_counters(optimizer: torch.optim.Optimizer) -> set[int]:
+    """ids of the optimizer's ``step`` counters: tensors that live on the host on GPUs too
+    (``torch.optim``'s ``capturable=False``), so reading one waits for no device."""
+    return {id(state["step"]) for state in optimizer.state.values()
+            if isinstance(state.get("step"), torch.Tensor)}
+
+
+@contextlib.contextmanager
 def _tracing_patches(counter: OpCounter) -> Iterator[None]:
     import fsdp_int8.sharding
     import launch.parallel
@@ -107,12 +134,16 @@ def _tracing_patches(counter: OpCounter) -> Iterator[None]:
         yield
 
 
-def trace_row(name: str, args: ModelArgs, *, batch: int, seq: int, world: int) -> dict[str, OpCost]:
+def trace_row(name: str, args: ModelArgs, *, batch: int, seq: int, world: int,
+              accelerator: bool = False) -> dict[str, OpCost]:
     """One counted training step of row ``name`` at shape ``args``, ``batch`` sequences of
-    ``seq`` tokens on this rank of ``world`` (module doc)."""
+    ``seq`` tokens on this rank of ``world`` (module doc). ``accelerator``: with fsdp_int8's
+    accelerator policy (:func:`_accelerator_policy`), and the optimizer's host-side step
+    counters' reads not counted as syncs."""
     counter = OpCounter(answer_reads=True)
+    policy = _accelerator_policy() if accelerator else contextlib.nullcontext()
     with warnings.catch_warnings(), fake_world(world), FakeTensorMode(allow_non_fake_inputs=True), counter, \
-            _tracing_patches(counter):
+            _tracing_patches(counter), policy:
         warnings.simplefilter("ignore")  # fake tensors' data pointers, the slow-kernel notes
         row = registry.row(name)
         with counter.paused():
@@ -120,6 +151,8 @@ def trace_row(name: str, args: ModelArgs, *, batch: int, seq: int, world: int) -
             tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
             train_step(model, optimizer, inputs, targets, clip=row.clip)  # lazy init, optimizer states
+        if accelerator:
+            counter.host_tensors = _step_counters(optimizer)
         train_step(model, optimizer, inputs, targets, clip=row.clip)
     return dict(counter.costs)
 
@@ -134,14 +167,17 @@ def _combine(one: dict[str, OpCost], two: dict[str, OpCost], blocks: int) -> dic
     return dict(out)
 
 
-def trace_row_blocks(name: str, args: ModelArgs, *, batch: int, seq: int, world: int, whole: bool = False) -> Trace:
+def trace_row_blocks(name: str, args: ModelArgs, *, batch: int, seq: int, world: int, whole: bool = False,
+                     accelerator: bool = False) -> Trace:
     """Row ``name``'s step at ``args.n_layers`` blocks: traced whole (``whole``), or at 1 and
-    2 blocks of the real width and extrapolated block by block."""
+    2 blocks of the real width and extrapolated block by block; ``accelerator`` as
+    :func:`trace_row`'s."""
+    trace = functools.partial(trace_row, name, batch=batch, seq=seq, world=world, accelerator=accelerator)
+    policy = "fsdp_int8's accelerator policy" if accelerator else "fsdp_int8's CPU policy"
     if whole or args.n_layers <= 2:
-        costs = trace_row(name, args, batch=batch, seq=seq, world=world)
-        return Trace(costs, f"traced whole ({args.n_layers} blocks)")
-    one = trace_row(name, dataclasses.replace(args, n_layers=1), batch=batch, seq=seq, world=world)
-    two = trace_row(name, dataclasses.replace(args, n_layers=2), batch=batch, seq=seq, world=world)
-    how = (f"traced at 1 and 2 blocks of real size, extrapolated to {args.n_layers}: "
+        return Trace(trace(args), f"{policy}; traced whole ({args.n_layers} blocks)")
+    one = trace(dataclasses.replace(args, n_layers=1))
+    two = trace(dataclasses.replace(args, n_layers=2))
+    how = (f"{policy}; traced at 1 and 2 blocks of real size, extrapolated to {args.n_layers}: "
            f"trace(1) + {args.n_layers - 1} x (trace(2) - trace(1))")
     return Trace(_combine(one, two, args.n_layers), how)

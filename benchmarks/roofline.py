@@ -125,11 +125,13 @@ class RowEstimate:
 
 def estimate(rows: Sequence[str], shape: Shape, peaks: DevicePeaks, world: int, *, whole: bool = False,
              say=print) -> dict[str, RowEstimate]:
-    """Trace each row at ``shape`` on ``world`` ranks and estimate its step on ``peaks``."""
+    """Trace each row at ``shape`` on ``world`` ranks (with fsdp_int8's accelerator policy
+    where ``peaks`` are a GPU's: its collectives overlap) and estimate its step on ``peaks``."""
     out = {}
     for row in rows:
         say(f"  tracing {row} ...")
-        trace = trace_row_blocks(row, shape.args, batch=shape.batch, seq=shape.seq, world=world, whole=whole)
+        trace = trace_row_blocks(row, shape.args, batch=shape.batch, seq=shape.seq, world=world, whole=whole,
+                                 accelerator=peaks.overlap)
         out[row] = RowEstimate(row, trace, estimate_step(trace.costs, peaks, world))
     return out
 

@@ -7,6 +7,8 @@ Nothing here times anything.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -147,7 +149,7 @@ def test_gpu_peaks_come_from_the_gpu_table():
 
 def test_extrapolating_blocks_matches_a_whole_trace():
     shape = roofline.shapes()["tiny"]
-    args = shape.args.__class__(**{**shape.args.__dict__, "n_layers": 3, "hidden_dim": shape.args.hidden_dim})
+    args = dataclasses.replace(shape.args, n_layers=3)
     whole = trace_row_blocks("bf16", args, batch=shape.batch, seq=shape.seq, world=2, whole=True).costs
     extrapolated = trace_row_blocks("bf16", args, batch=shape.batch, seq=shape.seq, world=2).costs
     for name in ("aten.mm", "aten.mul", "c10d._allgather_base_", "c10d._reduce_scatter_base_"):
@@ -169,3 +171,17 @@ def test_the_cli_estimates_every_recipe_on_a_tiny_shape(capsys):
     out = capsys.readouterr().out
     assert "ESTIMATES" in out and "the 10 largest costs" in out and "1.000x" in out
     assert "traced whole (2 blocks)" in out
+
+
+def test_a_gpu_trace_takes_the_librarys_accelerator_paths():
+    # on the CPU the lean call reads each update's finite verdict (free there) and its step
+    # counters; for a GPU the verdicts are deferred to the step's one check and the counters,
+    # host tensors on GPUs too, are not device syncs
+    shape = roofline.shapes()["tiny"]
+    one_block = dataclasses.replace(shape.args, n_layers=1)
+    syncs = {}
+    for accelerator in (False, True):
+        costs = trace_row_blocks("lean", one_block, batch=shape.batch, seq=shape.seq, world=2,
+                                 accelerator=accelerator).costs
+        syncs[accelerator] = sum(cost.host_syncs for cost in costs.values())
+    assert 1 <= syncs[True] < syncs[False]
