@@ -88,6 +88,37 @@ def dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
     out.copy_(torch.mul(q, scale))
 
 
+def as_buffer(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (2-D) as a GEMM's quantizer reads it: itself when run eagerly; inside a
+    graph that inductor compiles for the CPU, a contiguous buffer of its own (computed
+    once, before any quantization pass reads it; a no-op where it is one already).
+
+    Without it inductor may inline ``values``' producer into every kernel that reads it.
+    A producer its C++ code cannot vectorize (autograd's ``select_backward`` of a rotary
+    embedding that rotates interleaved channel pairs, such as the launcher's formula
+    without its hand-written backward) then turns the per-column absmax over the tokens
+    into a scalar loop that recomputes the producer one element at a time down a column,
+    a whole row apart per load. As a buffer, the producer runs once in row order and every
+    quantization pass reads the buffer with vector loads.
+
+    The buffer holds ``values`` in its dtype, so a pass that reads it quantizes the
+    gradient eager quantizes (rounded to bf16), where an inlined producer gave its fp32
+    value: compiled gradients move by the rounding, as close to eager's as before
+    (``tests/test_compiled_gradient_quantization.py``). The boundary is inductor's
+    ``force_stride_order`` prim: other backends run it as ``values`` itself (or a
+    contiguous copy), so ``aot_eager`` stays eager's bit for bit. GPUs keep the inlined
+    form (Triton vectorizes such producers; nothing is measured there).
+    """
+    if not torch.compiler.is_compiling() or values.device.type != "cpu":
+        return values
+    from torch._inductor import inductor_prims  # noqa: F401  (registers the prim)
+
+    force_stride_order = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    if force_stride_order is None:  # a torch without the prim: the inlined form
+        return values
+    return force_stride_order(values, (values.shape[1], 1))
+
+
 @functools.cache
 def compiled(function: Callable) -> Callable:
     """``torch.compile(function, dynamic=True)``, made once per function."""

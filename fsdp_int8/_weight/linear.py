@@ -30,7 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_int8 import hardware
-from fsdp_int8._quant.kernels import int8_columns, int8_rows, int8_rows_nearest, run_compiled, use_compiled
+from fsdp_int8._quant.kernels import (
+    as_buffer,
+    int8_columns,
+    int8_rows,
+    int8_rows_nearest,
+    run_compiled,
+    use_compiled,
+)
 from fsdp_int8._weight import op_table as _op_table
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8._weight.tied_gradient import note_dense_gradient
@@ -342,6 +349,9 @@ class _Int8WeightLinear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         *saved, weight = ctx.saved_tensors
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        config = weight.int8_matmul
+        if config is not None and (config.grad_input or config.grad_weight):
+            g2d = as_buffer(g2d)  # quantized below: its producer computed once, not in every pass
         grad_b = None
         if ctx.int8_input:  # the weight gradient from the forward's int8 rows and scales
             grad_x, _ = grads_of(g2d, None, weight, need_input=ctx.needs_input_grad[0])
