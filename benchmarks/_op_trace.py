@@ -8,9 +8,9 @@
   attention kernels, ...) plus the ones it lacks: ``torch._int_mm`` (int8 FLOPs),
   ``torch._grouped_mm``, the CPU's flash attention, forward and backward, and fsdp_int8's
   grouped int8 GEMMs of experts (custom ops, counted whole: their per-expert kernels are
-  not seen). A causal
-  attention counts half of torch's full-square figure (the kernels skip the masked
-  blocks). The dtype is the first operand's.
+  not seen). A causal attention counts half of torch's full-square figure (the kernels
+  skip the masked blocks). The dtype is the first operand's. 2-D GEMMs also keep their
+  shape and layout (``gemm_shape``), for a device whose rate depends on them.
 * **Bytes read and written**: every tensor argument read once, every output written once,
   counted as ``torch.utils._runtime_estimation.get_num_bytes`` does (a broadcast dim
   counts once). An argument an op only overwrites (``copy_``'s destination, ``out=``,
@@ -32,10 +32,12 @@ kernels of their own (inductor calls them as extern kernels), and the other ops 
 two matmuls form one fused kernel, which reads the tensors it did not make itself and
 writes the tensors something after it reads (a later part of the region, or the
 region's results), once each.
-Traced on fake tensors (``answer_reads=True``) a host read
-has no value: the mode answers ``True`` for a bool, 1 for an integer and 1.0 for a float,
-values that keep the code on its common path (finite checks and agreement flags pass,
-nothing is skipped).
+
+Traced on fake tensors (``answer_reads=True``) a host read has no value: the mode
+answers ``True`` for a bool, 1 for an integer and 1.0 for a float, values that keep the
+code on its common path (finite checks and agreement flags pass, nothing is skipped),
+and a ``bincount`` with ``minlength`` (a router's tokens per expert) is that long. Reads
+of ``host_tensors`` (ids) are not syncs.
 """
 
 from __future__ import annotations
@@ -306,7 +308,7 @@ class OpCounter(TorchDispatchMode):
             self.counting = counting
 
     def fused(self, name: str, inputs: Any) -> "FusedRegion":
-        """A region whose ops count as one kernel named ``name`` reading ``inputs`` (see
+        """A compiled function's region named ``name``, called on ``inputs`` (see
         :class:`FusedRegion`)."""
         return FusedRegion(self, name, inputs)
 
