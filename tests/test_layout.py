@@ -193,6 +193,11 @@ def test_type_checking_imports_are_not_counted():
 # ------------------------------------------------------------------ the issue-32 numbers
 MAX_TOP_LEVEL_MODULES = 12  # ``ls fsdp_int8`` reads as the path; the rest lives in subpackages
 OUTSIDE = ("launch", "benchmarks", "examples")  # code that uses the library as a user does
+# The one file outside the library allowed its private parts, and why: the roofline traces
+# a step on fake tensors and counts fsdp_int8's compiled kernels, so it swaps them (and the
+# accelerator policy) for counting stand-ins while it traces. Nothing it patches is used
+# as a user would use it.
+PRIVATE_USE_ALLOWED = {"benchmarks/_roofline_trace.py"}
 
 
 def _absolute_imports(path: Path) -> list[tuple[str, str | None]]:
@@ -243,7 +248,8 @@ def test_no_private_module_or_name_crosses_a_package_line():
     problems = []
     for directory in OUTSIDE:
         for path in sorted((ROOT / directory).rglob("*.py")):
-            problems += _private_crossings(path, None)
+            if str(path.relative_to(ROOT)) not in PRIVATE_USE_ALLOWED:
+                problems += _private_crossings(path, None)
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE).parts
         own = parts[0] if len(parts) > 1 else path.stem
