@@ -6,6 +6,8 @@
     python -m benchmarks.ratios --log                   # + a dated section in benchmarks/results/performance.md
     python -m benchmarks.ratios --profile 5             # + where the time goes, per op and step
     python -m benchmarks.ratios --experts 8             # mixture-of-experts blocks, 8 experts, top 2
+    python -m benchmarks.ratios --model hf-llama --rows bf16:blocks int8-mm:blocks
+                                                        # a Hugging Face Llama of the same shape
 
 Each rank builds every row's model (same initial weights, same data) and times them with
 the benchmarks' one loop (``benchmarks.timing``: each step runs every row once, the order
@@ -134,7 +136,7 @@ def _body(rank: int, world: int, settings: dict) -> dict:
     steps_of = {}
     for name in settings["rows"]:
         row = registry.row(name)
-        model, optimizer = registry.build(row, args)
+        model, optimizer = registry.build(row, args, model=settings.get("model", registry.LAUNCHER))
 
         def step(i: int, model=model, optimizer=optimizer, clip=row.clip) -> float:
             return train_step(model, optimizer, *batch(i), clip=clip)
@@ -153,12 +155,13 @@ def measure(settings: dict, world: int = 2) -> dict:
 
 def settings_for(dim: int, rows, *, steps: int, warmup: int, n_layers: int = 2, batch_size: int = 4,
                  seq_len: int = 256, threads: int = 1, profile: int = 0, baseline: str = "bf16",
-                 n_experts: int = 0) -> dict:
+                 n_experts: int = 0, model: str = registry.LAUNCHER) -> dict:
     """The issue's benchmark shape (``base`` preset at ``dim``, heads of 64; ``n_experts``:
-    top-2 mixture-of-experts blocks) as settings; the ``baseline`` row runs first."""
+    top-2 mixture-of-experts blocks; ``model``: the launcher's Transformer or ``"hf-llama"``)
+    as settings; the ``baseline`` row runs first."""
     return dict(preset="base", dim=dim, n_layers=n_layers, n_heads=max(1, dim // 64), batch_size=batch_size,
                 seq_len=seq_len, steps=steps, warmup=warmup, threads=threads,
-                rows=list(dict.fromkeys([baseline, *rows])), profile=profile, n_experts=n_experts)
+                rows=list(dict.fromkeys([baseline, *rows])), profile=profile, n_experts=n_experts, model=model)
 
 
 def default_baseline(device: str = "cpu") -> str:
@@ -192,6 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--experts", type=int, default=0,
                         help="mixture-of-experts blocks of this many top-2 experts (the launcher's MoE: one "
                         "torch._grouped_mm per projection; int8-mm rows: one int8 GEMM per expert)")
+    parser.add_argument("--model", default=registry.LAUNCHER, choices=registry.MODELS,
+                        help="every row's model: the launcher's Transformer, or a Hugging Face LlamaForCausalLM "
+                        "of the same shape (transformers' rotate_half RoPE; library calls, bf16 / fp32 FSDP2 and "
+                        "int8 / int8-mm recipes)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per row")
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     baseline = default_baseline(device) if args.baseline == "auto" else args.baseline
     settings = settings_for(args.dim, args.rows, steps=args.steps, warmup=args.warmup, n_layers=args.n_layers,
                             batch_size=args.batch_size, seq_len=args.seq_len, threads=args.threads,
-                            profile=args.profile, baseline=baseline, n_experts=args.experts)
+                            profile=args.profile, baseline=baseline, n_experts=args.experts, model=args.model)
     lines: list[str] = []
 
     def say(text: str = "") -> None:
@@ -225,9 +232,17 @@ def main(argv: list[str] | None = None) -> dict:
         lines.append(text)
 
     model = shape(settings)
-    params = sum(p.numel() for p in Transformer(model).parameters())
+    if args.model == registry.HF_LLAMA:
+        if model.n_experts:
+            parser.error("--model hf-llama builds dense blocks: drop --experts")
+        with torch.device("meta"):
+            params = sum(p.numel() for p in registry.hf_llama(model).parameters())
+        name = "Hugging Face LlamaForCausalLM"
+    else:
+        params = sum(p.numel() for p in Transformer(model).parameters())
+        name = "launcher Transformer"
     experts = f", {model.n_experts} experts (top {model.top_k}) per block" if model.n_experts else ""
-    say(f"model: launcher Transformer, dim {model.dim}, {model.n_layers} blocks, {model.n_heads} heads{experts} "
+    say(f"model: {name}, dim {model.dim}, {model.n_layers} blocks, {model.n_heads} heads{experts} "
         f"({params / 1e6:.2f}M params); batch {args.batch_size} x {args.seq_len} per rank; "
         f"{args.world_size} ranks ({device}), {args.threads} thread(s) each; "
         f"{args.steps} timed steps after {args.warmup}, rows interleaved step by step")

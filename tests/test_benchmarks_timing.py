@@ -76,6 +76,19 @@ def test_ratios_times_bf16_fsdp2_the_default_call_and_the_lean_call(tmp_path, mo
     assert "python -m benchmarks.ratios --dim 64" in logged and "CPU " in logged and "median of ratios" in logged
 
 
+def test_ratios_builds_the_rows_on_a_hugging_face_llama(capsys):
+    """``--model hf-llama``: the same rows on transformers' LlamaForCausalLM of the shape;
+    recipes it does not build are refused by name."""
+    result = ratios.main(["--model", "hf-llama", "--rows", "int8-mm", "--dim", "64", "--n-layers", "1",
+                          "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--warmup", "0",
+                          "--baseline", "bf16"])
+    assert list(result["times"]) == ["bf16", "int8-mm"]
+    assert "model: Hugging Face LlamaForCausalLM, dim 64, 1 blocks" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not built on the Hugging Face Llama"):
+        rows.build("torchao", ratios.shape(ratios.settings_for(64, [], steps=1, warmup=0, n_layers=1)),
+                   model=rows.HF_LLAMA)
+
+
 def test_a_benchmark_that_prints_as_it_goes_logs_what_it_printed(tmp_path, monkeypatch, capsys):
     from fsdp_int8.hardware import hardware_line
 
