@@ -57,7 +57,7 @@ class Int8MatmulConfig:
     weight-only int8 (``int8_matmul=None``, whose all-gather dequantizes the whole weight
     once per unshard) with half the bytes for the gathered weights (docs/memory.md).
 
-    On a device without a fast int8 GEMM (CPUs without VNNI or AMX, GPUs before sm_75)
+    On a device without a fast int8 GEMM (CPUs without VNNI or AMX; GPUs before sm_75 and Blackwell Ultra, sm_103, whose int8 rate is below its bf16 rate)
     the first forward with an int8 GEMM warns once per process: weight-only int8 is
     faster there.
     """
