@@ -149,19 +149,25 @@ _UPDATE_STREAM: contextvars.ContextVar[torch.Generator | None] = contextvars.Con
 )
 
 
+def _draw_counts(generators: list[torch.Generator]) -> list[tuple[torch.Generator, int]]:
+    """Each distinct generator of ``generators``, in order of first use, with how many of
+    the entries use it: how many seeds it draws."""
+    counts: dict[int, tuple[torch.Generator, int]] = {}
+    for gen in generators:
+        counts[id(gen)] = (gen, counts.get(id(gen), (gen, 0))[1] + 1)
+    return list(counts.values())
+
+
 def draw_update_seed_values(generators: list[torch.Generator]) -> torch.Tensor | None:
     """The draws behind :func:`draw_update_seeds`, not read back: one int64 tensor on the
     first generator's device, each distinct generator's draws in turn (``None`` for no
     generators). :func:`update_seeds_from` turns the values into seeds."""
     if not generators:
         return None
-    counts: dict[int, int] = {}
-    for gen in generators:
-        counts[id(gen)] = counts.get(id(gen), 0) + 1
     device = generators[0].device
     return torch.cat([
-        torch.randint(0, _MASK63, (counts[id(gen)],), dtype=torch.int64, generator=gen, device=gen.device).to(device)
-        for gen in {id(g): g for g in generators}.values()
+        torch.randint(0, _MASK63, (count,), dtype=torch.int64, generator=gen, device=gen.device).to(device)
+        for gen, count in _draw_counts(generators)
     ])
 
 
@@ -170,8 +176,7 @@ def update_seeds_from(generators: list[torch.Generator], values: list[int]) -> l
     (read back): entries that share a generator take its draws in list order."""
     drawn: dict[int, list[int]] = {}
     start = 0
-    for gen in {id(g): g for g in generators}.values():
-        count = sum(1 for g in generators if g is gen)
+    for gen, count in _draw_counts(generators):
         drawn[id(gen)] = values[start:start + count][::-1]  # popped from the end: list order
         start += count
     return [drawn[id(gen)].pop() for gen in generators]

@@ -253,7 +253,8 @@ class InBackward:
         self._squares = counted if self._squares is None else self._squares + counted
         self._step_squares[id(param)] = squares
         if self._previous is None:
-            self._previous = self._previous_total(squares.device)
+            total = self._previous_total(squares.device)
+            self._previous = torch.zeros((), dtype=torch.float64, device=squares.device) if total is None else total
         seen = torch.where(finite, self._previous_norm_sq(param, squares.device), 0.0)
         self._previous_seen = seen if self._previous_seen is None else self._previous_seen + seen
         # the estimate grows by the previous step's P / P_seen (at least 1) once both are known
@@ -271,24 +272,22 @@ class InBackward:
             return torch.zeros((), dtype=torch.float64, device=device)
         return value.to(device=device, dtype=torch.float64)
 
-    def _previous_total(self, device: torch.device) -> torch.Tensor:
-        """The previous step's squared global norm: the sum of its parameters' (0 without)."""
+    def _previous_total(self, device: torch.device) -> torch.Tensor | None:
+        """The previous step's squared global norm: the sum of its parameters' (``None``
+        where no parameter kept one)."""
         kept = [
             self._previous_norm_sq(p, device) for g in self._optimizer.param_groups for p in g["params"]
             if "previous_grad_norm_sq" in self._optimizer.state.get(p, {})
         ]
-        return torch.stack(kept).sum() if kept else torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(kept).sum() if kept else None
 
     @property
     def grad_norm(self) -> float | None:
         """The global gradient norm of the last completed step (``max_grad_norm`` only):
         read from the parameters' squared norms when asked (one host read)."""
         device = _dist.collective_device() if _dist.is_distributed() else torch.device("cpu")
-        kept = [
-            p for g in self._optimizer.param_groups for p in g["params"]
-            if "previous_grad_norm_sq" in self._optimizer.state.get(p, {})
-        ]
-        return float(self._previous_total(device).sqrt()) if kept else None
+        total = self._previous_total(device)
+        return None if total is None else float(total.sqrt())
 
     def finish(self) -> None:
         """Complete the step: update parameters that hold a gradient the hooks did not see
