@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from datetime import timedelta
 from typing import Any, Iterator
 
 import torch
@@ -37,6 +38,16 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank of ``group`` (the default group; nothing to wait for in a single process)."""
     if is_distributed():
         dist.barrier(group=group)
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The timeout of ``group``'s collectives (the default group's: ``init_process_group(timeout=...)``),
+    ``None`` where its backend does not say (then torch's default applies)."""
+    group = group or dist.group.WORLD
+    try:
+        return group._get_backend(collective_device()).options._timeout  # torch keeps it on the backend
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def broadcast_from_rank0(value: Any) -> Any:

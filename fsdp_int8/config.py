@@ -197,9 +197,12 @@ class Int8TrainingConfig:
         return cls(**{**recipe, **changes})
 
     def __post_init__(self) -> None:
+        if isinstance(self.min_features, bool) or not isinstance(self.min_features, int):
+            raise TypeError(f"min_features takes an int (the fewest in and out features a quantized layer "
+                            f"has), got {type(self.min_features).__name__} {self.min_features!r}")
         if self.min_features < 1:
             raise ValueError(f"min_features must be >= 1, got {self.min_features}")
-        if not isinstance(self.seed, int):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
         if self.int8_matmul is not None and not isinstance(self.int8_matmul, Int8MatmulConfig):
             raise TypeError(

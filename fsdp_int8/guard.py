@@ -8,14 +8,21 @@ others wait in the next collective. The step then leaves parameters, optimizer s
 step counters and generators as they were: the caller can skip the batch.
 
 :class:`~fsdp_int8.Int8AdamW` and :class:`~fsdp_int8.Int8SGD` run this check themselves;
-:func:`guard_finite_steps` adds it to any ``torch.optim`` optimizer.
+:func:`guard_finite_steps` adds it to any ``torch.optim`` optimizer, and every other
+optimizer that holds int8 weights gets it by default (below): an int8 weight refuses to
+take a non-finite value, and without a shared verdict only the rank owning that row would
+refuse while the others step on, their step counters and collectives out of line.
 
-The first step of every optimizer (``torch.optim``'s, ours, anyone's) is also refused when
-it holds a parameter that ``quantize_`` or ``shard_model`` replaced: those give the model
-new parameter objects, so an optimizer built before them would update tensors the model no
-longer reads and train nothing, silently. They mark the objects they replaced (an
-attribute) and register one global step pre-hook, which looks at an optimizer's
-parameters once, at its first step.
+``quantize_`` and ``shard_model`` register one global step pre-hook, which looks at an
+optimizer's parameters once, at its first step:
+- it refuses the step when the optimizer holds a parameter that ``quantize_`` or
+  ``shard_model`` replaced (they mark the objects they replaced): those give the model new
+  parameter objects, so an optimizer built before them would update tensors the model no
+  longer reads and train nothing, silently;
+- it guards the optimizer (as :func:`guard_finite_steps` does, from this step on) when it
+  holds an int8 weight and checks no gradients of its own: one all-reduce and one host
+  sync per step, so that a NaN on any rank refuses the step on every rank before any
+  parameter or optimizer state (a ``torch.optim.AdamW``'s moments) takes it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_int8 import _dist
 from fsdp_int8._dist import local_shard
+from fsdp_int8._weight.tensor import Int8Weight
 
 __all__ = ["NonFiniteGradientError", "check_finite_gradients", "guard_finite_steps"]
 
@@ -108,31 +116,57 @@ def guard_finite_steps(optimizer: torch.optim.Optimizer) -> RemovableHandle:
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         check_finite_gradients(opt)
 
-    return optimizer.register_step_pre_hook(hook)
+    _explicitly_guarded.add(optimizer)  # the default guard does not check a second time
+    handle = optimizer.register_step_pre_hook(hook)
+    return handle
 
 
+# An optimizer class that checks its gradients itself (Int8AdamW, Int8SGD) sets this.
+CHECKS_OWN_GRADIENTS = "checks_finite_gradients"
 _REPLACED_BY = "_fsdp_int8_replaced_by"  # on a parameter object: the function that replaced it
 _checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # first step passed
-_replaced_hook: RemovableHandle | None = None
+_guarded_by_default: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_explicitly_guarded: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_global_hook: RemovableHandle | None = None
 
 
 def refuse_steps_on_replaced(original: Iterable[torch.Tensor], model: nn.Module, by: str) -> None:
     """Mark each of ``original`` (``model``'s parameters before ``by`` ran) that ``model`` no
     longer holds, so that an optimizer holding one is refused at its first step; register
-    the global step pre-hook that checks (once per process)."""
-    global _replaced_hook
+    the global step pre-hook that checks, and guards optimizers of int8 weights (once per
+    process)."""
+    global _global_hook
     kept = {id(param) for param in model.parameters()}
     for param in original:
         if id(param) not in kept:
             setattr(param, _REPLACED_BY, by)
-    if _replaced_hook is None:
-        _replaced_hook = register_optimizer_step_pre_hook(_refuse_replaced)
+    if _global_hook is None:
+        _global_hook = register_optimizer_step_pre_hook(_before_each_step)
 
 
-def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Raise at an optimizer's first step if it holds a parameter marked as replaced."""
-    if optimizer in _checked_optimizers:
-        return
+def _before_each_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """At an optimizer's first step: refuse replaced parameters, decide whether to guard
+    it. At every step of a guarded one: :func:`check_finite_gradients`."""
+    if optimizer not in _checked_optimizers:
+        _refuse_replaced(optimizer)
+        if _needs_default_guard(optimizer):
+            _guarded_by_default.add(optimizer)
+        _checked_optimizers.add(optimizer)
+    if optimizer in _guarded_by_default and optimizer not in _explicitly_guarded:
+        check_finite_gradients(optimizer)
+
+
+def _needs_default_guard(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds an int8 weight and does not check its gradients itself."""
+    if getattr(optimizer, CHECKS_OWN_GRADIENTS, False):
+        return False
+    return any(
+        isinstance(local_shard(param), Int8Weight) for group in optimizer.param_groups for param in group["params"]
+    )
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer) -> None:
+    """Raise if ``optimizer`` holds a parameter marked as replaced."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             by = getattr(param, _REPLACED_BY, None)
@@ -145,4 +179,3 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     f"nothing. Build the optimizer after {by}: {by}(model, ...), then "
                     f"{name}(model.parameters(), ...)."
                 )
-    _checked_optimizers.add(optimizer)

@@ -287,6 +287,9 @@ def _parallelize_blocks(blocks: list[nn.Module], tp_mesh: DeviceMesh, tp_plan: d
 
 def _mixed_precision(mp_policy: MixedPrecisionPolicy | None, config: Int8TrainingConfig) -> MixedPrecisionPolicy:
     """``mp_policy``, or the one ``config.compute_dtype`` asks for; both, disagreeing, are refused."""
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        hint = f" (MixedPrecisionPolicy(param_dtype={mp_policy}))" if isinstance(mp_policy, torch.dtype) else ""
+        raise TypeError(f"mp_policy takes a MixedPrecisionPolicy or None, got {type(mp_policy).__name__} {mp_policy!r}{hint}")
     if mp_policy is None:
         if config.compute_dtype is None:
             return MixedPrecisionPolicy()

@@ -164,6 +164,18 @@ def save(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
     return saved if args.checkpoint_async else None
 
 
+def finish_in_flight(pending: Future | None) -> None:
+    """On the way out after an error: wait for the checkpoint still being written in the
+    background (its writer needs no help from the training loop) and say on stderr
+    whether it was published, so that destroying the process group never drops it."""
+    if pending is None:
+        return
+    try:
+        print(f"the checkpoint in flight was published: {pending.result()}", file=sys.stderr, flush=True)
+    except Exception as error:  # its own error, already the same on every rank
+        print(f"the checkpoint in flight was not saved: {error}", file=sys.stderr, flush=True)
+
+
 def recipe_of(args: argparse.Namespace) -> dict[str, Any]:
     """The :data:`RECIPE_FLAGS` of a run (``args`` as ``parse_args`` and ``choose_recipe``
     left them: ``--lean`` expanded, ``auto`` resolved; the model's shape as built), which

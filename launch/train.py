@@ -207,37 +207,41 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
     if compiling:
         log.note("compiling " + ("each transformer block" if recipe.blocks else "the quantization kernels")
                  + ": the first step and the first evaluation take longer (minutes on a few CPU cores)")
-    for step in range(start, args.steps):
-        began = time.perf_counter()
-        lr = learning_rate(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        generator = batch_generator(args, data_index, step)
-        inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, generator)
-        with count_collectives() as counter:  # the bytes each step moves, for the log
-            loss = run.train_step(inputs.to(device), targets.to(device))
-        grad_norm = None
-        if args.grad_clip > 0 and not args.step_in_backward:  # inside backward the optimizer clips
-            grad_norm = parallel.clip_grad_norm_(model.parameters(), args.grad_clip, pp_group=parallel.pp_group(mesh))
-        optimizer.step()
-        optimizer.zero_grad()
-        if args.step_in_backward:  # the norm the hooks measured during this step's backward
-            grad_norm = optimizer.grad_norm
-        log.step(step, loss, lr, time.perf_counter() - began, tokens_per_step, counter, grad_norm,
-                 routing_stats(model) if log.enabled else None)
-        if compiling and step == start:
-            log.compiled(f"step {step}", time.perf_counter() - began)
-
-        done = step + 1
-        if done % args.eval_every == 0 or done == args.steps:
+    try:
+        for step in range(start, args.steps):
             began = time.perf_counter()
-            val = evaluate(run, corpus, args, device, data_index)
-            log.validation(done, val)
-            if eval_compiles:  # the first evaluation compiles too (no autograd: other graphs)
-                log.compiled("the first evaluation", time.perf_counter() - began)
-                eval_compiles = False
-        if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
-            pending = run_dir.save(out, model, optimizer, done, args, pending)
+            lr = learning_rate(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            generator = batch_generator(args, data_index, step)
+            inputs, targets = sample_batch(corpus.train, args.batch_size, args.seq_len, generator)
+            with count_collectives() as counter:  # the bytes each step moves, for the log
+                loss = run.train_step(inputs.to(device), targets.to(device))
+            grad_norm = None
+            if args.grad_clip > 0 and not args.step_in_backward:  # inside backward the optimizer clips
+                grad_norm = parallel.clip_grad_norm_(model.parameters(), args.grad_clip, pp_group=parallel.pp_group(mesh))
+            optimizer.step()
+            optimizer.zero_grad()
+            if args.step_in_backward:  # the norm the hooks measured during this step's backward
+                grad_norm = optimizer.grad_norm
+            log.step(step, loss, lr, time.perf_counter() - began, tokens_per_step, counter, grad_norm,
+                     routing_stats(model) if log.enabled else None)
+            if compiling and step == start:
+                log.compiled(f"step {step}", time.perf_counter() - began)
+
+            done = step + 1
+            if done % args.eval_every == 0 or done == args.steps:
+                began = time.perf_counter()
+                val = evaluate(run, corpus, args, device, data_index)
+                log.validation(done, val)
+                if eval_compiles:  # the first evaluation compiles too (no autograd: other graphs)
+                    log.compiled("the first evaluation", time.perf_counter() - began)
+                    eval_compiles = False
+            if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
+                pending = run_dir.save(out, model, optimizer, done, args, pending)
+    except BaseException:  # the save in flight is finished (or reported) before the error ends the run
+        run_dir.finish_in_flight(pending)
+        raise
     if pending is not None:  # the last checkpoint is published before the run ends
         pending.result()
     log.close(args.steps, val)

@@ -429,8 +429,8 @@ def test_a_folder_without_manifest_is_refused_unless_allowed(tmp_path):
 def test_every_read_failure_is_a_checkpoint_error_naming_the_cause(tmp_path):
     model, opt = _trained()
     path = save_checkpoint(tmp_path, model, opt, step=1)
-    (path / "__0_0.distcp").unlink()
-    with pytest.raises(CheckpointError, match=r"reading .* failed: rank 0: .*__0_0.distcp"):
+    (path / "__0_0.distcp").unlink()  # found missing before any read, even without verify
+    with pytest.raises(CheckpointError, match=r"step_00000001 is incomplete \(saved by 1 rank\): __0_0.distcp: missing"):
         load_checkpoint(tmp_path, model, opt, verify=False)
     path = save_checkpoint(tmp_path, model, opt, step=2)
     (path / ".metadata").write_bytes(b"not an index")
@@ -575,3 +575,46 @@ def test_dcp_async_save_says_what_to_use_instead(tmp_path):
     dcp.load(loaded, checkpoint_id=str(tmp_path / "async"))
     assert torch.equal(loaded["0.weight"].int_data, model[0].weight.int_data)
     assert torch.equal(loaded["0.weight"].scale, model[0].weight.scale)
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("step", "2", TypeError), ("step", 2.5, TypeError), ("step", True, TypeError), ("step", -1, ValueError),
+    ("keep", "2", TypeError), ("keep", False, TypeError), ("keep", 0, ValueError),
+])
+def test_step_and_keep_are_checked_on_the_way_in(tmp_path, name, value, error):
+    model, opt = _trained()
+    arguments = {"step": 1, name: value}
+    with pytest.raises(error, match=rf"{name} must be (an int|>= \d) \("):
+        save_checkpoint(tmp_path, model, opt, **arguments)
+    assert not any(tmp_path.iterdir()), "a refused save wrote something"
+
+
+def test_a_model_with_other_heads_or_top_k_and_the_same_shapes_is_refused(tmp_path):
+    from launch.model import ModelArgs, Transformer
+
+    def model(**changes):
+        torch.manual_seed(0)
+        shape = dict(vocab_size=64, dim=32, n_layers=1, n_heads=4, max_seq_len=16, n_experts=4, top_k=2)
+        return fsdp_int8.quantize_(Transformer(ModelArgs(**{**shape, **changes})))
+
+    save_checkpoint(tmp_path, model(), step=1)
+    assert load_checkpoint(tmp_path, model()).step == 1  # the control: the same model loads
+    routing_one = model()
+    routing_one.layers[0].feed_forward.top_k = 1  # the launcher sizes experts by top_k: set it after
+    for other, named in [(model(n_heads=2), r"layers\.0\.attention\.head_dim: 8 in the checkpoint, 16 in this model"),
+                         (model(n_heads=8), r"head_dim: 8 in the checkpoint, 4 in this model"),
+                         (routing_one, r"layers\.0\.feed_forward\.top_k: 2 in the checkpoint, 1 in this model")]:
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        with pytest.raises(CheckpointError, match=named):
+            load_checkpoint(tmp_path, other)
+        assert all(torch.equal(before[k], v) for k, v in other.state_dict().items()), "the refused load changed the model"
+        with pytest.warns(UserWarning, match=named):
+            load_checkpoint(tmp_path, other, strict=False)
+
+
+def test_shard_model_checks_min_features_and_mp_policy_on_the_way_in():
+    with pytest.raises(TypeError, match=r"min_features takes an int .* got str '64'"):
+        fsdp_int8.Int8TrainingConfig(min_features="64")
+    with pytest.raises(TypeError, match=r"mp_policy takes a .*MixedPrecisionPolicy or None, got dtype "
+                                        r"torch\.bfloat16 \(MixedPrecisionPolicy\(param_dtype=torch\.bfloat16\)\)"):
+        fsdp_int8.shard_model(_mlp(), mp_policy=torch.bfloat16)

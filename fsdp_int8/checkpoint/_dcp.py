@@ -6,6 +6,8 @@ process group."""
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import warnings
 from collections import defaultdict
 from concurrent.futures import Future
@@ -17,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import AsyncStager
 
 # dcp's own key flattening ("optimizer.state.<fqn>.<name>"): the keys its index stores.
@@ -91,6 +94,13 @@ def int8_keys(model_state: dict[str, Any]) -> list[str]:
 def stored_entries(path: Path) -> dict[str, Any]:
     """The metadata of every entry in checkpoint ``path``'s index, by key."""
     return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def stored_entries_and_files(path: Path) -> tuple[dict[str, Any], set[str]]:
+    """:func:`stored_entries`, and the data files (relative names) the index refers to."""
+    index = dcp.FileSystemReader(path).read_metadata()
+    files = {getattr(info, "relative_path", None) for info in (index.storage_data or {}).values()}
+    return index.state_dict_metadata, {name for name in files if isinstance(name, str)}
 
 
 def flatten(state: dict[str, Any]) -> tuple[FlatState, Paths]:
@@ -204,10 +214,70 @@ def _single_process_is_intended() -> Iterator[None]:
         yield
 
 
-def save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None) -> None:
-    """Write this rank's part of ``state`` into ``path`` (dcp's collectives on ``group``)."""
-    with _single_process_is_intended():
-        dcp.save(state, checkpoint_id=path, no_dist=not _dist.is_distributed(), process_group=group)
+def save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None, *,
+         no_dist: bool | None = None) -> None:
+    """Write this rank's part of ``state`` into ``path`` (dcp's collectives on ``group``;
+    ``no_dist``: a single process, by default when no process group is up).
+
+    torch's archive writer reports a write that fails (a full disk) as ``unexpected pos``;
+    the files are written through :class:`_RecordingFile`, and this rank's entry of dcp's
+    ``CheckpointException`` names the ``OSError`` underneath (``ENOSPC``) instead.
+    """
+    no_dist = not _dist.is_distributed() if no_dist is None else no_dist
+    writer = dcp.FileSystemWriter(path)
+    writer.fs = _RecordingFileSystem()
+    try:
+        with _single_process_is_intended():
+            dcp.save(state, storage_writer=writer, no_dist=no_dist, process_group=group)
+    except CheckpointException as error:
+        if writer.fs.errors:
+            rank = 0 if no_dist else dist.get_rank(group)
+            _, trace = error.failures.get(rank, (None, None))
+            error.failures[rank] = (writer.fs.errors[0], trace)
+        raise
+
+
+class _RecordingFile(io.BufferedWriter):
+    """A file opened for writing that keeps the ``OSError`` of a failed write or flush
+    (torch's archive writer drops it) in ``errors``, with the file's name."""
+
+    def __init__(self, path: Path, errors: list[OSError]) -> None:
+        super().__init__(io.FileIO(path, "wb"))
+        self._path, self._errors = path, errors
+
+    def write(self, data: Any) -> int:
+        try:
+            return super().write(data)
+        except OSError as error:
+            self._record(error)
+            raise
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as error:
+            self._record(error)
+            raise
+
+    def _record(self, error: OSError) -> None:
+        self._errors.append(OSError(error.errno, f"{error.strerror} (writing {self._path})"))
+
+
+class _RecordingFileSystem(FileSystem):
+    """dcp's local file system, writing through :class:`_RecordingFile`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[OSError] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with _RecordingFile(Path(path), self.errors) as stream:
+            yield stream
 
 
 def load(state: dict[str, Any], path: Path) -> None:
@@ -221,8 +291,15 @@ def failure_text(error: BaseException) -> str:
     ``BaseException`` that wraps each rank's error with its traceback) as each rank's
     underlying error."""
     if isinstance(error, CheckpointException):
-        return "; ".join(
-            f"rank {rank}: {type(cause).__name__}: {cause}"
-            for rank, (cause, _) in sorted(error.failures.items())
-        )
-    return f"{type(error).__name__}: {error}"
+        return "; ".join(f"rank {rank}: {cause_text(cause)}" for rank, (cause, _) in sorted(error.failures.items()))
+    return cause_text(error)
+
+
+def cause_text(cause: BaseException) -> str:
+    """``"<type>: <message>"`` of one error; torch's archive writer's ``unexpected pos``
+    (a write that stopped short) with what it most likely means."""
+    text = f"{type(cause).__name__}: {cause}"
+    if "unexpected pos" in str(cause):
+        text += (" (torch's archive writer wrote fewer bytes than it was given: most likely the disk "
+                 "or a quota is full, ENOSPC)")
+    return text

@@ -53,10 +53,10 @@ def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         write_durably(tmp, text.encode())
+        os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # no half-written file left beside the real one
+        tmp.unlink(missing_ok=True)  # no half-written or unplaced file left beside the real one
         raise
-    os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
@@ -76,6 +76,47 @@ def _files_of_rank(path: Path, rank: int) -> list[Path]:
     if rank == 0:
         mine.append(path / ".metadata")
     return [p for p in mine if p.exists()]
+
+
+def check_every_rank_wrote(files_by_rank: list[dict[str, dict]], world_size: int, final: Path) -> None:
+    """Refuse to publish ``final`` unless each of the ``world_size`` ranks read back its
+    generator file (and rank 0 the dcp index): the manifest must not list a part of a save.
+
+    Raises:
+        CheckpointError: naming the ranks and files that are missing.
+    """
+    missing = _missing_rank_files(set().union(*files_by_rank) if files_by_rank else set(), world_size)
+    if len(files_by_rank) != world_size or missing:
+        raise CheckpointError(
+            f"{len(files_by_rank)} of {world_size} ranks took part in the save; missing: "
+            + ", ".join(missing or [f"the files of ranks {len(files_by_rank)}..{world_size - 1}"])
+        )
+
+
+def _missing_rank_files(names: set[str], world_size: int) -> list[str]:
+    """The files every checkpoint of ``world_size`` ranks holds that ``names`` lacks."""
+    needed = [".metadata"] + [str(rng_file(Path(), rank)) for rank in range(world_size)]
+    return [name for name in needed if name not in names]
+
+
+def check_complete(path: Path, manifest: dict, indexed: set[str]) -> None:
+    """Refuse checkpoint ``path`` unless its manifest names a generator file for every
+    rank of the run that saved it and every data file its dcp index refers to
+    (``indexed``), and each of those is there (sizes and checksums are :func:`verify`'s).
+
+    Raises:
+        CheckpointError: naming each missing file (and its rank).
+    """
+    listed = set(manifest["files"])
+    problems = [f"{name}: not in the manifest" for name in _missing_rank_files(listed, manifest["world_size"])]
+    problems += [f"{name}: in the dcp index, not in the manifest" for name in sorted(indexed - listed)]
+    problems += [f"{name}: missing" for name in sorted(listed | indexed) if not (path / name).is_file()]
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (saved by {manifest['world_size']} "
+            f"rank{'s' if manifest['world_size'] != 1 else ''}): "
+            + "; ".join(problems) + ". It cannot be loaded; load an earlier checkpoint"
+        )
 
 
 def describe_files(path: Path, rank: int) -> dict[str, dict]:
@@ -172,7 +213,16 @@ def publish(tmp: Path, final: Path) -> None:
     if old is not None:
         os.rename(final, old)
     os.rename(tmp, final)
-    write_atomically(root / LATEST, final.name + "\n")  # also flushes the renames to disk
+    try:
+        write_atomically(root / LATEST, final.name + "\n")  # also flushes the renames to disk
+    except BaseException:
+        # Unpublish: ``final`` back to ``tmp`` (the caller removes it) and the old copy back in
+        # place, so that no new checkpoint is found by latest_checkpoint's fallback either.
+        os.rename(final, tmp)
+        if old is not None:
+            os.rename(old, final)
+        fsync_dir(root)
+        raise
     if old is not None:
         remove_checkpoint(old)
 

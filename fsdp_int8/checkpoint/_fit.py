@@ -4,10 +4,14 @@ ours it lacks, which of its entries nothing here takes, and which shapes disagre
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from fsdp_int8.checkpoint.errors import CheckpointError, listing
 
 STATE = "optimizer.state."  # + "<fqn>.<name>"
 GROUPS = "optimizer.param_groups."  # + "<index>.<name>"
@@ -118,3 +122,40 @@ def stored_groups(stored: dict[str, Any]) -> dict[int, list[str]]:
             index, name = key[len(GROUPS):].split(".", 1)
             groups.setdefault(int(index), []).append(name)
     return groups
+
+
+# Integer module attributes that change what a model computes while leaving every tensor
+# shape as it is: head counts and sizes (a [dim, dim] projection splits into 4 heads of 16
+# or 8 of 8 alike), grouped-query repeats and routed experts per token. Matched against
+# each attribute's name; a checkpoint records them and a load compares them.
+_SHAPE_ATTRIBUTE_WORDS = ("head", "n_rep", "key_value_groups", "kv_groups", "top_k", "experts_per_tok")
+
+
+def shape_attributes(model: torch.nn.Module) -> dict[str, int]:
+    """``{"<module>.<attribute>": value}`` for the integer attributes of ``model``'s
+    modules that say how its tensors are split (heads, top-k): what the tensor shapes of a
+    checkpoint cannot show."""
+    found = {}
+    for name, module in model.named_modules():
+        for attribute, value in vars(module).items():
+            if type(value) is int and not attribute.startswith("_") and any(
+                word in attribute for word in _SHAPE_ATTRIBUTE_WORDS
+            ):
+                found[f"{name}.{attribute}" if name else attribute] = value
+    return found
+
+
+def refuse_other_splits(path: Path, saved: dict[str, int], model: torch.nn.Module, strict: bool) -> None:
+    """Refuse (``strict``) or warn about a model whose :func:`shape_attributes` differ from
+    those checkpoint ``path``'s manifest records (``saved``): the tensors' shapes fit
+    either way, so only the manifest can tell. Attributes only one side has are skipped."""
+    ours = shape_attributes(model)
+    problems = [f"{key}: {saved[key]} in the checkpoint, {ours[key]} in this model"
+                for key in sorted(saved.keys() & ours.keys()) if saved[key] != ours[key]]
+    if not problems:
+        return
+    text = (f"checkpoint {path} was saved by a model that splits its tensors otherwise (same shapes, "
+            f"other heads or top-k): {listing(problems)}")
+    if strict:
+        raise CheckpointError(text + ". Build the model as it was saved (strict=False loads it anyway, with a warning)")
+    warnings.warn(text + "; loaded anyway (strict=False)", stacklevel=3)

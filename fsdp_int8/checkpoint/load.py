@@ -356,7 +356,10 @@ def load_checkpoint(
     if manifest is not None and verify:
         _files.verify(path, manifest)
     with _as_checkpoint_error(path, "reading the index of"):
-        stored = _dcp.stored_entries(path)
+        stored, indexed_files = _dcp.stored_entries_and_files(path)
+    if manifest is not None:
+        _files.check_complete(path, manifest, indexed_files)
+        _fit.refuse_other_splits(path, manifest.get("shape_attributes", {}), model, strict)
     if optimizer is not None and not any(key.startswith("optimizer.") for key in stored):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state")
     fresh = optimizer is not None and not optimizer.state

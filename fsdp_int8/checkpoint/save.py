@@ -1,13 +1,17 @@
-"""``save_checkpoint``: every rank checks that its state is finite, writes its shards and
-generator states into a temporary directory; rank 0 adds the manifest, renames it into
-place and prunes by write order. After each stage the ranks decide together whether it
-worked, so a failure on one rank (a full disk) is raised on every rank at once."""
+"""``save_checkpoint``: every rank collects its state, checks that it is finite, writes its
+shards and generator states into a temporary directory and reads them back; rank 0 checks
+that every rank's files are there, adds the manifest, renames the directory into place and
+prunes by write order. After each stage the ranks decide together whether it worked, so a
+failure on one rank (a full disk, a generator that cannot be serialized) is raised on every
+rank at once, and a rank whose process group is gone publishes nothing."""
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import uuid
+import warnings
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ from torch.distributed.checkpoint import CheckpointException
 from fsdp_int8 import _dist
 from fsdp_int8._version import __version__
 from fsdp_int8.checkpoint import _dcp, _files
+from fsdp_int8.checkpoint._fit import shape_attributes
 from fsdp_int8.checkpoint._generator_states import capture_generators, sharding_layout
 from fsdp_int8.checkpoint._optimizers import innermost_optimizer
 from fsdp_int8.checkpoint.errors import CheckpointError, listing
@@ -45,32 +50,37 @@ def save_checkpoint(
     for unsharded ones. ``directory`` must be visible to all ranks (a shared filesystem
     across nodes).
 
-    Nothing is written if any floating parameter or optimizer state (an int8 weight's
-    scales included) holds NaN or Inf on any rank: every rank raises the same
-    :class:`CheckpointError`, and ``latest`` still names the previous checkpoint. So does
-    a failure while writing on any rank (a full disk, dcp's own errors): every rank raises
-    the same :class:`CheckpointError` naming the failing ranks, their files and the causes,
-    the partial files are removed, and the process group stays usable.
+    A checkpoint is published only once every rank's files are written and read back, and
+    its manifest lists each of them (size and sha256). Nothing is written if any floating
+    parameter or optimizer state (an int8 weight's scales included) holds NaN or Inf on any
+    rank: every rank raises the same :class:`CheckpointError`, and ``latest`` still names
+    the previous checkpoint. So does a failure at any stage on any rank (collecting the
+    state, serializing the generators, the CPU copy, dcp's write, a full disk, the manifest,
+    the publish): every rank raises the same :class:`CheckpointError` naming the failing
+    ranks, their files and the causes, the partial files are removed, and the process group
+    stays usable. A failure while pruning (``keep``) is raised the same way, saying that the
+    new checkpoint is published.
 
     Args:
         directory: The checkpoint root.
         model: The model (sharded or not).
         optimizer: Its optimizer, if its state should be saved; or a wrapper that forwards
             to it in ``.optimizer`` (accelerate, Lightning): the optimizer inside is saved.
-        step: The training step; names the checkpoint.
+        step: The training step (an ``int`` >= 0); names the checkpoint.
         extra: JSON-serialisable data saved in the manifest (e.g. the run's arguments).
-        keep: Keep only the ``keep`` (>= 1) most recently *written* complete checkpoints,
-            this one included; ``None`` keeps all. Write order, not step: a new or
-            rolled-back run's checkpoints are the newest even at lower steps. The new
+        keep: Keep only the ``keep`` (an ``int`` >= 1) most recently *written* complete
+            checkpoints, this one included; ``None`` keeps all. Write order, not step: a new
+            or rolled-back run's checkpoints are the newest even at lower steps. The new
             checkpoint and the one ``latest`` names are never removed.
         async_: Return as soon as the state is copied to CPU memory (int8 weights and
             DTensors stay what they are) and write it in a background thread, whose
-            collectives run on a gloo group of their own, so training goes on meanwhile.
-            The checks above still run before it returns; the write, the manifest and the
-            atomic publish happen in the background. The next ``save_checkpoint`` waits
-            for it first; wait for it yourself (``.result()``) before the process exits
-            or destroys its process group. Holds a CPU copy of the rank's state while in
-            flight.
+            collectives run on a gloo group of their own (with the default group's
+            timeout), so training goes on meanwhile. The checks and the copy run before it
+            returns; the write, the manifest and the atomic publish happen in the
+            background. The next ``save_checkpoint`` waits for it first; wait for it yourself
+            (``.result()``) before the process exits or destroys its process group: a
+            writer whose process group is destroyed stops, publishes nothing, warns and
+            fails its handle. Holds a CPU copy of the rank's state while in flight.
 
     Returns:
         The path of the new checkpoint; with ``async_``, a
@@ -78,35 +88,43 @@ def save_checkpoint(
         that path, or raises its :class:`CheckpointError` (on every rank alike).
 
     Raises:
+        TypeError: ``step`` or ``keep`` is not an ``int`` (``bool`` included);
+            ``optimizer`` is no optimizer and forwards to none.
         ValueError: ``step < 0`` or ``keep < 1``.
-        TypeError: ``optimizer`` is no optimizer and forwards to none.
         CheckpointError: NaN or Inf in the state (naming the first entries); a failure
-            to write on any rank.
+            at any stage on any rank.
     """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    if keep is not None and keep < 1:
-        raise ValueError(
-            f"keep must be >= 1 (how many checkpoints to keep, this one included), got {keep}; "
-            "pass keep=None to keep every checkpoint"
-        )
+    _check_count("step", step, minimum=0, meaning="the training step that names the checkpoint")
+    if keep is not None:
+        _check_count("keep", keep, minimum=1, meaning=(
+            "how many checkpoints to keep, this one included; pass keep=None to keep every checkpoint"))
     _wait_for_pending_save()  # one save at a time: its collectives never interleave with ours
     optimizer = innermost_optimizer(optimizer) if optimizer is not None else None
-    state = _dcp.training_state(model, optimizer)
-    _refuse_non_finite(state)
-    _merge_param_groups(state)
     final = _files.step_dir(Path(directory), step)
     tmp = _files.temporary_dir(final, _dist.broadcast_from_rank0(uuid.uuid4().hex))
-    _Stages(final, tmp)(f"creating {tmp}", lambda: _files.create_temporary_dir(tmp) if _dist.rank() == 0 else None)
-    taken = _Taken(  # what the write needs of the model, taken now: the streams at this step
-        _serialized(capture_generators(model)), sharding_layout(model), _dcp.int8_keys(state["model"]))
+    stage = _Stages(final, tmp, _Ranks.of_default_group())
+    state = stage("collecting its model and optimizer state", lambda: _dcp.training_state(model, optimizer))
+    _refuse_non_finite(stage("checking its state for NaN and Inf", lambda: _dcp.non_finite_keys(state), share=True))
+    _merge_param_groups(state, stage("listing its optimizer's parameter names", lambda: _group_names(state), share=True))
+    taken = stage("serializing its generator states", lambda: _Taken(  # taken now: the streams at this step
+        _serialized(capture_generators(model)), sharding_layout(model), _dcp.int8_keys(state["model"]),
+        shape_attributes(model)))
+    stage(f"creating {tmp}", lambda: _files.create_temporary_dir(tmp) if _dist.rank() == 0 else None)
     if not async_:
-        return _write(state, taken, final, tmp, step, extra, keep, None)
+        return _write(state, taken, step, extra, keep, stage)
     global _pending
-    staged = _dcp.cpu_copy(state)  # the training loop may change the model as soon as we return
-    group = _background_group()
-    _pending = _executor().submit(_write, staged, taken, final, tmp, step, extra, keep, group)
+    staged = stage("copying its state to CPU memory", lambda: _dcp.cpu_copy(state))  # the loop may change the model
+    writer = _Stages(final, tmp, _Ranks.of_default_group(_background_group()))
+    _pending = _executor().submit(_write, staged, taken, step, extra, keep, writer)
     return _pending
+
+
+def _check_count(name: str, value: Any, *, minimum: int, meaning: str) -> None:
+    """Refuse ``value`` unless it is an ``int`` (not a ``bool``) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int ({meaning}), got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum} ({meaning}), got {value}")
 
 
 @dataclass
@@ -114,29 +132,29 @@ class _Taken:
     generators: bytes  # this rank's generator states, serialized
     layout: dict  # world_size, mesh_shape (the dp mesh's), tensor_parallel
     int8_keys: list[str]  # this rank's (pipeline stages hold other keys)
+    shape_attributes: dict[str, int]  # this rank's modules' head counts and the like
 
 
-def _write(
-    state: dict[str, Any], taken: _Taken, final: Path, tmp: Path, step: int, extra: dict | None,
-    keep: int | None, group: dist.ProcessGroup | None,
-) -> Path:
-    """Write ``state`` and ``taken`` into ``tmp`` on every rank, then rank 0 adds the
-    manifest, publishes ``tmp`` as ``final`` and prunes; collectives on ``group``."""
-    rank = _dist.rank()
-    stage = _Stages(final, tmp, group)
+def _write(state: dict[str, Any], taken: _Taken, step: int, extra: dict | None, keep: int | None,
+           stage: "_Stages") -> Path:
+    """Write ``state`` and ``taken`` into ``stage.tmp`` on every rank, then rank 0 checks
+    that every rank's files are there, adds the manifest, publishes ``stage.tmp`` as
+    ``stage.final`` and prunes; every stage decided together on ``stage.ranks``."""
+    final, tmp, rank = stage.final, stage.tmp, stage.ranks.rank
     # dcp's own collectives raise its CheckpointException on every rank alike
     stage(f"writing {tmp}/__{{rank}}_*.distcp (and .metadata on rank 0) through "
-          "torch.distributed.checkpoint", lambda: _dcp.save(state, tmp, group))
+          "torch.distributed.checkpoint", lambda: _dcp.save(state, tmp, stage.ranks.group, no_dist=stage.ranks.world is None))
     rng_path = _files.rng_file(tmp, rank)
     stage(f"writing {rng_path}", lambda: _files.write_durably(rng_path, taken.generators))
-    mine = stage(f"reading back its files in {tmp}", lambda: _files.describe_files(tmp, rank))
-    gathered = _dist.gather_to_rank0((mine, taken.int8_keys), group)
+    everyone = stage(f"reading back its files in {tmp}", lambda: (
+        _files.describe_files(tmp, rank), taken.int8_keys, taken.shape_attributes), share=True)
     stage(f"writing {tmp / _files.MANIFEST}", lambda: _files.write_manifest(
-        tmp, _manifest(final, step, taken.layout, extra, gathered)) if rank == 0 else None)
+        tmp, _manifest(final, step, taken.layout, extra, everyone)) if rank == 0 else None)
     stage(f"publishing {tmp} as {final}", lambda: _files.publish(tmp, final) if rank == 0 else None)
-    if rank == 0 and keep is not None:
-        _files.prune(final.parent, keep, newest=final)
-    _dist.barrier(group)
+    stage.published = True
+    if keep is not None:
+        stage(f"removing the checkpoints under {final.parent} beyond keep={keep}",
+              lambda: _files.prune(final.parent, keep, newest=final) if rank == 0 else None)
     return final
 
 
@@ -161,27 +179,32 @@ def _executor() -> ThreadPoolExecutor:
 def _background_group() -> dist.ProcessGroup | None:
     """A gloo group of every rank for the writer thread's collectives: the training loop's
     run on the default group meanwhile, and one group's collectives must come in the same
-    order on every rank. Made once per default group (a collective: every rank saves)."""
+    order on every rank. Made once per default group (a collective: every rank saves),
+    with the default group's timeout: a peer that never arrives fails the save as soon as
+    it would fail training."""
     if not _dist.is_distributed():
         return None
     world = dist.group.WORLD
     if _background.get("world") is not world:
-        _background["world"], _background["group"] = world, dist.new_group(backend="gloo")
+        _background["world"] = world
+        _background["group"] = dist.new_group(backend="gloo", timeout=_dist.group_timeout(world))
     return _background["group"]
 
 
-def _manifest(final: Path, step: int, layout: dict, extra: dict | None, gathered: list) -> dict:
-    """The manifest of checkpoint ``final`` (on rank 0): ``gathered`` holds each rank's
-    files and int8 keys."""
+def _manifest(final: Path, step: int, layout: dict, extra: dict | None, everyone: list) -> dict:
+    """The manifest of checkpoint ``final`` (on rank 0): ``everyone`` holds each rank's
+    files, int8 keys and shape attributes, in rank order."""
+    _files.check_every_rank_wrote([files for files, _, _ in everyone], layout["world_size"], final)
     return {
         "format": _files.FORMAT,
         "step": step,
         "sequence": _files.next_sequence(final.parent),  # write order, for keep
         **layout,
-        "int8_keys": sorted({key for _, keys in gathered for key in keys}),
+        "int8_keys": sorted({key for _, keys, _ in everyone for key in keys}),
+        "shape_attributes": {k: v for _, _, attributes in everyone for k, v in sorted(attributes.items())},
         "extra": extra or {},
         "versions": {"torch": torch.__version__, "fsdp_int8": __version__},
-        "files": {k: v for files, _ in gathered for k, v in files.items()},
+        "files": {k: v for files, _, _ in everyone for k, v in files.items()},
     }
 
 
@@ -193,55 +216,124 @@ def _serialized(value: Any) -> bytes:
     return buffer.getvalue()
 
 
+@dataclass(frozen=True)
+class _Ranks:
+    """Who takes part in a save, fixed when ``save_checkpoint`` is called: a background
+    writer must not take a destroyed process group for a single process."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None  # the collectives' group (None: the default group)
+    world: dist.ProcessGroup | None  # the default group at the call (None: a single process)
+
+    @classmethod
+    def of_default_group(cls, group: dist.ProcessGroup | None = None) -> "_Ranks":
+        world = dist.group.WORLD if _dist.is_distributed() else None
+        return cls(_dist.rank(), _dist.world_size(), group, world)
+
+    def alive(self) -> bool:
+        """Whether the process group of the call is still up (always, in a single process)."""
+        return self.world is None or (dist.is_initialized() and dist.group.WORLD is self.world)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        if self.world is None:
+            return [value]
+        out = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.world is not None:
+            dist.barrier(group=self.group)
+
+
 class _Stages:
     """Runs each stage of a save on every rank and decides together whether it worked.
 
-    One gather after each stage: a stage that fails on any rank (a full disk while one rank
-    writes its generator states, while rank 0 writes the manifest, or inside dcp) raises
-    the same :class:`CheckpointError` on every rank, naming each failing rank, its file
-    and the cause, and no rank waits in a collective the others skipped. The temporary
-    directory is removed (space back on a full disk); ``latest`` and every published
-    checkpoint stay as they were, and the process group stays usable.
+    One gather after each stage: a stage that fails on any rank raises the same
+    :class:`CheckpointError` on every rank, naming each failing rank, what it was doing
+    and the cause, and no rank waits in a collective the others skipped. Before
+    publishing, the temporary directory is removed (space back on a full disk) and
+    ``latest`` and every published checkpoint stay as they were; the process group stays
+    usable. A rank whose process group is gone stops before its next stage.
     """
 
-    def __init__(self, final: Path, tmp: Path, group: dist.ProcessGroup | None = None) -> None:
-        self.final, self.tmp, self.group = final, tmp, group
+    def __init__(self, final: Path, tmp: Path, ranks: _Ranks) -> None:
+        self.final, self.tmp, self.ranks = final, tmp, ranks
+        self.published = False  # set once ``final`` holds the new checkpoint
 
-    def __call__(self, doing: str, action: Callable[[], Any]) -> Any:
-        """``action()``'s result; ``doing`` says what it does (``{rank}``: a rank's number)."""
-        result, problem = None, None
+    def __call__(self, doing: str, action: Callable[[], Any], *, share: bool = False) -> Any:
+        """``action()``'s result (``share``: every rank's, in rank order); ``doing`` says
+        what it does (``{rank}``: a rank's number)."""
+        self._stop_if_group_gone(doing)
+        result, own, fallback = None, None, None
         try:
             result = action()
         except (Exception, CheckpointException) as error:  # dcp's is a BaseException
-            problem = _failures(error, doing)
-        problems = sorted({p for p in _dist.all_gather(problem, self.group) if p})
+            own, fallback = _failures(error, doing, self.ranks.rank)
+        self._stop_if_group_gone(doing)
+        try:
+            everyone = self.ranks.all_gather((own, fallback, result if share else None))
+        except Exception as error:  # a peer left: its process ended, or it destroyed its group
+            self._stop_if_group_gone(doing)
+            self._fail([f"rank {self.ranks.rank}: the collective after {doing.replace('{rank}', 'each rank')} "
+                        f"failed ({type(error).__name__}: {error}): another rank ended or destroyed "
+                        "its process group"], agreed=False)
+        problems = sorted({text for text, _, _ in everyone if text}) or sorted(
+            {text for _, text, _ in everyone if text})
         if problems:
-            if _dist.rank() == 0:
-                _files.remove_checkpoint(self.tmp)
-            _dist.barrier(self.group)  # the removal is done before any rank raises
+            self._fail(problems, agreed=True)
+        return [shared for _, _, shared in everyone] if share else result
+
+    def _fail(self, problems: list[str], *, agreed: bool) -> None:
+        """Raise ``problems`` as a :class:`CheckpointError` (``agreed``: on every rank, after
+        the partial files are removed)."""
+        if not self.published and self.ranks.rank == 0:
+            _files.remove_checkpoint(self.tmp)
+        if agreed:
+            self.ranks.barrier()  # the removal is done before any rank raises
+        causes = "; ".join(problems)
+        if self.published:
             raise CheckpointError(
-                f"checkpoint {self.final} was not saved: {'; '.join(problems)}. Nothing was "
-                "published: latest and the existing checkpoints are unchanged, and the partial "
-                "files are removed. Free disk space (ENOSPC, errno 28: the disk or a quota is "
-                "full) or fix the cause, then save again"
-            )
-        return result
+                f"checkpoint {self.final} was saved and published (latest names it), but {causes}. "
+                "Fix the cause: the checkpoints that were not removed are complete")
+        advice = ("Free disk space (ENOSPC, errno 28: the disk or a quota is full), then save again"
+                  if "ENOSPC" in causes or os.strerror(errno.ENOSPC) in causes else "Fix the cause, then save again")
+        raise CheckpointError(
+            f"checkpoint {self.final} was not saved: {causes}. Nothing was published: latest and the "
+            f"existing checkpoints are unchanged, and the partial files are removed. {advice}")
+
+    def _stop_if_group_gone(self, doing: str) -> None:
+        if self.ranks.alive():
+            return
+        message = (
+            f"checkpoint {self.final} was not saved: rank {self.ranks.rank}'s process group was destroyed "
+            f"while the save was in flight (before {doing.replace('{rank}', str(self.ranks.rank))}), so the "
+            "ranks cannot agree that every rank's files are written, and nothing was published. Call "
+            ".result() on save_checkpoint's handle before destroy_process_group()")
+        warnings.warn(message, RuntimeWarning, stacklevel=2)  # the handle may never be read
+        raise CheckpointError(message)
 
 
-def _failures(error: BaseException, doing: str) -> str:
-    """Each failing rank, what it was doing and why: dcp's ``CheckpointException`` holds
-    every rank's cause (the same on every rank), any other error is this rank's own."""
+def _failures(error: BaseException, doing: str, me: int) -> tuple[str | None, str]:
+    """What this rank reports of a failed stage: its own causes (or ``None``: dcp's
+    ``CheckpointException`` holds every rank's, each rank reports its own), and every
+    cause the error knows, for when no rank has its own."""
     if isinstance(error, CheckpointException):
         causes = {rank: cause for rank, (cause, _) in error.failures.items()}
     else:
-        causes = {_dist.rank(): error}
-    return "; ".join(
-        f"rank {rank}: {doing.replace('{rank}', str(rank))}: {type(cause).__name__}: {cause}"
-        for rank, cause in sorted(causes.items())
-    )
+        causes = {me: error}
+    text = {rank: f"rank {rank}: {doing.replace('{rank}', str(rank))}: {_dcp.cause_text(cause)}"
+            for rank, cause in sorted(causes.items())}
+    return text.get(me), "; ".join(text.values())
 
 
-def _merge_param_groups(state: dict[str, Any]) -> None:
+def _group_names(state: dict[str, Any]) -> list[list[str]]:
+    """The parameter names of each of ``state``'s optimizer groups, on this rank."""
+    return [list(group["params"]) for group in state.get("optimizer", {}).get("param_groups", [])]
+
+
+def _merge_param_groups(state: dict[str, Any], everyone: list[list[list[str]]]) -> None:
     """Give every optimizer group the parameter names of that group on every rank.
 
     dcp stores one copy of the (non-tensor) param groups. Pipeline stages hold other
@@ -250,9 +342,6 @@ def _merge_param_groups(state: dict[str, Any]) -> None:
     pipelining every rank has the same names and nothing changes.
     """
     groups = state.get("optimizer", {}).get("param_groups", [])
-    if not groups:
-        return
-    everyone = _dist.all_gather([list(group["params"]) for group in groups])
     for index, group in enumerate(groups):
         names = list(group["params"])
         seen = set(names)
@@ -264,10 +353,10 @@ def _merge_param_groups(state: dict[str, Any]) -> None:
         group["params"] = names
 
 
-def _refuse_non_finite(state: dict[str, Any]) -> None:
-    """Raise on every rank if any rank's state holds NaN or Inf (one gather: the same
-    verdict everywhere, so no rank waits in a collective the others skip)."""
-    bad = sorted({key for per_rank in _dist.all_gather(_dcp.non_finite_keys(state)) for key in per_rank})
+def _refuse_non_finite(everyone: list[list[str]]) -> None:
+    """Raise (on every rank alike) if any rank's state holds NaN or Inf: ``everyone``
+    holds each rank's non-finite keys."""
+    bad = sorted({key for per_rank in everyone for key in per_rank})
     if bad:
         raise CheckpointError(
             f"not saving: NaN or Inf in {len(bad)} entries ({listing(bad)}); nothing was "

@@ -168,6 +168,8 @@ class Slot:
 class FusedInt8Optimizer(Optimizer):
     """Parameter handling shared by :class:`~fsdp_int8.Int8AdamW` and :class:`~fsdp_int8.Int8SGD`."""
 
+    checks_finite_gradients = True  # its step checks (guard.CHECKS_OWN_GRADIENTS): no default guard
+
     def __init__(
         self, params: Any, defaults: dict[str, Any], *, step_in_backward: bool = False,
         step_elements: int | None = None, grad_dtype: torch.dtype | None = None,

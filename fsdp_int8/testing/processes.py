@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -52,7 +53,7 @@ _STACKS_SIGNAL = getattr(signal, "SIGUSR1", None)  # dumps a rank's Python stack
 _STACKS_WAIT_S = 2.0  # time for the ranks to write them
 
 
-def _init_process_group(rank: int, world_size: int, init_file: str) -> str:
+def _init_process_group(rank: int, world_size: int, init_file: str, timeout: timedelta | None = None) -> str:
     device_type = device_type_for(world_size)
     if device_type != "cpu":
         torch.accelerator.set_device_index(rank)
@@ -63,6 +64,7 @@ def _init_process_group(rank: int, world_size: int, init_file: str) -> str:
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
+        timeout=timeout,
     )
     return device_type
 
@@ -88,13 +90,13 @@ def _send_stderr_to(log_path: str) -> None:
         faulthandler.register(_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
 
-def _worker(rank, world_size, init_file, body, args, results, log_path, environ) -> None:
+def _worker(rank, world_size, init_file, body, args, results, log_path, environ, pg_timeout) -> None:
     os.environ.clear()  # the caller's, not the forkserver's (multiprocessing carries cwd and sys.path)
     os.environ.update(environ)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     _send_stderr_to(log_path)
     try:
-        _init_process_group(rank, world_size, init_file)
+        _init_process_group(rank, world_size, init_file, pg_timeout)
         # Plain pickle bytes: a queue would pass tensors as shared-memory handles that die
         # with this process before the parent reads them.
         value = pickle.dumps(body(rank, world_size, *args))
@@ -120,6 +122,7 @@ def run_distributed(
     world_size: int = 2,
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
+    pg_timeout: timedelta | None = None,
 ) -> list[Any]:
     """Run ``body(rank, world_size, *args)`` in ``world_size`` fresh processes.
 
@@ -129,6 +132,8 @@ def run_distributed(
     it, with Python's stacks at the crash (``faulthandler``), quoted in the error, and
     ranks that overstay ``timeout`` are asked for their stacks (SIGUSR1) before they are
     ended, which the ``TimeoutError`` quotes.
+
+    ``pg_timeout`` is ``init_process_group``'s ``timeout`` (``None``: torch's default).
 
     Returns:
         Each rank's return value (they must be picklable), indexed by rank.
@@ -143,7 +148,7 @@ def run_distributed(
         init_file = os.path.join(tmp, "rendezvous")
         logs = [os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, body, args, results, logs[r], dict(os.environ)))
+            ctx.Process(target=_worker, args=(r, world_size, init_file, body, args, results, logs[r], dict(os.environ), pg_timeout))
             for r in range(world_size)
         ]
         for p in procs:

@@ -9,7 +9,8 @@ and collectives work.
 
 Generator files on load: a damaged one is refused on every rank, naming the rank and the
 file (without torch's advice to load with ``weights_only=False``); one deleted together
-with its manifest entry restores no rank's streams (not rank 0's alone), with a warning.
+with its manifest entry is refused, naming it; without a manifest (``allow_unverified``)
+no rank's streams are restored (not rank 0's alone), with a warning.
 
 Saves in the background, with int8 weights and ``Int8AdamW(state_bits=8)``'s states:
 ``save_checkpoint(..., async_=True)`` while training goes on (the write held in flight),
@@ -135,7 +136,7 @@ def _generator_files(rank: int, root: Path) -> dict:
             assert_identical(before, snapshot(model, opt), "after the refused load")
             messages[damage] = message
 
-    with case("rank 1's generator file deleted with its manifest entry: no rank restores"):
+    with case("rank 1's generator file deleted with its manifest entry: the load refuses, naming it"):
         copy = root / "one_generator_file"
         if rank == 0:
             shutil.copytree(root / "step_00000002", copy)
@@ -144,8 +145,16 @@ def _generator_files(rank: int, root: Path) -> dict:
             del manifest["files"]["rng/rank_00001.pt"]
             (copy / "manifest.json").write_text(json.dumps(manifest))
         dist.barrier()
-        with pytest.warns(UserWarning, match=r"rank 1 has no generator states, so no rank restores"):
-            info = fsdp_int8.load_checkpoint(copy, model, opt)
+        with pytest.raises(CheckpointError, match=r"incomplete \(saved by 2 ranks\): rng/rank_00001\.pt: not in the manifest"):
+            fsdp_int8.load_checkpoint(copy, model, opt)
+    with case("the same without a manifest (allow_unverified): no rank restores, with a warning"):
+        if rank == 0:
+            (copy / "manifest.json").unlink()
+        dist.barrier()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*loaded without verification")
+            with pytest.warns(UserWarning, match=r"rank 1 has no generator states, so no rank restores"):
+                info = fsdp_int8.load_checkpoint(copy, model, opt, allow_unverified=True)
         assert not info.rng_restored, "rank 0 restored its streams while rank 1 reseeded"
         with case("the control: the intact checkpoint restores on every rank"):
             assert fsdp_int8.load_checkpoint(root / "step_00000002", model, opt).rng_restored
