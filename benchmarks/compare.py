@@ -7,7 +7,7 @@
 The baseline is **bf16 FSDP2** (bf16 parameters, fp32 gradient reduction: torchtitan's
 default policy), the setting users would otherwise pick; every fsdp_int8 row computes in
 bf16 too (``MixedPrecisionPolicy(param_dtype=bfloat16)``, as the launcher does) and runs
-the compiled quantization kernels (``Int8TrainingConfig(compile=True)``). Rows are those of
+the compiled quantization kernels (``Int8TrainingConfig(compile="on")``). Rows are those of
 ``benchmarks.rows`` (recipes of ``launch.precisions``), built there.
 
 Every row trains the launcher's Llama-style model (default: preset small) on the

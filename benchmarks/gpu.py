@@ -56,7 +56,8 @@ from fsdp_int8 import Int8MatmulConfig, Int8Weight, hardware
 from fsdp_int8.hardware import device_type_for
 from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, next_token_loss
-from launch.precisions import Recipe, build_model
+from launch.build import build_model
+from launch.precisions import Recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("checks", "gemm", "train")
@@ -93,7 +94,7 @@ def _check_linear_shapes(device: str) -> None:
             raise AssertionError("in_features=60 ran an int8 GEMM on CUDA")
 
 
-def _compiled_or_eager_step(device: str, compile: bool) -> tuple[torch.Tensor, ...]:
+def _compiled_or_eager_step(device: str, compile: str) -> tuple[torch.Tensor, ...]:
     """Forward, backward and an SGD step of a bf16 int8-matmul layer; what each wrote."""
     torch.manual_seed(0)
     config = fsdp_int8.Int8TrainingConfig(int8_matmul=Int8MatmulConfig(), compile=compile)
@@ -107,15 +108,15 @@ def _compiled_or_eager_step(device: str, compile: bool) -> tuple[torch.Tensor, .
 
 
 def _check_compiled_matches_eager(device: str) -> None:
-    # compile=True runs activation quantization, dequantization and the weight update as
+    # compile="on" runs activation quantization, dequantization and the weight update as
     # compiled passes with the eager passes' fp32 operations: the same bits. A compile that
     # fails falls back to eager (with a warning, once per process), which would compare
     # eager with eager: the profiler must see the compiled regions run.
     from torch.profiler import ProfilerActivity, profile
 
-    eager = _compiled_or_eager_step(device, compile=False)
+    eager = _compiled_or_eager_step(device, compile="off")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        compiled = _compiled_or_eager_step(device, compile=True)
+        compiled = _compiled_or_eager_step(device, compile="on")
     regions = sum(e.count for e in prof.key_averages() if e.key.startswith("Torch-Compiled Region"))
     assert regions >= 3, f"{regions} compiled regions ran (forward, backward, update): torch.compile fell back to eager"
     for name, e, c in zip(("output", "grad_input", "int8 weight", "scales"), eager, compiled):
@@ -124,9 +125,11 @@ def _check_compiled_matches_eager(device: str) -> None:
 
 def _check_deferred_finiteness(device: str) -> None:
     weight = torch.nn.Parameter(Int8Weight.from_float(torch.randn(32, 32, device=device)))
-    optimizer = torch.optim.SGD([weight], lr=1.0)
+    # an infinite learning rate on finite gradients: the update alone is non-finite (a
+    # non-finite gradient is refused before the step by the default guard)
+    optimizer = torch.optim.SGD([weight], lr=float("inf"))
     fsdp_int8.optim.batch_int8_updates(optimizer)  # on a GPU: the flag is read once, when step() ends
-    weight.grad = torch.full((32, 32), float("inf"), device=device)
+    weight.grad = torch.ones((32, 32), device=device)
     try:
         optimizer.step()
     except ValueError as error:
@@ -331,7 +334,7 @@ def run_train(dry_run: bool) -> dict:
                 else dict(preset="1b", batch_size=4, seq_len=2048, steps=10, warmup=3))
     # A dry run's tiny widths leave the kernels eager, as the launcher's --compile auto does
     # there (compiling them costs more than it saves); its :blocks rows still compile.
-    settings.update(threads=1, rows=list(TRAIN_ROWS), compile_kernels=not dry_run)
+    settings.update(threads=1, rows=list(TRAIN_ROWS), compile_kernels="off" if dry_run else "on")
     return dict(settings=settings, rows=run_distributed(_train_body, 1, settings, timeout=3600)[0],
                 memory=run_distributed(_memory_body, 1, settings, timeout=3600)[0])
 

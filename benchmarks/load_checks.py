@@ -62,8 +62,7 @@ def _unchecked_model(preset: str, checked: nn.Module) -> nn.Module:
     for name, param in checked.named_parameters():
         if isinstance(param, Int8Weight):
             owner, attr = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
-            weight = Int8Weight(torch.empty_like(param.int_data), torch.empty_like(param.scale),
-                                dtype=param.dtype, row_len=param.row_len)
+            weight = param.with_tensors(torch.empty_like(param.int_data), torch.empty_like(param.scale))
             setattr(owner, attr, nn.Parameter(weight, requires_grad=param.requires_grad))
     return model
 

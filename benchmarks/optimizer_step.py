@@ -9,7 +9,7 @@ One process, one thread, no FSDP2: each optimizer (built by the registry,
 gradients) and the steps of all of them are interleaved in the benchmarks' one loop
 (``benchmarks.timing``: every optimizer steps once per round, the order rotating), once
 with weights whose quantization kernels run eagerly and once with weights made with
-compiled ones (``compiled=True``, what ``Int8TrainingConfig(compile=True)`` gives every
+compiled ones (``compiled=True``, what ``Int8TrainingConfig(compile="on")`` gives every
 weight). Prints the median milliseconds per step (lower is faster) and the median over
 rounds of each one's step time over ``Int8AdamW``'s in the same round.
 """

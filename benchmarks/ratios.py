@@ -27,7 +27,7 @@ Rows (``benchmarks.rows``, the registry; default ``bf16 default lean``):
 * ``lean``: ``shard_model(model, config=Int8TrainingConfig.lean())`` with ``Int8AdamW.lean``;
 * any recipe of ``launch.precisions`` (``NAME[:OPTION...]``), fused torch AdamW, fsdp_int8
   recipes computing in bf16 with compiled kernels unless their options say otherwise:
-  ``int8-mm`` (all three GEMMs in int8), ``int8`` (weight-only), ``int8-mm:eager`` (no
+  ``int8-mm`` (all three GEMMs in int8), ``int8`` (weight-only), ``int8-mm:compile=off`` (no
   torch.compile; ``:fp32`` for fp32 compute), ``int8-mm-wgrad-bf16``, ``int8-grads``,
   ``fp32``, ``all-bf16``, ``torchao``, ``bf16:blocks`` (every block compiled whole).
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="per rank")
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), type=registry.row_argument, metavar="ROW",
                         help="library calls (default, lean) or recipes of launch.precisions, NAME[:OPTION...] "
-                        "(e.g. int8-mm:eager, int8:fp32)")
+                        "(e.g. int8-mm:compile=off, int8:fp32)")
     parser.add_argument("--baseline", default="auto", choices=("auto", "bf16", "fp32"),
                         help="the row ratios are taken against; auto: bf16 FSDP2 where this hardware "
                         "has fast bf16 matmuls, else fp32 FSDP2")

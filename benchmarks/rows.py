@@ -13,7 +13,7 @@ A row is a model, sharded over all ranks, with its optimizer. Its name is one of
 
 * or a recipe of :mod:`launch.precisions`, ``NAME[:OPTION...]`` (``bf16``: bf16 FSDP2 with
   bf16 parameters and an fp32 gradient reduction, the baseline; ``int8-mm``,
-  ``int8:fp32:eager``, ``bf16:blocks``, ...), built by :func:`launch.precisions.build_model`
+  ``int8:fp32:compile=off``, ``bf16:blocks``, ...), built by :func:`launch.build.build_model`
   in the same FSDP2 groups as ``shard_model``'s and trained with fused ``torch.optim.AdamW``
   (torch's default AdamW for ``torchao``, whose weights the fused kernel does not take).
 
@@ -38,10 +38,12 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_int8
+from fsdp_int8.config import ON
 from fsdp_int8.hardware import device_type_for
 from fsdp_int8.sharding import find_blocks
+from launch.build import build_model
 from launch.model import ModelArgs, Transformer
-from launch.precisions import BF16_POLICY, build_model, parse_row
+from launch.precisions import BF16_POLICY, parse_row
 
 EIGHT_BIT_BLOCK = 128  # values per scale of the 8-bit Adam states of "8-bit AdamW"
 
@@ -68,13 +70,13 @@ LIBRARY_ROWS = {
 @dataclass(frozen=True)
 class Row:
     """One row: its name, what tables print, its optimizer (a key of :data:`OPTIMIZERS`)
-    and whether a recipe's fsdp_int8 kernels are compiled (``compile``, unless its
-    ``:eager`` or ``:compiled`` says; library calls decide for themselves)."""
+    and whether a recipe's fsdp_int8 kernels are compiled (``compile``: ``"auto"``, ``"on"``
+    or ``"off"``, unless its own ``compile=`` option says; library calls decide for themselves)."""
 
     name: str
     label: str
     optimizer: str
-    compile: bool = True
+    compile: str = ON
 
     @property
     def clip(self) -> bool:
@@ -86,9 +88,10 @@ class Row:
         return self.name in LIBRARY_ROWS
 
 
-def row(name: str, *, compile: bool = True, optimizer: str | None = None) -> Row:
-    """The row ``name`` (a library call or a recipe; a recipe's fsdp_int8 kernels are
-    compiled unless ``compile=False`` or its ``:eager``), with ``optimizer`` instead of its own.
+def row(name: str, *, compile: str = ON, optimizer: str | None = None) -> Row:
+    """The row ``name`` (a library call or a recipe; a recipe's fsdp_int8 kernels as
+    ``compile`` says, ``Int8TrainingConfig.compile``'s word, unless its own ``compile=``
+    option says), with ``optimizer`` instead of its own.
 
     Raises:
         ValueError: an unknown row, option or optimizer.

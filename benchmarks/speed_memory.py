@@ -14,8 +14,8 @@ registry (``benchmarks.rows``). Columns:
 * vs bf16, vs fp32: the median over steps of the row's step time over the bf16 FSDP2 (bf16
   parameters, fp32 reduction: the baseline users run) or fp32 FSDP2 row's (torch AdamW)
   in the same step (lower is faster); every int8 row computes in bf16 like the launcher,
-  with its compiled kernels from width 512 (the launcher's --compile auto), unless its
-  options say otherwise;
+  with compiled kernels from width 512 (``compile=auto`` for the whole model, as the
+  launcher's --compile auto), unless its options say otherwise;
 * bytes/param: storage of each rank's own parameters + gradients + optimizer states,
   divided by its parameter count (fp32 + Adam: 16); 8-bit AdamW keeps its moments in
   blocks of 128 values per scale;
@@ -39,11 +39,12 @@ from benchmarks.ratios import shape
 from benchmarks.report import log_run
 from benchmarks.timing import interleave, paired_ratio, train_step
 from fsdp_int8 import hardware
+from fsdp_int8.config import AUTO
 from fsdp_int8.hardware import device_type_for
 from fsdp_int8.memory import persistent_bytes
 from fsdp_int8.testing import run_distributed
 from launch.model import PRESETS, Transformer, next_token_loss
-from launch.precisions import compile_wanted, parse_row, row_argument
+from launch.precisions import parse_row, resolve_compile, row_argument
 
 # Rows are recipes of launch.precisions (NAME[:OPTION...]). int8: weight-only; int8-mm: all
 # three GEMMs in int8; int8-mm-wgrad-bf16: the weight gradient's GEMM in bf16;
@@ -62,10 +63,10 @@ def optimizer_of(name: str, int8: bool) -> str:
 
 def _row(precision: str, optimizer: str, settings: dict) -> registry.Row:
     """The registry's row: compiled kernels from width 512 (the launcher's ``--compile
-    auto``) unless the recipe says ``:eager`` or ``:compiled``."""
-    dim = shape(settings).dim
-    int8 = parse_row(precision, compile=False).precision.int8
-    return registry.row(precision, compile=compile_wanted("auto", dim), optimizer=optimizer_of(optimizer, int8))
+    auto``) unless the recipe's own ``compile=`` option says."""
+    int8 = parse_row(precision).precision.int8
+    compile = resolve_compile(AUTO, shape(settings).dim)
+    return registry.row(precision, compile=compile, optimizer=optimizer_of(optimizer, int8))
 
 
 def _batch(settings: dict, rank: int, step: int) -> tuple:
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="per rank")
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), type=row_argument, metavar="ROW",
-                        help="recipes of launch.precisions, NAME[:OPTION...] (e.g. int8-mm:eager, int8:fp32)")
+                        help="recipes of launch.precisions, NAME[:OPTION...] (e.g. int8-mm:compile=off, int8:fp32)")
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
     parser.add_argument("--write-docs", type=Path, help="also write the output to this docs folder")
     parser.add_argument("--log", action="store_true",

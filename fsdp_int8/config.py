@@ -4,7 +4,7 @@ sharded (``Int8TrainingConfig``), and which matmuls run as int8 GEMMs (``Int8Mat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn as nn
@@ -12,7 +12,10 @@ import torch.nn as nn
 from fsdp_int8._dist import device_type_for
 from fsdp_int8._quant.kernels import compiler_available
 
-AUTO = "auto"
+AUTO, ON, OFF = "auto", "on", "off"
+# Int8TrainingConfig.compile's values; the launcher's --compile and the benchmark rows'
+# compile= option take these same words
+COMPILE_CHOICES = (AUTO, ON, OFF)
 # compile="auto" turns the compiled kernels on from this row length (a layer's input
 # features): below it a layer's kernels are too small for one fused pass to repay
 # torch.compile's start-up (about 15 s per process, docs/performance.md)
@@ -50,12 +53,8 @@ class Int8MatmulConfig:
             no rounding beyond the forward's own. Needs ``output`` and ``grad_weight``.
             Off by default (docs/memory.md: what it saves and its quality).
 
-    With all three off (``Int8MatmulConfig(output=False, grad_input=False,
-    grad_weight=False)``) no GEMM is int8, but the weight still reaches the matmul as int8:
-    FSDP2's all-gathered (unsharded) weight stays int8 rows and scales, and each matmul
-    and lookup dequantizes a transient copy in the compute dtype. That gives the values of
-    weight-only int8 (``int8_matmul=None``, whose all-gather dequantizes the whole weight
-    once per unshard) with half the bytes for the gathered weights (docs/memory.md).
+    At least one of the three is on: to keep FSDP2's gathered weights int8 without any
+    int8 GEMM, set ``Int8TrainingConfig(int8_gathered_weights=True)`` instead.
 
     On a device without a fast int8 GEMM (CPUs without VNNI or AMX; GPUs before sm_75 and Blackwell Ultra, sm_103, whose int8 rate is below its bf16 rate)
     the first forward with an int8 GEMM warns once per process: weight-only int8 is
@@ -67,12 +66,14 @@ class Int8MatmulConfig:
     grad_weight: bool = True
     save_int8_input: bool = False
 
-    @property
-    def any_gemm(self) -> bool:
-        """Whether any of the three matmuls runs as an int8 GEMM."""
-        return self.output or self.grad_input or self.grad_weight
-
     def __post_init__(self) -> None:
+        if not (self.output or self.grad_input or self.grad_weight):
+            raise ValueError(
+                "Int8MatmulConfig(output=False, grad_input=False, grad_weight=False) runs no matmul in "
+                "int8. To keep FSDP2's gathered weights int8 without int8 GEMMs, use "
+                "Int8TrainingConfig(int8_gathered_weights=True) (int8_matmul=None); for weight-only int8, "
+                "int8_matmul=None alone"
+            )
         if self.save_int8_input and not (self.output and self.grad_weight):
             raise ValueError(
                 "Int8MatmulConfig(save_int8_input=True) keeps the output GEMM's int8 input for the "
@@ -85,9 +86,14 @@ class Int8MatmulConfig:
 # (plain data: three bools).
 torch.serialization.add_safe_globals([Int8MatmulConfig])
 
-# No int8 GEMM, int8 gathered weights: FSDP2's unsharded weight stays int8 rows and scales
-# and each matmul and lookup dequantizes a transient copy (the lean recipe's matmuls).
-INT8_GATHERED_WEIGHTS = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+
+def __getattr__(name: str) -> Any:
+    if name == "INT8_GATHERED_WEIGHTS":  # the earlier spelling of int8_gathered_weights
+        raise AttributeError(
+            "fsdp_int8.config.INT8_GATHERED_WEIGHTS is no longer a matmul config: keeping FSDP2's "
+            "gathered weights int8 is its own option, Int8TrainingConfig(int8_gathered_weights=True)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # The lean recipe's loss chunks: their fp32 logits, log-softmax and gradient take about
 # 12 x 128 x vocabulary bytes (200 MB at Llama 3's 128,256), against 12 x tokens x
@@ -126,6 +132,13 @@ class Int8TrainingConfig:
         int8_matmul: Run the linear layers' matmuls as int8 GEMMs (see
             :class:`Int8MatmulConfig`); ``None`` (default) keeps weight-only int8, whose
             matmuls run in the compute dtype.
+        int8_gathered_weights: Weight-only layers keep FSDP2's all-gathered (unsharded)
+            weights as int8 rows and scales, and each matmul and lookup dequantizes a
+            transient copy in the compute dtype: the values of weight-only int8 (whose
+            all-gather dequantizes the whole weight once per unshard) with half the bytes
+            for the gathered weights (docs/memory.md). Layers with int8 matmuls keep them
+            int8 anyway (their GEMMs read the int8 rows). Off by default; the lean recipe
+            turns it on.
         compile: Run the quantization kernels of this model's int8 weights (optimizer
             updates, dequantization, the int8 matmuls' activation quantization) as
             ``torch.compile``d passes, one fused pass instead of five to ten, with the same
@@ -135,8 +148,9 @@ class Int8TrainingConfig:
             :data:`COMPILE_FROM_WIDTH` inputs on a machine with a compiler for its device
             (a C++ compiler for the CPU, Triton for GPUs), off elsewhere; if compiling
             then fails anyway, the kernels run eagerly from then on, logged, with no
-            warning. ``True``: on for every layer, and a failure warns once
-            (``RuntimeWarning``) before going eager. ``False``: eager kernels.
+            warning. ``"on"``: on for every layer, and a failure warns once
+            (``RuntimeWarning``) before going eager. ``"off"``: eager kernels. A bool is
+            refused (``TypeError`` naming ``"on"`` or ``"off"``): the field takes words.
         quantize_embeddings: Also make ``nn.Embedding`` weights int8 (one scale per
             token row, stochastic-rounding updates, the int8 all-gather). An output head
             tied to the embedding follows it: it runs on the int8 weight (with
@@ -177,7 +191,8 @@ class Int8TrainingConfig:
     skip_names: tuple[str, ...] = ("lm_head", "output", "head")
     min_features: int = 16
     int8_matmul: Int8MatmulConfig | None = None
-    compile: bool | str = AUTO
+    int8_gathered_weights: bool = False
+    compile: Literal["auto", "on", "off"] = AUTO
     quantize_embeddings: bool = False
     compute_dtype: torch.dtype | None = None
     in_place_reduce_scatter: bool = False
@@ -192,7 +207,7 @@ class Int8TrainingConfig:
         gloo; the same sums) and, for transformers causal LMs, the chunked loss
         (:data:`LEAN_LOSS_CHUNK_TOKENS` tokens a chunk); ``changes`` replace fields. Train
         it with :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the step inside backward)."""
-        recipe = dict(quantize_embeddings=True, int8_matmul=INT8_GATHERED_WEIGHTS, compute_dtype=torch.bfloat16,
+        recipe = dict(quantize_embeddings=True, int8_gathered_weights=True, compute_dtype=torch.bfloat16,
                       in_place_reduce_scatter=True, loss_chunk_tokens=LEAN_LOSS_CHUNK_TOKENS)
         return cls(**{**recipe, **changes})
 
@@ -208,11 +223,14 @@ class Int8TrainingConfig:
             raise TypeError(
                 f"int8_matmul takes an Int8MatmulConfig or None, got {self.int8_matmul!r}: "
                 "Int8TrainingConfig(int8_matmul=Int8MatmulConfig()) runs all three matmuls in int8")
-        if self.compile not in (True, False, AUTO) or not isinstance(self.compile, (bool, str)):
-            raise TypeError(f"compile takes True, False or {AUTO!r}, got {self.compile!r}")
+        if isinstance(self.compile, bool):
+            raise TypeError(f"compile takes {AUTO!r}, {ON!r} or {OFF!r}, not a bool: use "
+                            f"compile={ON if self.compile else OFF!r} instead of compile={self.compile}")
+        if not isinstance(self.compile, str) or self.compile not in COMPILE_CHOICES:
+            raise TypeError(f"compile takes {AUTO!r}, {ON!r} or {OFF!r}, got {self.compile!r}")
         if self.module_filter is not None and not callable(self.module_filter):
             raise TypeError(f"module_filter takes a callable (module, name) -> bool, got {self.module_filter!r}")
-        for name in ("stochastic_rounding", "quantize_embeddings", "in_place_reduce_scatter"):
+        for name in ("stochastic_rounding", "int8_gathered_weights", "quantize_embeddings", "in_place_reduce_scatter"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} takes a bool, got {getattr(self, name)!r}")
         chunk = self.loss_chunk_tokens
@@ -224,9 +242,9 @@ class Int8TrainingConfig:
 
     def compiles(self, row_len: int) -> bool:
         """Whether a layer whose rows hold ``row_len`` inputs runs compiled kernels:
-        ``compile`` itself, or with ``"auto"`` the rule the field's docstring gives."""
+        ``compile == "on"``, or with ``"auto"`` the rule the field's docstring gives."""
         if self.compile != AUTO:
-            return self.compile
+            return self.compile == ON
         return row_len >= COMPILE_FROM_WIDTH and compiler_available(device_type_for())
 
     def should_quantize(self, module: nn.Module, name: str, *, router: bool = False) -> bool:

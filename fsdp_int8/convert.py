@@ -20,7 +20,7 @@ from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embe
 from fsdp_int8._weight.load_checks import add_check_hook
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import (
-    Int8TrainingConfig, counts_experts, expert_weight_names, is_conv1d, training_config,
+    OFF, ON, Int8TrainingConfig, counts_experts, expert_weight_names, is_conv1d, training_config,
     why_experts_stay_full_precision,
 )
 from fsdp_int8.guard import refuse_steps_on_replaced
@@ -161,6 +161,16 @@ def _warn_about_full_precision(tied: list[str], unsupported: list[str]) -> None:
         )
 
 
+def recorded_compile(value: Any) -> Any:
+    """``Int8TrainingConfig.compile`` as a file recorded it: fsdp_int8 0.1.0 wrote the
+    choice as a bool (a pickled model's load hook, a ``config.json``), read here as ``"on"``
+    or ``"off"``; any other value is returned as it is, for the config to check. Only files
+    go through this: a bool given in code is refused, naming the word to use."""
+    if isinstance(value, bool):
+        return ON if value else OFF
+    return value
+
+
 class _RequantizeAssigned:
     """``load_state_dict`` post-hook of a quantized layer: keeps its weight int8.
 
@@ -173,17 +183,23 @@ class _RequantizeAssigned:
     """
 
     def __init__(
-        self, stochastic_rounding: bool, int8_matmul, compiled: bool | str = False, names: tuple[str, ...] = ("weight",)
+        self, stochastic_rounding: bool, int8_matmul, compiled: str = OFF, names: tuple[str, ...] = ("weight",),
+        int8_gathered_weights: bool = False,
     ) -> None:
         self.stochastic_rounding = stochastic_rounding
         self.int8_matmul = int8_matmul
-        self.compiled = compiled  # Int8TrainingConfig.compile: True, False or "auto"
+        self.int8_gathered_weights = int8_gathered_weights
+        self.compiled = compiled  # Int8TrainingConfig.compile: "auto", "on" or "off"
         self.names = names  # the module's int8 parameters: "weight", or an experts module's
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # pickle layout 1 of this hook has no ``compiled`` field (its kernels ran eagerly),
-        # layouts 1 and 2 no ``names`` (a layer's weight)
-        self.__dict__.update({"compiled": False, "names": ("weight",), **state})
+        # layouts 1 and 2 no ``names`` (a layer's weight); 0.1.0's layouts hold a bool
+        self.__dict__.update({"compiled": OFF, "names": ("weight",), "int8_gathered_weights": False, **state})
+        self.compiled = recorded_compile(self.compiled)
+        matmul = self.int8_matmul  # a config without int8 GEMMs: the earlier "keep gathered int8"
+        if matmul is not None and not (matmul.output or matmul.grad_input or matmul.grad_weight):
+            self.int8_matmul, self.int8_gathered_weights = None, True
 
     def __call__(self, module: nn.Module, incompatible_keys) -> None:
         for name in self.names:
@@ -199,10 +215,11 @@ class _RequantizeAssigned:
         with torch.no_grad():
             int8 = Int8Weight.from_float(
                 local.detach(), stochastic_rounding=self.stochastic_rounding,
-                int8_matmul=self.int8_matmul, compiled=Int8TrainingConfig(compile=self.compiled).compiles(local.shape[-1]),
+                int8_matmul=self.int8_matmul, int8_gathered_weights=self.int8_gathered_weights,
+                compiled=Int8TrainingConfig(compile=self.compiled).compiles(local.shape[-1]),
             )
-            if isinstance(weight, DTensor):
-                int8.full_rows = weight.shape[:-1].numel()  # FSDP2 pads every shard to the same rows
+            if isinstance(weight, DTensor):  # FSDP2 pads every shard to the whole weight's rows
+                int8 = int8.with_tensors(int8.int_data, int8.scale, unsharded_rows=weight.shape[:-1].numel())
                 int8 = DTensor.from_local(
                     int8, weight.device_mesh, weight.placements, run_check=False,
                     shape=weight.shape, stride=weight.stride(),
@@ -218,11 +235,12 @@ torch.serialization.add_safe_globals([_RequantizeAssigned])
 def int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Parameter:
     """``weight`` quantized (round to nearest) into a new parameter with ``config``'s
     rounding, matmuls and kernels, keeping ``requires_grad``."""
-    if config.compile is True:
+    if config.compile == ON:
         warn_on_failure()
     with torch.no_grad():
         int8 = Int8Weight.from_float(
             weight, stochastic_rounding=config.stochastic_rounding, int8_matmul=config.int8_matmul,
+            int8_gathered_weights=config.int8_gathered_weights,
             compiled=config.compiles(weight.shape[-1]),
         )
     return nn.Parameter(int8, requires_grad=weight.requires_grad)
@@ -241,7 +259,8 @@ def _keep_int8_on_load(module: nn.Module, config: Int8TrainingConfig, names: tup
     checked before ``load_state_dict`` copies them, and plain weights it assigns are
     rounded back to int8."""
     module.register_load_state_dict_post_hook(
-        _RequantizeAssigned(config.stochastic_rounding, config.int8_matmul, config.compile, names)
+        _RequantizeAssigned(config.stochastic_rounding, config.int8_matmul, config.compile, names,
+                            config.int8_gathered_weights)
     )
     add_check_hook(module)
 

@@ -13,8 +13,10 @@ optimizer that holds int8 weights gets it by default (below): an int8 weight ref
 take a non-finite value, and without a shared verdict only the rank owning that row would
 refuse while the others step on, their step counters and collectives out of line.
 
-``quantize_`` and ``shard_model`` register one global step pre-hook, which looks at an
-optimizer's parameters once, at its first step:
+Importing fsdp_int8 registers one global step pre-hook (``torch.optim``'s
+``register_optimizer_step_pre_hook``), which looks at an optimizer's parameters once, at
+its first step, and does nothing more for an optimizer that holds no int8 weight and
+nothing ``quantize_`` or ``shard_model`` replaced:
 - it refuses the step when the optimizer holds a parameter that ``quantize_`` or
   ``shard_model`` replaced (they mark the objects they replaced): those give the model new
   parameter objects, so an optimizer built before them would update tensors the model no
@@ -127,21 +129,15 @@ _REPLACED_BY = "_fsdp_int8_replaced_by"  # on a parameter object: the function t
 _checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # first step passed
 _guarded_by_default: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _explicitly_guarded: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_global_hook: RemovableHandle | None = None
 
 
 def refuse_steps_on_replaced(original: Iterable[torch.Tensor], model: nn.Module, by: str) -> None:
     """Mark each of ``original`` (``model``'s parameters before ``by`` ran) that ``model`` no
-    longer holds, so that an optimizer holding one is refused at its first step; register
-    the global step pre-hook that checks, and guards optimizers of int8 weights (once per
-    process)."""
-    global _global_hook
+    longer holds, so that an optimizer holding one is refused at its first step."""
     kept = {id(param) for param in model.parameters()}
     for param in original:
         if id(param) not in kept:
             setattr(param, _REPLACED_BY, by)
-    if _global_hook is None:
-        _global_hook = register_optimizer_step_pre_hook(_before_each_step)
 
 
 def _before_each_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -179,3 +175,6 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer) -> None:
                     f"nothing. Build the optimizer after {by}: {by}(model, ...), then "
                     f"{name}(model.parameters(), ...)."
                 )
+
+
+_GLOBAL_HOOK = register_optimizer_step_pre_hook(_before_each_step)  # once per process, at import

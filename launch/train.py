@@ -39,13 +39,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp_int8
 from fsdp_int8.collectives import count_collectives
+from fsdp_int8.config import AUTO, COMPILE_CHOICES, ON
 from fsdp_int8.hardware import device_type_for
 from launch import parallel, pipeline, run_dir
+from launch.build import build_model
+from launch.compile_policy import BLOCKS_FLAG, check_blocks, compile_choice
 from launch.data import Corpus, load_corpus, sample_batch
+from launch.hardware_choice import resolve_auto
 from launch.metrics import RunLog, bits_per_byte, plot_losses, read_metrics
 from launch.model import PRESETS, Transformer, check_pp, check_tp, model_args, routing_stats
-from launch.precisions import (AUTO, COMPILE_MODES, LAUNCHER_PRECISIONS, PRECISIONS, Recipe, blocks_wanted,
-                               build_model, compile_wanted, resolve_auto)
+from launch.precisions import LAUNCHER_PRECISIONS, PRECISIONS, Recipe, resolve_compile
 
 # Everything random derives from --seed: the initial weights (Transformer.init_weights), the
 # stochastic rounding of int8 updates (Int8TrainingConfig.seed) and the batches:
@@ -73,12 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--compute-dtype", default=AUTO, choices=(AUTO, "fp32", "bf16"),
                        help="compute dtype of int8 runs; auto (default): bf16 where this hardware has "
                        "fast bf16 matmuls, else fp32 (the all-gather is int8 either way)")
-    train.add_argument("--compile", default="auto", choices=COMPILE_MODES,
-                       help="on: fuse int8 quantization steps with torch.compile; blocks: compile every "
-                       "transformer block whole (torchtitan's per-block compile, the quantization steps "
-                       "inside; outside them, the weight updates compiled from width 512 as with auto); "
-                       "auto (default): blocks on GPUs; on CPUs on from width 512, where it repays "
-                       "its ~15 s of start-up per process")
+    train.add_argument("--compile", default=AUTO, choices=COMPILE_CHOICES, type=compile_choice,
+                       help="the int8 quantization kernels, as Int8TrainingConfig(compile=...): on: fused "
+                       "with torch.compile; off: eager; auto (default): on from width 512, where it repays "
+                       "its ~15 s of start-up per process, on a machine with a compiler")
+    train.add_argument(BLOCKS_FLAG, action="store_true", help="compile every transformer block whole "
+                       "(torchtitan's per-block compile, before sharding; --compile still decides the kernels "
+                       "of the weight updates outside the blocks); off by default, not with --tp or --pp")
     train.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     train.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
@@ -159,9 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 n_heads=args.n_heads)
         check_tp(args.model, args.tp)
         check_pp(args.model, args.pp)
-        # refusals; the device decides auto only
-        fp32 = args.precision == "fp32" or args.compute_dtype == "fp32"
-        blocks_wanted(args.compile, "cpu", tp=args.tp, pp=args.pp, fp32_experts=fp32 and bool(args.model.n_experts))
+        # --compile-blocks' refusals; with --precision / --compute-dtype auto, again once resolved
+        check_blocks(args, fp32=args.precision == "fp32" or args.compute_dtype == "fp32")
     except ValueError as error:
         parser.error(str(error))
     error = microbatch_error(args) or parallel.layout_error(
@@ -203,7 +206,7 @@ def train(args: argparse.Namespace, corpus: Corpus, mode: str) -> None:
 
     tokens_per_step = args.batch_size * args.seq_len * data_ranks
     val, pending = None, None  # pending: a checkpoint still being written (--checkpoint-async)
-    compiling = eval_compiles = recipe.blocks or recipe.compile  # the first step and evaluation compile
+    compiling = eval_compiles = recipe.blocks or recipe.compile == ON  # the first step and evaluation compile
     if compiling:
         log.note("compiling " + ("each transformer block" if recipe.blocks else "the quantization kernels")
                  + ": the first step and the first evaluation take longer (minutes on a few CPU cores)")
@@ -266,17 +269,14 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 
 def choose_recipe(args: argparse.Namespace, device: torch.device) -> Recipe:
-    """--precision, --compute-dtype and --compile as a recipe, ``auto`` resolved for this
-    hardware (``args`` takes the choices; rank 0 says what it chose and why)."""
+    """--precision, --compute-dtype, --compile and --compile-blocks as a recipe, ``auto``
+    resolved for this hardware (``args`` takes the choices; rank 0 says what it chose and why)."""
     args.precision, args.compute_dtype, why = resolve_auto(args.precision, args.compute_dtype, device)
     if why and dist.get_rank() == 0:
         print(why, flush=True)
-    fp32 = Recipe.of(args.precision, args.compute_dtype).computes_in_fp32
-    blocks = blocks_wanted(args.compile, device.type, tp=args.tp, pp=args.pp,
-                           fp32_experts=fp32 and bool(args.model.n_experts))
-    if blocks and args.compile == "auto" and dist.get_rank() == 0:
-        print(f"auto on {device.type}: --compile blocks (each transformer block compiled whole)", flush=True)
-    return Recipe.of(args.precision, args.compute_dtype, compile_wanted(args.compile, args.model.dim), blocks)
+    check_blocks(args, fp32=Recipe.of(args.precision, args.compute_dtype).computes_in_fp32)
+    return Recipe.of(args.precision, args.compute_dtype, resolve_compile(args.compile, args.model.dim),
+                     args.compile_blocks)
 
 
 def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.Optimizer:

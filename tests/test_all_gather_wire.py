@@ -48,13 +48,13 @@ def test_pack_rows_accepts_strided_rows():
     assert torch.equal(wire[:, :6], q)
 
 
-@pytest.mark.parametrize("full_rows,world", [(8, 2), (7, 2), (5, 4), (3, 4)])
-def test_gathered_shards_unpack_to_the_whole_weight(full_rows, world):
-    weight = Int8Weight.from_float(torch.randn(full_rows, 6))
-    rows = padded_rows(full_rows, world)
+@pytest.mark.parametrize("unsharded_rows,world", [(8, 2), (7, 2), (5, 4), (3, 4)])
+def test_gathered_shards_unpack_to_the_whole_weight(unsharded_rows, world):
+    weight = Int8Weight.from_float(torch.randn(unsharded_rows, 6))
+    rows = padded_rows(unsharded_rows, world)
     packed = [pack_rows(s.int_rows(), s.scale, rows) for s in _shards(weight, world)]
     packed += [torch.zeros(rows, 6 + SCALE_BYTES, dtype=torch.int8)] * (world - len(packed))  # empty shards
-    data, scale = unpack_rows(torch.cat(packed), full_rows, 6)
+    data, scale = unpack_rows(torch.cat(packed), unsharded_rows, 6)
     assert torch.equal(data, weight.int_data) and torch.equal(scale, weight.scale)
 
 
@@ -70,11 +70,11 @@ def _gather(shards: list[Int8Weight], world: int) -> tuple[torch.Tensor, tuple]:
     return torch.cat([inputs[0] for inputs, _ in outputs]), outputs[0][1]
 
 
-@pytest.mark.parametrize("full_rows,world", [(8, 2), (7, 2), (5, 4), (3, 4), (1, 3)])
-def test_shard_rows_is_torch_chunks_split(full_rows, world):
-    chunks = torch.chunk(torch.empty(full_rows), world)
+@pytest.mark.parametrize("unsharded_rows,world", [(8, 2), (7, 2), (5, 4), (3, 4), (1, 3)])
+def test_shard_rows_is_torch_chunks_split(unsharded_rows, world):
+    chunks = torch.chunk(torch.empty(unsharded_rows), world)
     expected = [len(c) for c in chunks] + [0] * (world - len(chunks))
-    assert [shard_rows(full_rows, world, c) for c in range(world)] == expected
+    assert [shard_rows(unsharded_rows, world, c) for c in range(world)] == expected
 
 
 def test_layout_flag_is_found_and_real_shards_are_not():
@@ -93,7 +93,7 @@ def test_shards_cut_before_fsdp_raise_on_every_rank(int8_matmul):
     # of an 8-row weight, cut again in two on dp, each piece still saying the weight has 8.
     weight = Int8Weight.from_float(torch.randn(8, 6), int8_matmul=int8_matmul)
     tp_local = torch.chunk(weight, 2)[0]
-    assert tp_local.full_rows == 8
+    assert tp_local.unsharded_rows == 8
     gathered, metadata = _gather(_shards(tp_local, 2), 2)
     for rank_view in _shards(tp_local, 2):  # each dp rank reads the same gathered bytes
         with pytest.raises(NotImplementedError, match=r"shard\(s\) \[0, 1\] of the 2-way.*tensor parallelism"):

@@ -92,6 +92,7 @@ def _lean_peaks(rank: int, world: int) -> dict[str, dict[str, int]]:
 
     import fsdp_int8
     from launch import precisions, train
+    from launch.build import build_model
     from launch.model import Transformer, next_token_loss
 
     args = train.parse_args(["--lean", "--precision", "int8", "--compute-dtype", "bf16", "--preset", "tiny"])
@@ -107,15 +108,14 @@ def _lean_peaks(rank: int, world: int) -> dict[str, dict[str, int]]:
         return model, fsdp_int8.Int8AdamW.lean(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     def the_launcher():
-        model = precisions.build_model(recipe, args.model, "cpu", seed=args.seed, lean=args.lean,
-                                       quantize_embeddings=args.quantize_embeddings,
-                                       activation_checkpointing=args.activation_checkpointing,
-                                       int8_gathered_weights=args.int8_gathered_weights)
+        model = build_model(recipe, args.model, "cpu", seed=args.seed, lean=args.lean,
+                            quantize_embeddings=args.quantize_embeddings,
+                            activation_checkpointing=args.activation_checkpointing,
+                            int8_gathered_weights=args.int8_gathered_weights)
         return model, train.make_optimizer(args, model)
 
     def build_model_lean_alone():  # lean=True without the flags the launcher adds (benchmarks.gpu's row)
-        model = precisions.build_model(recipe, args.model, "cpu", seed=args.seed, lean=True,
-                                       activation_checkpointing=True)
+        model = build_model(recipe, args.model, "cpu", seed=args.seed, lean=True, activation_checkpointing=True)
         return model, fsdp_int8.Int8AdamW.lean(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     peaks = {}

@@ -42,9 +42,13 @@ def test_the_registry_names_the_library_calls_and_every_recipe():
     assert (lean.optimizer, lean.clip) == ("Int8AdamW.lean", False)
     assert (bf16.label, bf16.optimizer) == ("bf16 FSDP2", "fused AdamW")
     assert rows.row("torchao").optimizer == "torch AdamW"
-    assert rows.row("int8-mm:eager", optimizer="8-bit AdamW").optimizer == "8-bit AdamW"
+    assert rows.row("int8-mm:compile=off", optimizer="8-bit AdamW").optimizer == "8-bit AdamW"
+    # a recipe's kernels: the row's own compile= option, else the word the caller gives (on by default)
+    assert rows.row("int8-mm").compile == "on" and rows.row("int8-mm", compile="auto").compile == "auto"
+    assert rows.row("int8-mm:compile=off").label == "int8 matmuls (compile=off)"
     assert set(ratios.DEFAULT_ROWS) == {"bf16", "default", "lean"}
-    for bad, message in (("int8-mm-all", "or a library call: default, lean"), ("int8:fp16", "unknown option")):
+    for bad, message in (("int8-mm-all", "or a library call: default, lean"), ("int8:fp16", "unknown option"),
+                         ("int8-mm:eager", "is spelled compile=off")):
         with pytest.raises(ValueError, match=message):
             rows.row(bad)
     with pytest.raises(ValueError, match="unknown optimizer"):
@@ -76,6 +80,7 @@ def test_ratios_times_bf16_fsdp2_the_default_call_and_the_lean_call(tmp_path, mo
     assert "python -m benchmarks.ratios --dim 64" in logged and "CPU " in logged and "median of ratios" in logged
 
 
+@pytest.mark.exhaustive  # a variant: another model under the rows the test above builds and times
 def test_ratios_builds_the_rows_on_a_hugging_face_llama(capsys):
     """``--model hf-llama``: the same rows on transformers' LlamaForCausalLM of the shape;
     recipes it does not build are refused by name."""

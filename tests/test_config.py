@@ -23,8 +23,8 @@ def test_configs_are_frozen_values():
         config.seed = 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         Int8MatmulConfig().output = False
-    changed = dataclasses.replace(config, compile=True)
-    assert changed.compile is True and changed.seed == 3 and config.compile == "auto"
+    changed = dataclasses.replace(config, compile="on")
+    assert changed.compile == "on" and changed.seed == 3 and config.compile == "auto"
 
 
 def test_removed_switches_are_gone_not_ignored():
@@ -39,7 +39,7 @@ def test_removed_switches_are_gone_not_ignored():
 @pytest.mark.parametrize("compiled", [False, True])
 def test_compile_reaches_every_weight_and_survives_copies(compiled):
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
-    fsdp_int8.quantize_(model, Int8TrainingConfig(compile=compiled, int8_matmul=Int8MatmulConfig()))
+    fsdp_int8.quantize_(model, Int8TrainingConfig(compile="on" if compiled else "off", int8_matmul=Int8MatmulConfig()))
     weights = [m.weight for m in model if isinstance(m, nn.Linear)]
     assert all(isinstance(w, Int8Weight) and w.compiled is compiled for w in weights)
     weight = weights[0].detach()
@@ -47,7 +47,7 @@ def test_compile_reaches_every_weight_and_survives_copies(compiled):
     torch.save(weight, buffer)
     buffer.seek(0)
     copies = {
-        "derive": weight.derive(weight.int_data, weight.scale),
+        "derive": weight.with_tensors(weight.int_data, weight.scale),
         "deepcopy": copy.deepcopy(weight),
         "pickle": pickle.loads(pickle.dumps(weight)),
         "torch.load(weights_only=True)": torch.load(buffer, weights_only=True),
@@ -77,14 +77,14 @@ def test_weights_pickled_before_compile_moved_to_the_weight_load():
 def test_compile_auto_chooses_per_layer_width_device_and_compiler(monkeypatch):
     """``compile="auto"`` (the default): compiled kernels for layers of at least
     ``COMPILE_FROM_WIDTH`` inputs where the device has a compiler, eager elsewhere;
-    ``True`` / ``False`` decide alone. The choice lands on each weight."""
+    ``"on"`` / ``"off"`` decide alone. The choice lands on each weight."""
     from fsdp_int8 import config as config_module
 
     auto = Int8TrainingConfig()
     assert auto.compile == "auto" and config_module.COMPILE_FROM_WIDTH == 512
     monkeypatch.setattr(config_module, "compiler_available", lambda device_type: device_type == "cpu")
     assert auto.compiles(512) and not auto.compiles(511)
-    assert Int8TrainingConfig(compile=True).compiles(16) and not Int8TrainingConfig(compile=False).compiles(4096)
+    assert Int8TrainingConfig(compile="on").compiles(16) and not Int8TrainingConfig(compile="off").compiles(4096)
     model = fsdp_int8.quantize_(nn.Sequential(nn.Linear(512, 64), nn.Linear(64, 512)), auto)
     assert [model[0].weight.compiled, model[1].weight.compiled] == [True, False]
     # a device without a compiler (an accelerator without Triton, here): eager, whatever the width
@@ -109,8 +109,10 @@ def test_compiler_available_looks_for_the_devices_code_generator(monkeypatch):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(int8_matmul=True), "int8_matmul takes an Int8MatmulConfig or None, got True"),
     (dict(int8_matmul={"output": True}), "int8_matmul takes an Int8MatmulConfig"),
-    (dict(compile="yes"), "compile takes True, False or 'auto', got 'yes'"),
-    (dict(compile=1), "compile takes True, False or 'auto', got 1"),
+    (dict(compile="yes"), "compile takes 'auto', 'on' or 'off', got 'yes'"),
+    (dict(compile=1), "compile takes 'auto', 'on' or 'off', got 1"),
+    (dict(compile=True), "not a bool: use compile='on' instead of compile=True"),
+    (dict(compile=False), "not a bool: use compile='off' instead of compile=False"),
     (dict(module_filter="lm_head"), "module_filter takes a callable"),
     (dict(quantize_embeddings="yes"), "quantize_embeddings takes a bool"),
 ])
@@ -127,7 +129,7 @@ def test_the_lean_recipe_is_one_config_and_one_optimizer_call():
 
     lean = Int8TrainingConfig.lean()
     assert lean.quantize_embeddings and lean.compute_dtype is torch.bfloat16
-    assert lean.int8_matmul == Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+    assert lean.int8_matmul is None and lean.int8_gathered_weights
     assert Int8TrainingConfig.lean(seed=5, compute_dtype=None).seed == 5  # changes replace fields
     optimizer = fsdp_int8.Int8AdamW.lean(nn.Linear(8, 8).parameters(), lr=3e-4, weight_decay=0.1)
     group = optimizer.param_groups[0]

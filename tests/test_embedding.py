@@ -72,7 +72,7 @@ class _TableSizedLookupGradients(TorchDispatchMode):
 @pytest.mark.parametrize("padding_idx, scale_grad_by_freq", [(None, False), (2, True)])
 def test_a_table_tied_to_its_head_gets_one_dense_gradient_of_the_same_values(dtype, padding_idx, scale_grad_by_freq):
     int8_rows = _int8_table(rows=30)
-    table = int8_rows.derive(int8_rows.int_rows(), int8_rows.scale, dtype=dtype)
+    table = int8_rows.with_tensors(int8_rows.int_rows(), int8_rows.scale, dtype=dtype)
     int8 = nn.Parameter(table)
     plain = table.dequantize().to(dtype).requires_grad_(True)
     ids = torch.tensor([[0, 2, 2, 29], [29, 1, 2, 5]])
@@ -114,7 +114,7 @@ def test_a_lookup_without_a_dense_gradient_before_it_returns_its_own():
 
 def test_lookup_dequantizes_only_the_rows_it_reads_in_the_weights_dtype():
     table = _int8_table(7, 8)
-    bf16 = table.derive(table.int_rows(), table.scale, dtype=torch.bfloat16)
+    bf16 = table.with_tensors(table.int_rows(), table.scale, dtype=torch.bfloat16)
     out = F.embedding(torch.tensor([3]), bf16)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, table.dequantize()[3:4].to(torch.bfloat16))

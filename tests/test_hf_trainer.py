@@ -131,7 +131,6 @@ def test_int8_trainer_trains_the_lean_recipe_and_logs_the_optimizers_gradient_no
     gradients already applied (transformers 5.23 computes the norm even with max_grad_norm=0)."""
     from transformers import Trainer, TrainerCallback
 
-    from fsdp_int8.config import INT8_GATHERED_WEIGHTS
     from fsdp_int8.integrations.hf import Int8Trainer
 
     measured = []
@@ -146,7 +145,7 @@ def test_int8_trainer_trains_the_lean_recipe_and_logs_the_optimizers_gradient_no
     model, optimizer = trainer.model, trainer.optimizer.optimizer
     assert isinstance(model.model.embed_tokens.weight, Int8Weight)  # int8 embeddings
     up = model.model.layers[0].mlp.up_proj.weight
-    assert isinstance(up, Int8Weight) and up.int8_matmul == INT8_GATHERED_WEIGHTS
+    assert isinstance(up, Int8Weight) and up.int8_matmul is None and up.int8_gathered_weights
     assert optimizer.step_in_backward and optimizer.max_grad_norm == 1.0
     state = optimizer.state[up]  # 8-bit moments
     assert state["exp_avg_int8"].dtype == torch.int8 and state["exp_avg_sq_sqrt_uint8"].dtype == torch.uint8

@@ -134,7 +134,6 @@ def test_the_lean_converter_trains_int8_embeddings_with_int8_adamw_lean_in_torch
     bf16 compute and its checkpoints: tests/distributed/test_examples.py)."""
     from torchtitan.components.optimizer import ParamGroupConfig
 
-    from fsdp_int8.config import INT8_GATHERED_WEIGHTS
     from fsdp_int8.optim.adamw import LEAN_STEP_ELEMENTS
 
     config = titan.Int8LinearConverter.Config(lean=True).build().convert(titan_config())
@@ -144,7 +143,7 @@ def test_the_lean_converter_trains_int8_embeddings_with_int8_adamw_lean_in_torch
     titan_init(model)
     wqkv = model.layers["0"].attention.qkv_linear.wqkv.weight
     assert isinstance(model.tok_embeddings.weight, Int8Weight)
-    assert wqkv.int8_matmul == INT8_GATHERED_WEIGHTS and not isinstance(model.lm_head.weight, Int8Weight)
+    assert wqkv.int8_matmul is None and wqkv.int8_gathered_weights and not isinstance(model.lm_head.weight, Int8Weight)
     group = ParamGroupConfig(pattern=".*", optimizer_name="Int8AdamW.lean", optimizer_kwargs={"lr": 1e-2})
     optimizers = titan.Int8OptimizersContainer.Config(param_groups=[group]).build(model_parts=[model])
     (optimizer,) = optimizers.optimizers

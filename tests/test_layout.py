@@ -267,6 +267,32 @@ def test_the_launcher_does_not_use_the_test_kit():
     assert not users, f"launch/ imports fsdp_int8.testing: {users}"
 
 
+# The launcher's command-line code (its flags, their refusals, the hardware's answer to its
+# "auto", its run folder): the benchmarks build their rows from the library, the registry
+# (launch.precisions) and the builder (launch.build), never from these.
+LAUNCHER_COMMAND_LINE = ("launch.train", "launch.compile_policy", "launch.hardware_choice", "launch.run_dir")
+
+
+def _modules_imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, and ``module.name`` of each ``from module import name``."""
+    found = set()
+    for node in _walk_imports(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif node.module:
+            found.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+    return found
+
+
+def test_the_benchmarks_do_not_use_the_launchers_command_line_code():
+    users = {
+        str(path.relative_to(ROOT)): sorted(_modules_imported(path) & set(LAUNCHER_COMMAND_LINE))
+        for path in sorted((ROOT / "benchmarks").rglob("*.py"))
+    }
+    assert not {path: found for path, found in users.items() if found}, users
+    assert _modules_imported(ROOT / "launch" / "train.py") >= {"launch.compile_policy", "launch.build"}  # the check sees them
+
+
 def test_the_crossing_finder_finds_crossings(tmp_path, monkeypatch):
     """The two checks above are only as good as this."""
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)

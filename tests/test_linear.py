@@ -16,16 +16,16 @@ from fsdp_int8 import Int8MatmulConfig, Int8TrainingConfig, Int8Weight, quantize
 from fsdp_int8._weight import linear as int8_linear
 
 
-def _linear(config: Int8MatmulConfig | None, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+def _linear(config: Int8MatmulConfig | None, seed: int = 0, **fields) -> tuple[nn.Linear, nn.Linear]:
     torch.manual_seed(seed)
     reference = nn.Linear(64, 48)
     quantized = nn.Linear(64, 48)
     quantized.load_state_dict(reference.state_dict())
-    fsdp_int8.quantize_(quantized, Int8TrainingConfig(int8_matmul=config))
+    fsdp_int8.quantize_(quantized, Int8TrainingConfig(int8_matmul=config, **fields))
     return quantized, reference
 
 
-@pytest.mark.parametrize("output,grad_input,grad_weight", list(itertools.product([False, True], repeat=3)))
+@pytest.mark.parametrize("output,grad_input,grad_weight", list(itertools.product([False, True], repeat=3))[1:])  # all off: refused
 def test_each_enabled_matmul_runs_one_int8_gemm(output, grad_input, grad_weight):
     config = Int8MatmulConfig(output=output, grad_input=grad_input, grad_weight=grad_weight)
     layer, _ = _linear(config)
@@ -58,20 +58,25 @@ def test_weight_only_mode_runs_no_int8_gemm():
     assert counter.calls == 0
 
 
-def test_no_int8_gemm_gives_weight_only_results_bit_for_bit(monkeypatch):
-    """``Int8MatmulConfig`` with all three GEMMs off: the weight reaches the matmul int8
-    and is dequantized there; outputs and gradients equal weight-only int8's, and the
-    slow-int8-GEMM warning (there is no int8 GEMM) never fires."""
+def test_int8_gathered_weights_give_weight_only_results_bit_for_bit(monkeypatch):
+    """``int8_gathered_weights``: the weight reaches the matmul int8 and is dequantized
+    there; outputs and gradients equal weight-only int8's, and the slow-int8-GEMM warning
+    (there is no int8 GEMM) never fires. A matmul config without int8 GEMMs, and the
+    constant that named one, are refused naming the option."""
     import warnings
 
+    import fsdp_int8.config
     from fsdp_int8 import hardware
 
-    no_gemm = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
-    assert not no_gemm.any_gemm and Int8MatmulConfig(grad_weight=False).any_gemm
+    with pytest.raises(ValueError, match=r"runs no matmul in int8.*Int8TrainingConfig\(int8_gathered_weights=True\)"):
+        Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
+    with pytest.raises(AttributeError, match=r"Int8TrainingConfig\(int8_gathered_weights=True\)"):
+        fsdp_int8.config.INT8_GATHERED_WEIGHTS
     monkeypatch.setattr(hardware, "_WARNED", set())
     results = []
-    for config in (None, no_gemm):
-        layer, _ = _linear(config)
+    for gathered in (False, True):
+        layer, _ = _linear(None, int8_gathered_weights=gathered)
+        assert layer.weight.int8_gathered_weights is gathered
         x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
         with warnings.catch_warnings(record=True) as caught, CountIntMM() as counter:
             warnings.simplefilter("always")
@@ -126,7 +131,7 @@ def test_grad_weight_sums_in_int32_chunks(monkeypatch):
     """Token chunks keep int32 sums from overflowing; each chunk is one more GEMM."""
     monkeypatch.setattr(int8_linear, "_MAX_TOKENS_PER_INT32_SUM", 8)
     layer, _ = _linear(Int8MatmulConfig(output=False, grad_input=False, grad_weight=True))
-    whole, _ = _linear(Int8MatmulConfig(output=False, grad_input=False, grad_weight=False))
+    whole, _ = _linear(None)
     x = torch.randn(20, 64)
     with CountIntMM() as counter:
         layer(x).sum().backward()
@@ -203,10 +208,10 @@ def test_int8_gemms_meet_cuda_shape_rules_exactly(monkeypatch):
         assert torch.equal(e, g)
 
 
-def _bf16_layer(config: Int8MatmulConfig | None, compiled: bool = False) -> nn.Linear:
+def _bf16_layer(config: Int8MatmulConfig | None, compile: str = "off") -> nn.Linear:
     torch.manual_seed(0)
     layer = nn.Linear(64, 48).to(torch.bfloat16)
-    fsdp_int8.quantize_(layer, Int8TrainingConfig(int8_matmul=config, compile=compiled))
+    fsdp_int8.quantize_(layer, Int8TrainingConfig(int8_matmul=config, compile=compile))
     return layer
 
 
@@ -224,7 +229,7 @@ def test_compiled_kernels_give_the_eager_results_bit_for_bit(matmuls):
     config = Int8MatmulConfig(grad_weight=True) if matmuls == "int8" else None
     eager = _forward_backward(_bf16_layer(config))
     with compiled_kernels_ran(at_least=2):  # at least one pass per direction
-        compiled = _forward_backward(_bf16_layer(config, compiled=True))
+        compiled = _forward_backward(_bf16_layer(config, compile="on"))
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
 
@@ -263,7 +268,7 @@ def test_compiled_passes_run_int8_gemms_and_no_float_gemm(grad_weight):
 
     config = Int8MatmulConfig(grad_weight=grad_weight)
     eager = _forward_backward(_bf16_layer(config))
-    layer = _bf16_layer(Int8MatmulConfig(grad_weight=grad_weight), compiled=True)
+    layer = _bf16_layer(Int8MatmulConfig(grad_weight=grad_weight), compile="on")
     _forward_backward(layer)  # compile outside the profiled run
     layer.weight.grad = layer.bias.grad = None
     with compiled_kernels_ran(at_least=2), profile(activities=[ProfilerActivity.CPU]) as prof:

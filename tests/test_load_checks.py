@@ -125,7 +125,7 @@ def test_unpaired_or_misshapen_entries_are_refused_before_anything_loads():
     with pytest.raises(Int8LoadError, match=r"2\.weight: it holds torch.float32 values beside row scales 2\.weight_scale"):
         model.load_state_dict(scale_no_rows)
     short = good["2.weight"]
-    short = short.derive(short.int_data[:-1].clone(), short.scale[:-1].clone(), full_rows=31)
+    short = short.with_tensors(short.int_data[:-1].clone(), short.scale[:-1].clone(), unsharded_rows=31)
     with pytest.raises(Int8LoadError, match=r"2\.weight: it has shape \(31, 64\), the layer's weight \(32, 64\)"):
         model.load_state_dict({**good, "2.weight": short})
     _assert_unchanged(before, _snapshot(model))

@@ -121,8 +121,10 @@ def test_merge_and_unload_rounds_the_merged_weights_into_int8_within_one_requant
         nearest_change = _rms_change(nearest_reference(tokens).logits, unmerged)
 
     nearest = copy.deepcopy(model)
-    for weight in _int8_weights(nearest).values():
-        weight.stochastic_rounding = False
+    for name, weight in _int8_weights(nearest).items():  # the same rows, rounding to nearest
+        owner, attr = name.rsplit(".", 1)
+        to_nearest = weight.with_tensors(weight.int_data, weight.scale, stochastic_rounding=False)
+        setattr(nearest.get_submodule(owner), attr, nn.Parameter(to_nearest, requires_grad=weight.requires_grad))
     nearest = nearest.merge_and_unload()
     reference = _int8_weights(nearest_reference)
     merged_nearest = _int8_weights(nearest)

@@ -402,7 +402,7 @@ def test_dequantize_rows_into_writes_absmax_dequantize_values_in_place():
 
 @pytest.mark.parametrize("asked", ["explicitly", "auto"])
 def test_a_failing_compile_falls_back_to_eager_once(monkeypatch, caplog, asked):
-    """``compile=True`` (a model quantized with it sets ``warn_on_failure``): the failure
+    """``compile="on"`` (a model quantized with it sets ``warn_on_failure``): the failure
     warns once. ``compile="auto"`` chose the kernels: eager is a fine outcome, logged
     with no warning."""
     from fsdp_int8._quant import kernels as _kernels
@@ -417,7 +417,7 @@ def test_a_failing_compile_falls_back_to_eager_once(monkeypatch, caplog, asked):
     monkeypatch.setattr(_kernels, "_compile_failed", False)  # restored after the test
     monkeypatch.setattr(_kernels, "_warn_on_failure", False)
     if asked == "explicitly":
-        fsdp_int8.quantize_(nn.Sequential(nn.Linear(16, 16)), fsdp_int8.Int8TrainingConfig(compile=True))
+        fsdp_int8.quantize_(nn.Sequential(nn.Linear(16, 16)), fsdp_int8.Int8TrainingConfig(compile="on"))
     monkeypatch.setattr(_kernels, "compiled", broken)
     if asked == "explicitly":
         with pytest.warns(RuntimeWarning, match="no C.. compiler"):

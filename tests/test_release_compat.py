@@ -36,6 +36,18 @@ def test_a_pickled_model_loads_and_computes_what_it_did():
     assert type(model[0].weight.data).__module__ == "fsdp_int8.weight"
 
 
+def test_a_pickled_models_load_hook_reads_its_bool_compile_as_the_word():
+    """0.1.0 pickled each int8 layer's load hook with ``Int8TrainingConfig.compile`` as a
+    bool (``False``): it reads as ``"off"``, and a float weight that
+    ``load_state_dict(..., assign=True)`` assigns is rounded back into an eager int8 weight."""
+    model = torch.load(RELEASE / "model.pt", weights_only=False)
+    hook = next(iter(model[0]._load_state_dict_post_hooks.values()))
+    assert hook.compiled == "off"
+    floats = {k: v.dequantize() if isinstance(v, Int8Weight) else v for k, v in model.state_dict().items()}
+    model.load_state_dict(floats, assign=True)
+    assert isinstance(model[0].weight.data, Int8Weight) and model[0].weight.compiled is False
+
+
 def test_a_checkpoint_loads_bit_exactly_and_resumes_its_streams(tmp_path):
     shutil.copytree(RELEASE / "checkpoint", tmp_path / "checkpoint")
     model = _fresh_model()

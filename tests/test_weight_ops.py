@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_int8 import Int8TrainingConfig, Int8Weight, quantize_
+from fsdp_int8.weight import Int8WeightMeta
 from _quant import quantize_rowwise
 
 ROWS, K = 6, 8
@@ -27,12 +29,44 @@ def same_bytes(a: Int8Weight, b_int: torch.Tensor, b_scale: torch.Tensor) -> boo
 
 
 # ------------------------------------------------------------------ construction / metadata
+def test_the_metadata_is_one_frozen_object_that_views_derive_and_the_protocol_carries_whole():
+    w, _ = make()
+    meta = w.meta
+    assert isinstance(meta, Int8WeightMeta) and meta.unsharded_rows == ROWS and meta.row_len == K
+    with pytest.raises(AttributeError):
+        w.unsharded_rows = 3  # read-only: every field is the metadata's
+    with pytest.raises(Exception, match="cannot assign"):
+        meta.unsharded_rows = 3  # frozen
+    piece = w[2:5]
+    assert piece.meta == meta  # a dim-0 slice keeps the whole weight's rows
+    assert w.with_tensors(w.int_data, w.scale, unsharded_rows=0).meta == meta.replace(unsharded_rows=0)
+    _, (dtype, carried) = w.__tensor_flatten__()
+    assert dtype == w.dtype and carried is meta
+    rebuilt = Int8Weight.__tensor_unflatten__({"int_data": w.int_data, "scale": w.scale}, (dtype, carried), None, None)
+    assert rebuilt.meta is meta
+    with pytest.raises(TypeError, match="takes its metadata as an Int8WeightMeta"):
+        Int8Weight(w.int_data, w.scale, {"row_len": K}, dtype=torch.float32)
+
+
+def test_a_pickle_whose_matmul_config_has_no_int8_gemm_loads_as_int8_gathered_weights():
+    """Layout 4 pickles wrote "keep the gathered weight int8" as an all-off matmul config."""
+    from fsdp_int8.weight import _rebuild_int8_weight
+
+    w, _ = make()
+    no_gemm = {"output": False, "grad_input": False, "grad_weight": False, "save_int8_input": False}
+    fields = {"row_len": K, "full_rows": ROWS, "stochastic_rounding": True, "int8_matmul": no_gemm, "compiled": False}
+    back = _rebuild_int8_weight(w.int_data, w.scale, torch.float32, fields, False, False)
+    assert back.int8_matmul is None and back.int8_gathered_weights and back.unsharded_rows == ROWS
+    again = pickle.loads(pickle.dumps(back))
+    assert again.meta == back.meta
+
+
 def test_from_float_dequantize_roundtrip_and_metadata():
     w, x = make()
     assert isinstance(w, Int8Weight)
     assert w.shape == (ROWS, K) and w.dtype == torch.float32 and w.device.type == "cpu"
     assert w.int_data.dtype == torch.int8 and w.scale.dtype == torch.float32
-    assert w.rows == ROWS and w.row_len == K and w.full_rows == ROWS
+    assert w.rows == ROWS and w.row_len == K and w.unsharded_rows == ROWS
     q, s = quantize_rowwise(x)
     assert same_bytes(w, q, s)
     deq = w.dequantize()
@@ -53,11 +87,11 @@ def test_from_float_and_constructor_errors():
     with pytest.raises(ValueError, match=r"2-D \[out_features, in_features\].*3-D expert.*\(2, 3, 4, 5\)"):
         Int8Weight.from_float(torch.randn(2, 3, 4, 5))
     with pytest.raises(TypeError, match="int8 data and fp32 scales"):
-        Int8Weight(torch.zeros(2, 4), torch.zeros(2), dtype=torch.float32, row_len=4)
+        Int8Weight(torch.zeros(2, 4), torch.zeros(2), Int8WeightMeta(row_len=4), dtype=torch.float32)
     with pytest.raises(TypeError, match="outer dtype must be floating"):
-        Int8Weight(torch.zeros(2, 4, dtype=torch.int8), torch.zeros(2), dtype=torch.int32, row_len=4)
+        Int8Weight(torch.zeros(2, 4, dtype=torch.int8), torch.zeros(2), Int8WeightMeta(row_len=4), dtype=torch.int32)
     with pytest.raises(ValueError, match="does not hold whole rows"):
-        Int8Weight(torch.zeros(10, dtype=torch.int8), torch.zeros(2), dtype=torch.float32, row_len=4)
+        Int8Weight(torch.zeros(10, dtype=torch.int8), torch.zeros(2), Int8WeightMeta(row_len=4), dtype=torch.float32)
 
 
 def test_repr_names_shape_and_dtype():
@@ -77,7 +111,7 @@ def test_tensor_flatten_unflatten_roundtrip():
     back = Int8Weight.__tensor_unflatten__(inner, ctx, w.shape, w.stride())
     assert isinstance(back, Int8Weight) and back.shape == w.shape and back.dtype == w.dtype
     assert back.int_data is w.int_data and back.scale is w.scale
-    assert (back.row_len, back.full_rows, back.stochastic_rounding) == (K, ROWS, False)
+    assert (back.row_len, back.unsharded_rows, back.stochastic_rounding) == (K, ROWS, False)
     assert torch.equal(back, w)
     flat = w.view(-1)
     names, ctx = flat.__tensor_flatten__()
@@ -268,7 +302,7 @@ def test_uneven_chunks():
     assert [c.shape[0] for c in w.chunk(2)] == [4, 3]
     assert [c.shape[0] for c in w.chunk(3)] == [3, 3, 1]
     assert [c.shape[0] for c in w.split(3)] == [3, 3, 1]
-    assert all(c.full_rows == 7 for c in w.chunk(3))
+    assert all(c.unsharded_rows == 7 for c in w.chunk(3))
 
 
 @pytest.mark.parametrize(
@@ -735,8 +769,8 @@ def test_state_dict_save_load_roundtrip_is_bit_exact():
         assert type(got) is type(ref), name
         if isinstance(ref, Int8Weight):
             assert torch.equal(got.int_data, ref.int_data) and torch.equal(got.scale, ref.scale)
-            assert (got.dtype, got.row_len, got.full_rows, got.stochastic_rounding) == (
-                ref.dtype, ref.row_len, ref.full_rows, False
+            assert (got.dtype, got.row_len, got.unsharded_rows, got.stochastic_rounding) == (
+                ref.dtype, ref.row_len, ref.unsharded_rows, False
             )
         else:
             assert torch.equal(got, ref)
@@ -799,12 +833,12 @@ def test_aot_autograd_cache_key_names_the_metadata_not_the_values():
     variants = {
         "rows": make(rows=ROWS + 1)[0], "outer dtype": make(dtype=torch.bfloat16)[0],
         "rounding": make(sr=True)[0], "requires_grad": w.detach().clone().requires_grad_(),
-        "int8 matmuls": w.derive(w.int_data, w.scale, int8_matmul=Int8MatmulConfig()),
-        "which matmuls": w.derive(w.int_data, w.scale, int8_matmul=Int8MatmulConfig(grad_weight=False)),
-        "compiled kernels": w.derive(w.int_data, w.scale, compiled=True),
-        "full rows": w.derive(w.int_data, w.scale, full_rows=2 * ROWS),
-        "flat data": w.derive(w.int_data.view(-1), w.scale),
-        "column window": w.derive(w.int_data, w.scale, tensor_parallel=ColumnWindow(0, K, 2 * K)),
+        "int8 matmuls": w.with_tensors(w.int_data, w.scale, int8_matmul=Int8MatmulConfig()),
+        "which matmuls": w.with_tensors(w.int_data, w.scale, int8_matmul=Int8MatmulConfig(grad_weight=False)),
+        "compiled kernels": w.with_tensors(w.int_data, w.scale, compiled=True),
+        "full rows": w.with_tensors(w.int_data, w.scale, unsharded_rows=2 * ROWS),
+        "flat data": w.with_tensors(w.int_data.view(-1), w.scale),
+        "column window": w.with_tensors(w.int_data, w.scale, tensor_parallel=ColumnWindow(0, K, 2 * K)),
     }
     keys = {name: variant._stable_hash_for_caching() for name, variant in variants.items()}
     assert key not in keys.values(), keys
@@ -873,7 +907,7 @@ def test_deepcopy_copies_data_and_keeps_parameter_grad_and_ties():
         assert b.requires_grad == a.requires_grad and torch.equal(b, a), name
     w, c = model[0].weight, copied[0].weight
     assert c.int_data.data_ptr() != w.int_data.data_ptr() and c.scale.data_ptr() != w.scale.data_ptr()
-    assert (c.row_len, c.full_rows, c.stochastic_rounding) == (w.row_len, w.full_rows, w.stochastic_rounding)
+    assert (c.row_len, c.unsharded_rows, c.stochastic_rounding) == (w.row_len, w.unsharded_rows, w.stochastic_rounding)
     assert copied.extra is copied[0]
     assert torch.equal(copied[2].weight.grad, model[2].weight.grad)
     assert copied[2].weight.grad is not model[2].weight.grad and copied[2].weight.tag == "kept"

@@ -9,7 +9,7 @@ Whether a weight's kernels are compiled is its own configuration
 (``Int8TrainingConfig.compile``, carried by each ``Int8Weight``); this module keeps two
 facts per process: whether compiling has failed here, so that a machine without a
 working compiler runs eagerly instead of failing every step, and whether a model asked
-for compiled kernels explicitly (``compile=True``), so that the failure warns; where
+for compiled kernels explicitly (``compile="on"``), so that the failure warns; where
 ``compile="auto"`` chose them it is logged.
 """
 
@@ -38,7 +38,7 @@ def ceil_div(numerator: int, denominator: int) -> int:
 
 
 _compile_failed = False  # torch.compile raised once in this process: stay eager from then on
-_warn_on_failure = False  # a model asked for compile=True: a failure warns
+_warn_on_failure = False  # a model asked for compile="on": a failure warns
 _log = logging.getLogger(__name__)
 
 

@@ -2,21 +2,21 @@
 
 Each rank sends ONE int8 buffer of shape ``[padded_rows, K + 4]``: its rows' int8 values
 followed by the 4 bytes of each row's fp32 scale, zero-padded to
-``padded_rows = ceil(full_rows / shard_world_size)``. Why this shape (docs/design.md):
+``padded_rows = ceil(unsharded_rows / shard_world_size)``. Why this shape (docs/design.md):
 
 * FSDP2's world-size-1 path forwards only the first all-gather input, so the scales must
   ride in the same tensor as the data;
 * FSDP2's 5-argument hook requires every input of an unevenly sharded parameter to have
   the padded sharded size ``[padded_rows, K]``, which no scale vector can have; the
-  1-argument hook skips that check, so we pad ourselves, using the ``full_rows`` that
+  1-argument hook skips that check, so we pad ourselves, using the ``unsharded_rows`` that
   every shard carries;
-* after the gather the first ``full_rows`` rows are the whole weight (``torch.chunk``
+* after the gather the first ``unsharded_rows`` rows are the whole weight (``torch.chunk``
   gives every rank but the last non-empty one a full shard), so the unsharded data is a
   zero-copy strided view of the gathered buffer; only the scales (4 bytes a row) are
   copied out, into a tensor FSDP2 frees and refills with the buffer.
 
 A shard that is not the one this format expects (its rows differ from FSDP2's dim-0
-chunk of ``full_rows``: the weight was cut before ``fully_shard``, e.g. by tensor
+chunk of ``unsharded_rows``: the weight was cut before ``fully_shard``, e.g. by tensor
 parallelism) must not be gathered into silently misplaced rows, and must not raise on its
 rank alone either (the other ranks would wait in the collective). Its rank sends a
 **layout flag** instead of its rows: a buffer of the same shape whose every scale slot
@@ -56,22 +56,22 @@ SCALE_BYTES = 4  # one fp32 scale per row
 _FLAG_BYTE = -1  # 0xFF: every scale slot of a flagged shard (an fp32 NaN no computation makes)
 
 
-def padded_rows(full_rows: int, shard_world_size: int, rows_per_index: int = 1) -> int:
-    """Rows every rank sends: torch.chunk's size along dim 0, ``ceil(full_rows /
+def padded_rows(unsharded_rows: int, shard_world_size: int, rows_per_index: int = 1) -> int:
+    """Rows every rank sends: torch.chunk's size along dim 0, ``ceil(unsharded_rows /
     shard_world_size)`` for a 2-D weight. A weight whose dim 0 holds ``rows_per_index``
     rows per index (a MoE weight ``[experts, out, in]``: ``out``) is chunked by whole
     indices, ``ceil(experts / shard_world_size)`` of them."""
-    return ceil_div(full_rows // rows_per_index, shard_world_size) * rows_per_index
+    return ceil_div(unsharded_rows // rows_per_index, shard_world_size) * rows_per_index
 
 
-def shard_rows(full_rows: int, shard_world_size: int, coordinate: int, rows_per_index: int = 1) -> int:
-    """Rows of FSDP2's dim-0 shard ``coordinate`` of a ``full_rows``-row weight.
+def shard_rows(unsharded_rows: int, shard_world_size: int, coordinate: int, rows_per_index: int = 1) -> int:
+    """Rows of FSDP2's dim-0 shard ``coordinate`` of a ``unsharded_rows``-row weight.
 
     ``torch.chunk``'s split: ``padded_rows`` each, the last non-empty shard what is left,
     the shards after it none.
     """
-    size = padded_rows(full_rows, shard_world_size, rows_per_index)
-    return max(0, min(size, full_rows - coordinate * size))
+    size = padded_rows(unsharded_rows, shard_world_size, rows_per_index)
+    return max(0, min(size, unsharded_rows - coordinate * size))
 
 
 def rows_per_index(weight: Int8Weight) -> int:
@@ -109,14 +109,14 @@ def pack_rows(int_rows: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.T
     return wire
 
 
-def unpack_rows(gathered: torch.Tensor, full_rows: int, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_rows(gathered: torch.Tensor, unsharded_rows: int, row_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(int8 rows, fp32 scales)`` of the whole weight: a view of ``gathered`` and a copy."""
-    data = gathered[:full_rows, :row_len]
+    data = gathered[:unsharded_rows, :row_len]
     # Always a copy: FSDP2 frees and re-allocates the tensors the hook hands over as its
     # own, so a view into its buffer (`.contiguous()` returns one for a single row) would
     # shrink that buffer.
-    scale = gathered[:full_rows, row_len:].clone(memory_format=torch.contiguous_format)
-    return data, scale.view(torch.float32).view(full_rows)
+    scale = gathered[:unsharded_rows, row_len:].clone(memory_format=torch.contiguous_format)
+    return data, scale.view(torch.float32).view(unsharded_rows)
 
 
 # ---------------------------------------------------------------- the FSDP2 hooks
@@ -133,8 +133,8 @@ def pre_all_gather(weight: Int8Weight, mesh: Any) -> tuple[tuple[torch.Tensor, .
     """
     if not torch.compiler.is_compiling():
         WEIGHT_ROUNDING.adopt_shard_coordinate(mesh)
-        end_of_step.settle_if_waiting((weight,))
-    rows = padded_rows(weight.full_rows, mesh.size(), rows_per_index(weight))
+        end_of_step.flush_if_holding((weight,))
+    rows = padded_rows(weight.unsharded_rows, mesh.size(), rows_per_index(weight))
     if _is_expected_shard(weight, mesh):
         wire = pack_rows(weight.int_rows(), weight.scale, rows)
     elif weight.dim() > 2:
@@ -144,17 +144,17 @@ def pre_all_gather(weight: Int8Weight, mesh: Any) -> tuple[tuple[torch.Tensor, .
         raise NotImplementedError(_experts_not_whole(weight, mesh))
     else:
         wire = layout_flag(rows, weight.row_len, weight.int_data.device)
-    return (wire,), (weight.full_rows, rows)
+    return (wire,), (weight.unsharded_rows, rows)
 
 
 def _is_expected_shard(weight: Int8Weight, mesh: Any) -> bool:
-    """Whether ``weight`` holds the rows FSDP2's dim-0 shard of ``full_rows`` holds on
+    """Whether ``weight`` holds the rows FSDP2's dim-0 shard of ``unsharded_rows`` holds on
     ``mesh``. Checked once per tensor and layout: asking the mesh for the coordinate costs
     microseconds at every all-gather."""
-    layout = (weight.full_rows, weight.rows, mesh.size())
+    layout = (weight.unsharded_rows, weight.rows, mesh.size())
     if weight.__dict__.get("_checked_layout") == layout:
         return True
-    expected = shard_rows(weight.full_rows, mesh.size(), _dist.shard_coordinate(mesh), rows_per_index(weight))
+    expected = shard_rows(weight.unsharded_rows, mesh.size(), _dist.shard_coordinate(mesh), rows_per_index(weight))
     if weight.rows != expected:
         return False
     weight._checked_layout = layout
@@ -176,7 +176,7 @@ def post_all_gather(
     unshard, if any rank flagged its shard.
     """
     (gathered,) = outputs
-    full_rows, rows = metadata
+    unsharded_rows, rows = metadata
     out = _dist.local_shard(out)  # a tensor-parallel weight's unsharded parameter is a DTensor
     if out is None:  # the first unshard: one sync per weight reads every rank's flag
         flagged = flagged_shards(gathered, rows, weight.row_len)
@@ -184,11 +184,11 @@ def post_all_gather(
             raise NotImplementedError(_unsupported_layout(weight, flagged, gathered.shape[0] // rows))
         if not torch.compiler.is_compiling():  # weight-only layers never reach F.linear's check
             hardware.warn_if_slow(gathered.device, param_dtype, int8_matmul=False)
-    data, scale = unpack_rows(gathered, full_rows, weight.row_len)
+    data, scale = unpack_rows(gathered, unsharded_rows, weight.row_len)
     if weight.dim() > 2:  # a MoE weight: rows regrouped as [experts, out, in] (views)
         data = data.view(-1, *weight.shape[1:])
         scale = scale.view(data.shape[:-1])
-    if weight.int8_matmul is None:
+    if weight.int8_matmul is None and not weight.int8_gathered_weights:
         return _dequantized_unshard(data, scale, param_dtype, out, compiled=weight.compiled)
     if out is not None:
         # A refill, as in _dequantized_unshard: a compiled block's graph saved these inner
@@ -202,7 +202,7 @@ def post_all_gather(
             out.scale.copy_(scale)
         return None
     # `data` views FSDP2's own output buffer, which it frees; `scale` is ours to hand over.
-    return weight.derive(data, scale, dtype=param_dtype), (scale,)
+    return weight.with_tensors(data, scale, dtype=param_dtype), (scale,)
 
 
 def _experts_not_whole(weight: Int8Weight, mesh: Any) -> str:
@@ -219,7 +219,7 @@ def _experts_not_whole(weight: Int8Weight, mesh: Any) -> str:
 
 def _unsupported_layout(weight: Int8Weight, flagged: list[int], shards: int) -> str:
     return (
-        f"an Int8Weight of {weight.full_rows} rows x {weight.row_len} cannot be all-gathered: "
+        f"an Int8Weight of {weight.unsharded_rows} rows x {weight.row_len} cannot be all-gathered: "
         f"shard(s) {flagged} of the {shards}-way FSDP2 shard mesh do not hold the rows of "
         "FSDP2's dim-0 shard of the whole weight (every rank raises this error). The weight "
         "was cut before fully_shard, most likely by tensor parallelism: "

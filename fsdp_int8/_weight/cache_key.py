@@ -43,7 +43,7 @@ def _split(split: Any) -> tuple | None:
 
 
 def _field(name: str, value: Any) -> Any:
-    """A field of ``Int8Weight.fields()`` as plain, process-independent values."""
+    """A field of ``Int8Weight.meta`` as plain, process-independent values."""
     if name == "tensor_parallel":
         return _split(value)
     if dataclasses.is_dataclass(value):  # int8_matmul
@@ -55,7 +55,7 @@ def stable_hash(weight: "Int8Weight") -> str:
     """``Int8Weight._stable_hash_for_caching``: its metadata's blake2b digest, in hex."""
     payload = (
         type(weight).__qualname__, tuple(weight.shape), tuple(weight.stride()), str(weight.dtype),
-        weight.requires_grad, *(_field(name, value) for name, value in weight.fields().items()),
+        weight.requires_grad, *(_field(name, value) for name, value in weight.meta.by_name().items()),
         _layout(weight.int_data), _layout(weight.scale),
     )
     return hashlib.blake2b(repr(payload).encode(), digest_size=16).hexdigest()

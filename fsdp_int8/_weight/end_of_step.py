@@ -13,8 +13,8 @@ the step makes hand their work to it; when the block ends the work is flushed, e
 in the order of :data:`ORDER`. Nothing is process-wide: two optimizers keep apart, and a
 write made outside any step (a load, an update loop by hand) does its work at once.
 
-Within a step, an op that reads a weight whose update is held settles the step's work
-first (:func:`settle_if_waiting`): every rank runs the same step, so the collectives of
+Within a step, an op that reads a weight whose update is held flushes the step's work
+first (:func:`flush_if_holding`): every rank runs the same step, so the collectives of
 that flush line up. Outside a step nothing is held, so a read never starts a collective.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["ORDER", "EndOfStep", "register_kind", "hold", "settle_active", "settle_if_waiting"]
+__all__ = ["ORDER", "EndOfStep", "register_kind", "hold", "flush_active", "flush_if_holding"]
 
 # The flush order: updates land before their verdicts are read.
 ORDER = ("tensor-parallel updates", "update verdicts")
@@ -81,7 +81,7 @@ class EndOfStep:
 
     def hold(self, name: str, item: Any, weight: torch.Tensor | None = None) -> None:
         """Hold ``item`` of kind ``name`` until the step ends; ``weight``: the int8 weight
-        whose new values it holds (an op reading that weight settles first)."""
+        whose new values it holds (an op reading that weight flushes first)."""
         if weight is not None:
             self._storages.add(_storage_of(weight))
         self._items[name].append(item)
@@ -96,7 +96,7 @@ class EndOfStep:
             items.clear()
         self._storages.clear()
 
-    def settle(self, through: str | None = None) -> None:
+    def flush(self, through: str | None = None) -> None:
         """Flush the held work, kind by kind in :data:`ORDER`, up to the kind ``through`` (all by default). A
         flush that raises does not stop the later ones (every item runs once); the first
         error is raised at the end."""
@@ -107,7 +107,7 @@ class EndOfStep:
             if not items:
                 continue
             taken = list(items)
-            items.clear()  # before flushing: ops the flush runs do not settle again
+            items.clear()  # before flushing: ops the flush runs do not flush again
             try:
                 _FLUSHES[name](taken)
             except Exception as error:  # noqa: BLE001 -- re-raised below, after the other kinds
@@ -116,17 +116,17 @@ class EndOfStep:
             raise failed
 
     @contextlib.contextmanager
-    def collecting(self, *, settle: bool = True) -> Iterator["EndOfStep"]:
+    def collecting(self, *, flush: bool = True) -> Iterator["EndOfStep"]:
         """Writes made inside the block hand their end-of-step work to this step. With
-        ``settle``, the work is flushed when the block ends; if the block raises, the held
+        ``flush``, the work is flushed when the block ends; if the block raises, the held
         work is dropped (a weight whose update waited keeps its values from before the step)."""
         token = _ACTIVE.set(self)
         try:
             yield self
-            if settle:  # still collecting: verdicts of the held updates join this flush
-                self.settle()
+            if flush:  # still collecting: verdicts of the held updates join this flush
+                self.flush()
         except BaseException:
-            if settle:
+            if flush:
                 self.discard()
             raise
         finally:
@@ -143,15 +143,15 @@ def hold(name: str, item: Any, weight: torch.Tensor | None = None) -> bool:
     return True
 
 
-def settle_active(through: str | None = None) -> None:
+def flush_active(through: str | None = None) -> None:
     """Flush the work of the step collecting now, if any, up to the kind ``through`` (before
     a write whose collective must come after the held ones)."""
     step = _ACTIVE.get()
     if step is not None:
-        step.settle(through)
+        step.flush(through)
 
 
-def settle_if_waiting(tensors: Iterable[Any]) -> None:
+def flush_if_holding(tensors: Iterable[Any]) -> None:
     """Settle the collecting step if any of ``tensors`` (an op's arguments) has new values
     waiting in it. Outside a step nothing waits: no work, no collective."""
     step = _ACTIVE.get()
@@ -159,5 +159,5 @@ def settle_if_waiting(tensors: Iterable[Any]) -> None:
         return
     for tensor in tensors:
         if step.holds(tensor):
-            step.settle()
+            step.flush()
             return

@@ -29,6 +29,7 @@ all-gather already hands the block plain dequantized experts, and none of this r
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -38,7 +39,7 @@ from torch.utils._pytree import tree_map_only
 from fsdp_int8._weight import op_table as _op_table
 from fsdp_int8.config import Int8MatmulConfig
 from fsdp_int8._weight.linear import grads_of, output_of
-from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8._weight.tensor import Int8Weight, Int8WeightMeta
 
 EXPERT_DIMS = 3  # [experts, out, in]
 
@@ -88,18 +89,16 @@ def _on_values(func: Callable) -> Callable:
 
 def _experts_weight(int_data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                     gemms: list[bool], compiled: bool) -> Int8Weight:
-    """The expert weight over ``int_data`` / ``scale`` with the int8 GEMMs ``gemms`` says
-    (``[output, grad_input, grad_weight]``): what the grouped-matmul ops below rebuild from
-    the plain tensors a custom op takes."""
-    output, grad_input, grad_weight = gemms
-    config = Int8MatmulConfig(output=output, grad_input=grad_input, grad_weight=grad_weight)
-    return Int8Weight(int_data, scale, dtype=dtype, row_len=int_data.shape[-1], int8_matmul=config,
-                      compiled=compiled)
+    """The expert weight over ``int_data`` / ``scale`` with the matmul config ``gemms``
+    holds (:func:`_gemms`): what the grouped-matmul ops below rebuild from the plain
+    tensors and flags a custom op takes (a custom op cannot take the weight itself)."""
+    meta = Int8WeightMeta(row_len=int_data.shape[-1], int8_matmul=Int8MatmulConfig(*gemms), compiled=compiled)
+    return Int8Weight(int_data, scale, meta, dtype=dtype)
 
 
 def _gemms(weight: Int8Weight) -> list[bool]:
-    config = weight.int8_matmul
-    return [config.output, config.grad_input, config.grad_weight]
+    """Every flag of ``weight``'s ``Int8MatmulConfig``, in its fields' order."""
+    return list(dataclasses.astuple(weight.int8_matmul))
 
 
 # The grouped GEMMs are custom ops: torch.compile keeps each one opaque (one node, as it
@@ -250,7 +249,7 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Ten
 def _transposed(weight: Int8Weight) -> torch.Tensor:
     """``weight`` with its last two dims swapped: an :class:`ExpertsTransposed` where its
     GEMMs are int8, else its values, transposed."""
-    if weight.dim() == EXPERT_DIMS and weight.int8_matmul is not None and weight.int8_matmul.any_gemm:
+    if weight.dim() == EXPERT_DIMS and weight.int8_matmul is not None:
         return ExpertsTransposed(weight)
     return dequantized(weight).mT
 

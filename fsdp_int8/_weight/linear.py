@@ -382,7 +382,7 @@ def _int8_weight_linear(
             f"F.linear: input of shape {tuple(input.shape)} cannot multiply an Int8Weight of "
             f"shape {tuple(weight.shape)}"
         )
-    int8_gemm = weight.int8_matmul is not None and weight.int8_matmul.any_gemm
+    int8_gemm = weight.int8_matmul is not None
     if int8_gemm and input.device.type == "cuda" and (weight.shape[0] % 8 or weight.shape[1] % 8):
         raise ValueError(
             f"int8 matmuls on CUDA need in and out features divisible by 8, got a weight of "

@@ -88,7 +88,7 @@ def function_handler(func: Callable) -> Handler | None:
 
 def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run ``func``'s rule on an ``Int8Weight`` (or raise saying why there is none)."""
-    end_of_step.settle_if_waiting(args)  # an update waiting for its step lands first
+    end_of_step.flush_if_holding(args)  # an update waiting for its step lands first
     handler = _OPS.get(func) or _OPS.get(func.overloadpacket)
     if handler is not None:
         if torch.is_inference_mode_enabled() and func.is_view and not args[0].is_inference():

@@ -1,12 +1,16 @@
 """What a pickled ``Int8Weight`` holds (``torch.save`` of a weight or a whole model).
 
 Layout 4, written: ``(int_data, scale, dtype, fields, requires_grad, is_param)``, where
-``fields`` maps the weight's fields (``Int8Weight.fields()``) to plain values by name, an
+``fields`` maps the weight's metadata (``Int8WeightMeta``) to plain values by name, an
 ``Int8MatmulConfig`` as a dict, the tensor-parallel placement left out (it is this
-process's, not the weight's). Layouts 1 to 3, read (fsdp_int8 0.1.0 wrote them):
-positional, ``(int_data, scale, dtype, row_len, full_rows, stochastic, requires_grad[,
+process's, not the weight's); ``unsharded_rows`` under the key ``full_rows``, as every
+layout 4 pickle holds it. Layouts 1 to 3, read
+(fsdp_int8 0.1.0 wrote them): positional, ``(int_data, scale, dtype, row_len, full_rows,
+stochastic, requires_grad[,
 is_param[, int8_matmul[, compiled]]])``, the matmul config as its first 3 fields plus the
-compiled flag (1), its first 3 fields (2) or a dict (3).
+compiled flag (1), its first 3 fields (2) or a dict (3). A matmul config without any int8
+GEMM (how earlier layouts said "keep the gathered weight int8") reads as ``int8_matmul=None``
+with ``int8_gathered_weights=True``.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from fsdp_int8.config import Int8MatmulConfig
 
 __all__ = ["pickled_fields", "read"]
 
+_PICKLED_ROWS = "full_rows"  # the key of Int8WeightMeta.unsharded_rows in a pickle
+
 
 def pickled_fields(fields: dict[str, Any], *, exclude: tuple[str, ...]) -> dict[str, Any]:
     """Layout 4's ``fields``: ``fields`` but ``exclude``, the matmul config as a dict."""
     out = {name: value for name, value in fields.items() if name not in exclude}
+    out[_PICKLED_ROWS] = out.pop("unsharded_rows")
     if out.get("int8_matmul") is not None:
         out["int8_matmul"] = dataclasses.asdict(out["int8_matmul"])
     return out
@@ -33,14 +40,23 @@ def read(fields: Any, rest: tuple) -> tuple[dict[str, Any], bool, bool]:
     if isinstance(fields, dict):
         requires_grad, is_param = rest
         fields = dict(fields)
+        fields["unsharded_rows"] = fields.pop(_PICKLED_ROWS)
     else:
-        full_rows, stochastic, requires_grad, *more = rest
+        unsharded_rows, stochastic, requires_grad, *more = rest
         is_param, int8_matmul, compiled = (*more, *(False, None, False)[len(more):])
         if isinstance(int8_matmul, (tuple, list)):
             *int8_matmul, compiled = int8_matmul if len(int8_matmul) == 4 else (*int8_matmul, compiled)
-            int8_matmul = Int8MatmulConfig(*int8_matmul)
-        fields = dict(row_len=fields, full_rows=full_rows, stochastic_rounding=stochastic,
+            int8_matmul = dict(zip(("output", "grad_input", "grad_weight"), int8_matmul))
+        fields = dict(row_len=fields, unsharded_rows=unsharded_rows, stochastic_rounding=stochastic,
                       int8_matmul=int8_matmul, compiled=bool(compiled))
-    if isinstance(fields.get("int8_matmul"), dict):
-        fields["int8_matmul"] = Int8MatmulConfig(**fields["int8_matmul"])
+    matmul = fields.get("int8_matmul")
+    if isinstance(matmul, Int8MatmulConfig):
+        matmul = dataclasses.asdict(matmul)
+    if isinstance(matmul, dict):
+        flags = {name: bool(value) for name, value in matmul.items()}
+        if not (flags.get("output") or flags.get("grad_input") or flags.get("grad_weight")):
+            # a config without int8 GEMMs: how a weight said "keep the gathered weight int8"
+            fields["int8_matmul"], fields["int8_gathered_weights"] = None, True
+        else:
+            fields["int8_matmul"] = Int8MatmulConfig(**flags)
     return fields, bool(requires_grad), bool(is_param)

@@ -29,18 +29,17 @@ from fsdp_int8._weight import op_table as _op_table
 from fsdp_int8._weight import pickle_layout as _pickle_layout
 from fsdp_int8._weight import tensor_parallel as _tensor_parallel
 from fsdp_int8._weight import update_checks as _update_checks
+from fsdp_int8._weight.meta import NOT_PICKLED, Int8WeightMeta
 from fsdp_int8._weight.tensor_parallel import ColumnWindow, TensorParallelShard
 from fsdp_int8.config import Int8MatmulConfig
 from fsdp_int8.quant import absmax_dequantize, absmax_quantize
 
-__all__ = ["Int8Weight", "FIELDS"]
+__all__ = ["Int8Weight", "Int8WeightMeta"]
 
-# What an Int8Weight carries besides its outer dtype and its two inner tensors (int_data,
-# scale): the one list that derive, the subclass protocol (flatten / unflatten), pickling
-# and the compile cache key read (a new field is one entry here plus its constructor
-# keyword). tensor_parallel is this process's placement, never pickled.
-FIELDS = ("row_len", "full_rows", "stochastic_rounding", "int8_matmul", "compiled", "tensor_parallel")
-_NOT_PICKLED = ("tensor_parallel",)
+
+def _field(name: str) -> property:
+    """A read-only attribute of the weight that reads its metadata's field ``name``."""
+    return property(lambda self: getattr(self.meta, name), doc=f"``meta.{name}`` (read-only).")
 
 
 class Int8Weight(torch.Tensor):
@@ -50,47 +49,40 @@ class Int8Weight(torch.Tensor):
         int_data: ``int8`` tensor, ``[rows, row_len]`` or flat ``[rows * row_len]`` (or
             ``[*lead, row_len]``, a view regrouping the rows).
         scale: ``fp32`` tensor, ``[rows]`` (``[*lead]`` for ``[*lead, row_len]`` data).
+        meta: Everything else it carries (:class:`Int8WeightMeta`: row length, the whole
+            weight's rows, rounding, int8 matmuls, compiled kernels, tensor-parallel
+            part), frozen; its fields read as the weight's attributes (``w.row_len``).
         dtype: The outer (training) dtype, a floating dtype.
-        row_len: Elements per row (``in_features`` of the linear layer).
-        full_rows: Rows of the whole weight this tensor belongs to. FSDP2 shards carry
-            it so that the all-gather hook can pad every shard to the same size.
-        stochastic_rounding: How in-place updates are written back (see
-            :class:`fsdp_int8.Int8TrainingConfig`).
-        int8_matmul: Which matmuls of ``F.linear`` run as int8 GEMMs (``None``: none).
-        compiled: Run this weight's quantization kernels (updates, dequantization,
-            activation quantization) as ``torch.compile``d passes
-            (``Int8TrainingConfig.compile``).
-        tensor_parallel: This rank's part of a weight split by tensor parallelism
-            (``fsdp_int8.parallel``'s styles set it), a window of columns (a slice along
-            dim 1), or ``None``.
+        requires_grad: As for any tensor.
 
-    Use :meth:`from_float` to build one from a plain tensor.
+    Use :meth:`from_float` to build one from a plain tensor, :meth:`with_tensors` for another
+    over other inner tensors.
     """
 
     int_data: torch.Tensor
     scale: torch.Tensor
-    row_len: int
-    full_rows: int
-    stochastic_rounding: bool
-    int8_matmul: Int8MatmulConfig | None
-    compiled: bool
-    tensor_parallel: TensorParallelShard | ColumnWindow | None
+    meta: Int8WeightMeta
+    row_len = _field("row_len")
+    unsharded_rows = _field("unsharded_rows")
+    stochastic_rounding = _field("stochastic_rounding")
+    int8_matmul = _field("int8_matmul")
+    int8_gathered_weights = _field("int8_gathered_weights")
+    compiled = _field("compiled")
+    tensor_parallel = _field("tensor_parallel")
 
     @staticmethod
     def __new__(
         cls,
         int_data: torch.Tensor,
         scale: torch.Tensor,
+        meta: Int8WeightMeta,
         *,
         dtype: torch.dtype,
-        row_len: int,
-        full_rows: int | None = None,
-        stochastic_rounding: bool = True,
-        int8_matmul: Int8MatmulConfig | None = None,
-        compiled: bool = False,
-        tensor_parallel: TensorParallelShard | ColumnWindow | None = None,
         requires_grad: bool = False,
     ) -> "Int8Weight":
+        if not isinstance(meta, Int8WeightMeta):
+            raise TypeError(f"Int8Weight takes its metadata as an Int8WeightMeta, got {type(meta).__name__}")
+        row_len = meta.row_len
         if int_data.dtype != torch.int8 or scale.dtype != torch.float32:
             raise TypeError(f"Int8Weight needs int8 data and fp32 scales, got {int_data.dtype} and {scale.dtype}")
         if not dtype.is_floating_point:
@@ -116,18 +108,8 @@ class Int8Weight(torch.Tensor):
         )
         self.int_data = int_data
         self.scale = scale
-        fields = dict(
-            row_len=row_len, full_rows=rows if full_rows is None else full_rows,
-            stochastic_rounding=stochastic_rounding, int8_matmul=int8_matmul, compiled=compiled,
-            tensor_parallel=tensor_parallel,
-        )
-        assert tuple(fields) == FIELDS  # one description: FIELDS lists exactly these
-        vars(self).update(fields)
+        self.meta = meta if meta.unsharded_rows is not None else meta.replace(unsharded_rows=rows)
         return self
-
-    def fields(self) -> dict[str, Any]:
-        """This weight's :data:`FIELDS` by name: what a new weight over other inner tensors keeps."""
-        return {name: getattr(self, name) for name in FIELDS}
 
     @staticmethod
     def supported_ops() -> list[str]:
@@ -142,6 +124,7 @@ class Int8Weight(torch.Tensor):
         *,
         stochastic_rounding: bool = True,
         int8_matmul: Int8MatmulConfig | None = None,
+        int8_gathered_weights: bool = False,
         compiled: bool = False,
         dtype: torch.dtype | None = None,
     ) -> "Int8Weight":
@@ -153,6 +136,7 @@ class Int8Weight(torch.Tensor):
                 scale per expert and output feature: scales ``[experts, out_features]``).
             stochastic_rounding: Rounding used by later in-place updates.
             int8_matmul: Which matmuls run as int8 GEMMs (``None``: weight-only).
+            int8_gathered_weights: FSDP2's gathered weight stays int8 (:class:`Int8WeightMeta`).
             compiled: Run its quantization kernels ``torch.compile``d (same bits).
             dtype: Outer dtype; defaults to ``weight.dtype``.
         """
@@ -173,12 +157,11 @@ class Int8Weight(torch.Tensor):
         int_data, scale = absmax_quantize(weight.detach().reshape(-1, row_len), what="a weight", compiled=compiled)
         if weight.dim() == 3:  # experts: [E, out, in] rows with [E, out] scales
             int_data, scale = int_data.view(weight.shape), scale.view(weight.shape[:-1])
-        return cls(
-            int_data, scale, dtype=dtype or weight.dtype, row_len=row_len,
-            stochastic_rounding=stochastic_rounding, int8_matmul=int8_matmul, compiled=compiled,
-        )
+        meta = Int8WeightMeta(row_len=row_len, stochastic_rounding=stochastic_rounding, int8_matmul=int8_matmul,
+                              int8_gathered_weights=int8_gathered_weights, compiled=compiled)
+        return cls(int_data, scale, meta, dtype=dtype or weight.dtype)
 
-    def derive(
+    def with_tensors(
         self,
         int_data: torch.Tensor,
         scale: torch.Tensor,
@@ -187,8 +170,8 @@ class Int8Weight(torch.Tensor):
         **changes: Any,
     ) -> "Int8Weight":
         """A new ``Int8Weight`` over other inner tensors, with this one's metadata but for
-        ``dtype`` and ``changes`` (other constructor keywords: ``row_len``, ...)."""
-        return Int8Weight(int_data, scale, dtype=dtype or self.dtype, **{**self.fields(), **changes})
+        ``dtype`` and ``changes`` (fields of :class:`Int8WeightMeta`: ``unsharded_rows=0``, ...)."""
+        return Int8Weight(int_data, scale, self.meta.replace(**changes), dtype=dtype or self.dtype)
 
     # ------------------------------------------------------------------ reading
     @property
@@ -202,7 +185,7 @@ class Int8Weight(torch.Tensor):
 
     def read_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int8 [rows, row_len], fp32 [rows])`` of any layout, to read (a copy if strided)."""
-        end_of_step.settle_if_waiting((self,))
+        end_of_step.flush_if_holding((self,))
         return self.int_data.reshape(self.rows, self.row_len), self.scale.reshape(self.rows)
 
     def write_rows_(
@@ -218,11 +201,11 @@ class Int8Weight(torch.Tensor):
         values = absmax_dequantize(*self.read_rows(), dtype=dtype or self.dtype, compiled=self.compiled)
         return values.view(self.shape)
 
-    def assign_(self, values: torch.Tensor, *, stochastic: bool, step_update: bool = False) -> "Int8Weight":
+    def assign_(self, values: torch.Tensor, *, stochastic: bool, optimizer_update: bool = False) -> "Int8Weight":
         """Requantize ``values`` (this shape, any float dtype) into this tensor's storage.
 
         Non-finite ``values`` raise ``ValueError`` and leave the weight unchanged. An
-        optimizer's update (``step_update=True``) on an accelerator is checked once per
+        optimizer's update (``optimizer_update=True``) on an accelerator is checked once per
         optimizer step instead, with every other update of the step (``_update_checks``).
         """
         _tensor_parallel.check_requantizable(self, "requantizing")
@@ -230,10 +213,10 @@ class Int8Weight(torch.Tensor):
         if _tensor_parallel.shares_row_scales(self):
             _tensor_parallel.write_shared_rows(
                 self, values.reshape(self.rows, self.row_len), stochastic=stochastic,
-                generator=generator, step_update=step_update,
+                generator=generator, optimizer_update=optimizer_update,
             )
             return self
-        deferred = step_update and _update_checks.defers(values.device)
+        deferred = optimizer_update and _update_checks.defers(values.device)
         int_data, scale = absmax_quantize(
             values.reshape(self.rows, self.row_len), rounding="stochastic" if stochastic else "nearest",
             generator=generator, nonfinite="unchecked" if deferred else "raise", what="a weight",
@@ -292,7 +275,7 @@ class Int8Weight(torch.Tensor):
         """
         if id(self) in memo:
             return memo[id(self)]
-        copied = self.derive(copy.deepcopy(self.int_data, memo), copy.deepcopy(self.scale, memo))
+        copied = self.with_tensors(copy.deepcopy(self.int_data, memo), copy.deepcopy(self.scale, memo))
         memo[id(self)] = copied
         own = set(vars(copied))
         extra = {k: v for k, v in vars(self).items() if k not in own}  # _is_param, framework tags
@@ -309,8 +292,8 @@ class Int8Weight(torch.Tensor):
 
     def __repr__(self) -> str:  # never dispatches: safe inside error messages
         rounding = "stochastic" if self.stochastic_rounding else "nearest"
-        matmul = {None: "", True: ", int8 matmuls", False: ", int8 at the matmul (no int8 GEMM)"}[
-            self.int8_matmul and self.int8_matmul.any_gemm] + (", compiled" if self.compiled else "")
+        matmul = (", int8 matmuls" if self.int8_matmul is not None else
+                  ", gathered int8" if self.int8_gathered_weights else "") + (", compiled" if self.compiled else "")
         return (
             f"Int8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
             f"int8 rows of {self.row_len} + fp32 scales, rounding={rounding}{matmul}"
@@ -319,21 +302,21 @@ class Int8Weight(torch.Tensor):
 
     # ------------------------------------------------------------------ subclass protocol
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        return ["int_data", "scale"], (self.dtype, *self.fields().values())
+        return ["int_data", "scale"], (self.dtype, self.meta)
 
     _stable_hash_for_caching = _cache_key.stable_hash  # AOTAutograd's cache key: metadata, no values
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size: Any, outer_stride: Any) -> "Int8Weight":
-        dtype, *fields = ctx
-        return Int8Weight(inner["int_data"], inner["scale"], dtype=dtype, **dict(zip(FIELDS, fields)))
+        dtype, meta = ctx
+        return Int8Weight(inner["int_data"], inner["scale"], meta, dtype=dtype)
 
     def __reduce_ex__(self, protocol: int):
         # Both names are weights_only safe globals (end of module); the layout: _pickle_layout.
         return (
             _rebuild_int8_weight,
             (self.int_data.clone(), self.scale.clone(), self.dtype,
-             _pickle_layout.pickled_fields(self.fields(), exclude=_NOT_PICKLED), self.requires_grad,
+             _pickle_layout.pickled_fields(self.meta.by_name(), exclude=NOT_PICKLED), self.requires_grad,
              getattr(self, "_is_param", False)),
         )
 
@@ -354,8 +337,9 @@ class Int8Weight(torch.Tensor):
         """FSDP2 hook: the unsharded weight, built from the gathered int8 rows and scales.
 
         Weight-only (no ``int8_matmul``): a plain ``param_dtype`` tensor, the rows
-        dequantized once per unshard (the gathered bytes stay int8). Int8 matmuls: an
-        ``Int8Weight`` over the gathered buffer (its GEMMs read the int8 rows).
+        dequantized once per unshard (the gathered bytes stay int8). Int8 matmuls or
+        ``int8_gathered_weights``: an ``Int8Weight`` over the gathered buffer (its GEMMs read
+        the int8 rows; without GEMMs each matmul dequantizes a transient copy).
 
         Raises:
             NotImplementedError: on every rank, at the first unshard, if a rank flagged its
@@ -382,7 +366,7 @@ class Int8Weight(torch.Tensor):
 def _rebuild_int8_weight(int_data, scale, dtype, fields, *args):
     """An Int8Weight from its pickle (any layout :mod:`._pickle_layout` reads)."""
     fields, requires_grad, is_param = _pickle_layout.read(fields, args)
-    weight = Int8Weight(int_data, scale, dtype=dtype, **fields)
+    weight = Int8Weight(int_data, scale, Int8WeightMeta(**fields), dtype=dtype)
     if is_param:  # a pickled module's parameter comes back as a parameter
         return torch.nn.Parameter(weight, requires_grad=requires_grad)
     return weight.requires_grad_(requires_grad) if requires_grad else weight

@@ -7,7 +7,7 @@ the whole row**: the row's absmax over all tensor-parallel peers. So the stored 
 1-D's, and a checkpoint reshards across any ``tp``. Every write of such a weight takes the
 row absmax over the peers (an ``all_reduce(MAX)`` of ``[rows]`` fp32) before it rounds:
 
-* an optimizer's update (``step_update``) made inside a step that holds such work
+* an optimizer's update (``optimizer_update``) made inside a step that holds such work
   (``Int8AdamW`` / ``Int8SGD`` after backward, or a ``torch.optim`` optimizer given to
   :func:`fsdp_int8.optim.batch_int8_updates`) is **deferred**: its fp32 values wait in
   that step's :class:`~fsdp_int8._weight.end_of_step.EndOfStep`, which rounds every
@@ -160,15 +160,15 @@ UPDATES = end_of_step.register_kind("tensor-parallel updates", _round_held)
 
 
 def write_shared_rows(
-    weight: Int8Weight, values: torch.Tensor, *, stochastic: bool, generator, step_update: bool
+    weight: Int8Weight, values: torch.Tensor, *, stochastic: bool, generator, optimizer_update: bool
 ) -> None:
     """Round ``values`` (``[rows, K]`` fp32) into ``weight`` with row scales shared by its
     tensor-parallel peers: when the step ends for an optimizer update made inside a step
     that holds them, at once otherwise."""
-    if step_update:
-        end_of_step.settle_if_waiting((weight,))  # a second update of one weight in a step: the first lands first
+    if optimizer_update:
+        end_of_step.flush_if_holding((weight,))  # a second update of one weight in a step: the first lands first
         if end_of_step.hold(UPDATES, (weight, values.detach().float(), stochastic, generator), weight):
             return
-    end_of_step.settle_active(through=UPDATES)  # keep the peers' collectives in one order
+    end_of_step.flush_active(through=UPDATES)  # keep the peers' collectives in one order
     (amax,) = shared_row_absmax([values], weight.tensor_parallel.mesh)
     _round_into(weight, values, amax, stochastic, generator)

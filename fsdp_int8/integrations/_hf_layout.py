@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_int8._dist import local_shard
 from fsdp_int8._weight.load_checks import SCALE_SUFFIX, as_rows, check_rows, refusal
-from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8._weight.tensor import Int8Weight, Int8WeightMeta
 
 __all__ = [
     "QUANT_METHOD",
@@ -134,7 +134,7 @@ def state_dict_from_int8_safetensors(
             continue
         value = as_rows(value, scale)
         check_rows(key, value, scale, source=source)
-        out[key] = Int8Weight(value, scale, dtype=dtype, row_len=value.shape[-1])
+        out[key] = Int8Weight(value, scale, Int8WeightMeta(row_len=value.shape[-1]), dtype=dtype)
     return out
 
 
@@ -164,7 +164,7 @@ class _LoadInt8Entries:
                 f"got {data.dtype} {tuple(data.shape)} and {scale.dtype} {tuple(scale.shape)}"
             )
         del state_dict[key + SCALE_SUFFIX]
-        state_dict[key] = local.derive(data.to(local.device), scale.to(local.device))
+        state_dict[key] = local.with_tensors(data.to(local.device), scale.to(local.device))
 
 
 # a pickled transformers model with int8 layers holds this hook: weights_only loads rebuild it

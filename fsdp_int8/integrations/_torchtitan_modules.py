@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+from torch.distributed.tensor import DTensor
+
 from fsdp_int8._dist import local_shard
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8TrainingConfig, expert_weight_names
@@ -42,9 +45,14 @@ def int8_class(parent: type) -> type:
             (whole experts per ep rank) is the whole weight FSDP2 shards on the efsdp mesh."""
             super().parallelize(parallel_dims)
             for name in expert_weight_names(self):
-                local = local_shard(getattr(self, name))
-                if isinstance(local, Int8Weight):
-                    local.full_rows = local.rows
+                param = getattr(self, name)
+                local = local_shard(param)
+                if isinstance(local, Int8Weight) and local.unsharded_rows != local.rows:
+                    whole = local.with_tensors(local.int_data, local.scale, unsharded_rows=local.rows)
+                    if isinstance(param, DTensor):
+                        whole = DTensor.from_local(whole, param.device_mesh, param.placements, run_check=False,
+                                                   shape=param.shape, stride=param.stride())
+                    setattr(self, name, nn.Parameter(whole, requires_grad=param.requires_grad))
 
     Int8Module.__name__ = Int8Module.__qualname__ = f"Int8{parent.__name__}"
     _INT8_CLASSES[parent] = Int8Module

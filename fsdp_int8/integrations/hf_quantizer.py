@@ -41,7 +41,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, expert_weight_names, training_config
-from fsdp_int8.convert import parameter_owners, quantize_
+from fsdp_int8.convert import parameter_owners, quantize_, recorded_compile
 from fsdp_int8.integrations._hf_conversions import (
     add_scale_conversions, check_tied_copy, checked_rows, int8_layers_in_checkpoint,
 )
@@ -51,13 +51,8 @@ from fsdp_int8.integrations._hf_layout import (
 )
 
 __all__ = [
-    "QUANT_METHOD",
-    "SCALE_SUFFIX",
-    "Int8TrainingHfConfig",
-    "Int8TrainingHfQuantizer",
-    "attach_hf_quantizer",
-    "int8_safetensors_state_dict",
-    "state_dict_from_int8_safetensors",
+    "QUANT_METHOD", "SCALE_SUFFIX", "Int8TrainingHfConfig", "Int8TrainingHfQuantizer", "attach_hf_quantizer",
+    "int8_safetensors_state_dict", "state_dict_from_int8_safetensors",
 ]
 
 _FORMAT_VERSION = 2  # written; 1 ([out, in] int8 rows) is still read
@@ -93,7 +88,8 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         min_features: int = Int8TrainingConfig.min_features,
         modules_to_not_convert: list[str] | None = None,
         int8_matmul: dict[str, bool] | None = None,
-        compile: bool | str = Int8TrainingConfig.compile,
+        int8_gathered_weights: bool = False,
+        compile: str = Int8TrainingConfig.compile,
         quantize_embeddings: bool = False,
         format_version: int = _FORMAT_VERSION,
         **kwargs: Any,
@@ -114,9 +110,18 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         self.min_features = int(min_features)
         self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
         self.int8_matmul = None if int8_matmul is None else dict(int8_matmul)
-        self.compile = compile  # True, False or "auto": to_training_config checks it
+        self.int8_gathered_weights = bool(int8_gathered_weights)
+        if self.int8_matmul is not None and not any(self.int8_matmul.get(k) for k in ("output", "grad_input", "grad_weight")):
+            self.int8_matmul, self.int8_gathered_weights = None, True  # how earlier folders said it
+        self.compile = compile  # "auto", "on" or "off": to_training_config checks it
         self.quantize_embeddings = bool(quantize_embeddings)
         self.to_training_config()  # validates the fields now, not at load time
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any) -> Any:
+        """A ``config.json``'s config (0.1.0's bool ``compile`` reads as ``"on"`` / ``"off"``)."""
+        compile = recorded_compile(config_dict.get("compile", Int8TrainingConfig.compile))
+        return super().from_dict({**config_dict, "compile": compile}, return_unused_kwargs, **kwargs)
 
     @classmethod
     def from_training_config(
@@ -136,6 +141,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
             stochastic_rounding=config.stochastic_rounding, seed=config.seed,
             skip_names=config.skip_names, min_features=config.min_features, modules_to_not_convert=kept,
             int8_matmul=None if config.int8_matmul is None else dataclasses.asdict(config.int8_matmul),
+            int8_gathered_weights=config.int8_gathered_weights,
             compile=config.compile, quantize_embeddings=config.quantize_embeddings,
         )
 
@@ -150,6 +156,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
             ),
             skip_names=tuple(self.skip_names), min_features=self.min_features,
             int8_matmul=None if self.int8_matmul is None else Int8MatmulConfig(**self.int8_matmul),
+            int8_gathered_weights=self.int8_gathered_weights,
             compile=self.compile, quantize_embeddings=self.quantize_embeddings,
         )
 
@@ -158,13 +165,11 @@ class _NotConverted:
     """``module_filter``: the default rule, minus the modules ``patterns`` name (a picklable
     object, as ``quantize_``'s config may be copied with the model)."""
 
-    def __init__(
-        self, patterns: list[str], skip_names: tuple[str, ...], min_features: int, quantize_embeddings: bool = False
-    ) -> None:
+    def __init__(self, patterns: list[str], skip_names: tuple[str, ...], min_features: int,
+                 quantize_embeddings: bool = False) -> None:
         self.patterns = patterns
-        self.default = Int8TrainingConfig(
-            skip_names=skip_names, min_features=min_features, quantize_embeddings=quantize_embeddings
-        )
+        self.default = Int8TrainingConfig(skip_names=skip_names, min_features=min_features,
+                                          quantize_embeddings=quantize_embeddings)
 
     def __call__(self, module: nn.Module, name: str) -> bool:
         return should_convert_module(name, self.patterns) and self.default.selects_by_default(module, name)
@@ -196,10 +201,8 @@ class _QuantizeOnLoad(ConversionOps):
             target = module._parameters[name]  # the meta Int8Weight quantize_ put there
             if hasattr(module, "nx") and hasattr(module, "nf"):
                 value = value.t().contiguous()  # GPT-2's Conv1D: [in, out] on disk, [out, in] int8
-            out[key] = Int8Weight.from_float(
-                value.to(target.dtype), stochastic_rounding=target.stochastic_rounding,
-                int8_matmul=target.int8_matmul, compiled=target.compiled,
-            )
+            rows = Int8Weight.from_float(value.to(target.dtype), compiled=target.compiled)
+            out[key] = target.with_tensors(rows.int_data, rows.scale)  # the target's metadata
         return out
 
 
@@ -305,7 +308,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
             # finite, non-negative scales and int8 values in -127..127, before the model is returned
             rows = checked_rows(model, key, data.detach(), scale.detach(), shape=tuple(placeholder.shape),
                                 source=self._files.get(name), files=self._checkpoint_files)
-            weight = nn.Parameter(placeholder.derive(rows.to(scale.device), scale.detach().float()))
+            weight = nn.Parameter(placeholder.with_tensors(rows.to(scale.device), scale.detach().float()))
             made[id(weight)] = key
             for owner in owners.get(id(data), [name]):
                 setattr(model.get_submodule(owner), param_name, weight)

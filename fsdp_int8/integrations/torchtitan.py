@@ -120,7 +120,8 @@ class Int8LinearConverter(QuantizationConverter):
         if not self.config.lean:
             return self.config.training
         lean = Int8TrainingConfig.lean()
-        return replace(self.config.training, quantize_embeddings=lean.quantize_embeddings, int8_matmul=lean.int8_matmul)
+        return replace(self.config.training, quantize_embeddings=lean.quantize_embeddings,
+                       int8_gathered_weights=lean.int8_gathered_weights)
 
     def __init__(self, config: Config) -> None:
         self.config = config

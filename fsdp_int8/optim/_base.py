@@ -341,7 +341,7 @@ class FusedInt8Optimizer(Optimizer):
                     continue
                 stream = self._step_seeds.stream(slot.param, slot.local.device)
                 with update_stream(stream) if stream is not None else contextlib.nullcontext():
-                    slot.local.assign_(slot.work, stochastic=slot.local.stochastic_rounding, step_update=True)
+                    slot.local.assign_(slot.work, stochastic=slot.local.stochastic_rounding, optimizer_update=True)
             elif slot.work is not slot.local:
                 slot.local.copy_(slot.work)
 

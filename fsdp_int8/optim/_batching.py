@@ -48,7 +48,7 @@ def batch_int8_updates(optimizer: torch.optim.Optimizer) -> BatchedUpdates:
 
     Within ``step()``, the finiteness verdicts of the updates (on accelerators) and the
     updates of tensor-parallel weights that share row scales wait; when ``step()`` returns
-    they are settled: one device sync and one ``all_reduce`` per process group per step,
+    they are flushed: one device sync and one ``all_reduce`` per process group per step,
     not one per weight. If ``step()`` raises, the held work is dropped (a tensor-parallel
     weight whose update waited keeps its values from before the step). Calling it again
     on the same optimizer returns the same handle. ``Int8AdamW`` and ``Int8SGD`` do this

@@ -188,7 +188,7 @@ class InBackward:
         # shard makes it NaN everywhere, and no rank writes a parameter another rank skips
         squares = self._squared_norm(param)
         finite = torch.isfinite(squares)
-        with optimizer._end_of_step.collecting(settle=False):  # verdicts wait for step()
+        with optimizer._end_of_step.collecting(flush=False):  # verdicts wait for step()
             if not update_checks.defers(squares.device):  # the CPU: reading the verdict costs nothing
                 if not bool(finite):
                     self._skipped.append(id(param))
@@ -320,7 +320,7 @@ class InBackward:
             any_skipped = not _dist.all_ranks_true(skip_flags)
             if any_skipped:
                 skipped += self._restore_counters(verdicts)
-            optimizer._end_of_step.settle()  # raises where this rank's updates were not finite
+            optimizer._end_of_step.flush()  # raises where this rank's updates were not finite
         if self._max_grad_norm is not None and not any_skipped:
             for group in optimizer.param_groups:
                 for param in group["params"]:

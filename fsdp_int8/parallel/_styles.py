@@ -5,7 +5,7 @@
 a linear layer whose weight is an ``Int8Weight``:
 
 * **the split**: colwise gives each rank whole rows with their scales, and a local weight
-  that knows it is whole (``full_rows`` = its rows: FSDP2 then shards it on the dp mesh
+  that knows it is whole (``unsharded_rows`` = its rows: FSDP2 then shards it on the dp mesh
   as a weight of its own). Rowwise gives each rank ``in_features / tp`` elements of every
   row and the **whole row's scale** (shared by all peers, see ``fsdp_int8._weight.tensor_parallel``).
 * **the matmul** runs on local tensors: ``F.linear`` of the local input and the local
@@ -91,10 +91,10 @@ def _split(module: nn.Linear, mesh: DeviceMesh, src_data_rank: int | None, *, by
     start, stop = _span(weight.shape[dim], mesh.size(), coordinate)
     split = TensorParallelShard(mesh, coordinate, shares_row_scales=by_columns)
     if by_columns:  # every row's scale is the whole row's: the same on every peer
-        local = weight.derive(data[:, start:stop].contiguous(), scale.clone(), row_len=stop - start,
+        local = weight.with_tensors(data[:, start:stop].contiguous(), scale.clone(), row_len=stop - start,
                               tensor_parallel=split)
-    else:  # full_rows = its own rows: FSDP2 shards it as a weight of its own
-        local = weight.derive(data[start:stop].clone(), scale[start:stop].clone(), full_rows=None,
+    else:  # unsharded_rows = its own rows: FSDP2 shards it as a weight of its own
+        local = weight.with_tensors(data[start:stop].clone(), scale[start:stop].clone(), unsharded_rows=None,
                               tensor_parallel=split)
     module.register_parameter("weight", _int8_parameter(local, weight, mesh, Shard(dim), weight.requires_grad))
     if module.bias is not None:

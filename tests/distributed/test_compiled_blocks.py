@@ -8,9 +8,9 @@ the backward all-gather refills them: the refill must not trip autograd's versio
 operation: [torch.FloatTensor [64]] is at version 1; expected version 0"). Each case trains
 three steps and must give the eager run's losses bit for bit: the ``aot_eager`` backend
 runs the same kernels as eager through AOTAutograd, which is where saved tensors are
-checked. CI runs three cases that together cover both compile orders, activation
-checkpointing inside the compiled region, the int8 gradient reduce-scatter and weight-only
-int8; the exhaustive matrix (``FSDP_INT8_FULL_MATRIX=1``) adds each option alone,
+checked. CI runs four cases that together cover both compile orders, compiled kernels
+inside the compiled block, activation checkpointing inside the compiled region, the int8
+gradient reduce-scatter, weight-only int8 and a mixture of experts; the exhaustive matrix (``FSDP_INT8_FULL_MATRIX=1``) adds each option alone,
 ``reshard_after_forward=False``, HSDP (2 replicas of 1 shard), activation checkpointing
 around the compiled block, torchtitan-style op-level selective checkpointing inside it,
 tensor parallelism 2 ways (fsdp_int8's int8 styles), and inductor for every case (it
@@ -43,7 +43,7 @@ STEPS = 3
 INT8_MM = Int8TrainingConfig(int8_matmul=Int8MatmulConfig())
 # the quantization kernels compiled on their own too (compile="auto"'s choice from width
 # 512): traced into the block's graph, compiled outside it (the optimizer's write-back)
-INT8_MM_KERNELS = Int8TrainingConfig(int8_matmul=Int8MatmulConfig(), compile=True)
+INT8_MM_KERNELS = Int8TrainingConfig(int8_matmul=Int8MatmulConfig(), compile="on")
 WEIGHT_ONLY = Int8TrainingConfig()
 # inductor fuses RMSNorm, softmax and the residual adds in other orders than eager: fp32
 # rounding of those sums, ~1e-7 relative per op, a few ulps of the loss over 3 steps
@@ -133,17 +133,17 @@ def _compiled_like_eager(rank: int, world: int) -> None:
 
     backends = ("aot_eager", "inductor") if FULL_MATRIX else ("aot_eager",)
     cases = [  # (name, config, order, options): the eager reference runs the same options
-        ("int8 matmuls, compiled after shard_model", INT8_MM, "after", {}),
         ("int8 matmuls with compiled kernels, compiled after shard_model", INT8_MM_KERNELS, "after", {}),
         ("int8 matmuls, Module.compile before shard_model, full activation checkpointing inside, "
          "int8 gradient reduce-scatter", INT8_MM, "before", {"checkpoint": "inside", "int8_gradients": True}),
         ("weight-only, compiled after shard_model", WEIGHT_ONLY, "after", {}),
         ("mixture of experts, int8 matmuls, compiled after shard_model", INT8_MM, "after", {"moe": True}),
-        ("mixture of experts, weight-only, Module.compile before shard_model", WEIGHT_ONLY, "before",
-         {"moe": True}),
     ]
     if FULL_MATRIX:  # each option alone, FSDP2 keeping the weights gathered, other meshes
         cases += [
+            ("int8 matmuls, compiled after shard_model", INT8_MM, "after", {}),
+            ("mixture of experts, weight-only, Module.compile before shard_model", WEIGHT_ONLY, "before",
+             {"moe": True}),
             ("int8 matmuls, Module.compile before shard_model", INT8_MM, "before", {}),
             ("int8 matmuls, reshard_after_forward=False", INT8_MM, "after", {"reshard": False}),
             ("int8 matmuls, full activation checkpointing inside", INT8_MM, "after", {"checkpoint": "inside"}),

@@ -89,7 +89,7 @@ def _body(rank: int, world: int, directory: str) -> None:
         torch.manual_seed(0)
         untied = Transformer(ModelArgs(vocab_size=41, dim=32, n_layers=1, n_heads=2, max_seq_len=16))
         untied.init_weights()
-        gathered_int8 = replace(nearest, int8_matmul=Int8MatmulConfig(output=False, grad_input=False, grad_weight=False))
+        gathered_int8 = replace(nearest, int8_gathered_weights=True)
         untied = fsdp_int8.shard_model(untied, config=gathered_int8)  # the lookup reads the int8 rows
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -108,9 +108,8 @@ def _body(rank: int, world: int, directory: str) -> None:
 
     with case("int8 at the matmul (no int8 GEMM): the gathered weights stay int8, training is weight-only's "
               "bit for bit, the tied table gets one dense gradient"):
-        no_gemm = Int8MatmulConfig(output=False, grad_input=False, grad_weight=False)
         trained = {}
-        for name, config in (("weight-only", stochastic), ("int8 gathered", replace(stochastic, int8_matmul=no_gemm))):
+        for name, config in (("weight-only", stochastic), ("int8 gathered", replace(stochastic, int8_gathered_weights=True))):
             kept = _tied_llama(config, world)
             int8_at_matmul = set()
             for module in (kept.output, kept.layers[0].attention.wq):

@@ -54,15 +54,15 @@ def _recipe(model: torch.nn.Module, recipe: str) -> torch.optim.Optimizer:
         fully_shard(model, mp_policy=policy)
         return torch.optim.AdamW(model.parameters(), lr=1e-3)
     if recipe == "int8-weight-only":  # the README's call, with torch's AdamW
-        fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig(compile=False))
+        fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig(compile="off"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         fsdp_int8.optim.batch_int8_updates(optimizer)
         return optimizer
     if recipe == "int8-matmuls":
-        config = fsdp_int8.Int8TrainingConfig(int8_matmul=fsdp_int8.Int8MatmulConfig(), compile=False)
+        config = fsdp_int8.Int8TrainingConfig(int8_matmul=fsdp_int8.Int8MatmulConfig(), compile="off")
         fsdp_int8.shard_model(model, config=config)
         return fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3, state_bits=8)
-    fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean(compile=False))
+    fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean(compile="off"))
     return fsdp_int8.Int8AdamW.lean(model.parameters(), lr=1e-3)
 
 

@@ -1,15 +1,17 @@
 """The torchrun launcher end to end: a real run, a rank killed and restarted, bad input,
 who may write into an --out that already holds checkpoints, and the precisions it and the
-benchmarks build (launch.precisions)."""
+benchmarks build (launch.precisions, launch.build) and its compile flags (launch.compile_policy)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import fsdp_int8
 from benchmarks.timing import train_step
 from fsdp_int8 import hardware
 from fsdp_int8.testing import run_distributed
-from launch import parallel, precisions, run_dir, train
+from launch import build, compile_policy, hardware_choice, parallel, precisions, run_dir, train
 from launch.metrics import read_metrics
 from launch.model import PRESETS, Transformer, next_token_loss
 
@@ -125,10 +127,13 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path):
         (["--pp", "2", "--batch-size", "3"], "--batch-size 3 does not divide into --microbatches 2"),
         (["--pp", "2", "--microbatches", "1"], "--pp-schedule 1f1b needs at least --pp 2 microbatches"),
         (["--microbatches", "2"], "--microbatches is for pipeline parallelism"),
-        (["--compile", "blocks", "--tp", "2"], "--compile blocks is not tested with --tp or --pp yet"),
+        (["--compile-blocks", "--tp", "2"], "--compile-blocks is not tested with --tp or --pp"),
+        # one word per choice: compiling whole blocks is its own flag, the kernels take auto / on / off
+        (["--compile", "blocks"], "its own flag: --compile-blocks instead of --compile blocks"),
+        (["--compile", "true"], "--compile takes auto, on, off, not 'true'"),
         (["--preset", "tiny-moe", "--tp", "2"], "a mixture-of-experts preset has none"),
         (["--preset", "tiny-moe", "--pp", "2"], "also trains on its routers' load-balancing loss"),
-        (["--preset", "tiny-moe", "--compile", "blocks", "--compute-dtype", "fp32"],
+        (["--preset", "tiny-moe", "--compile-blocks", "--compute-dtype", "fp32"],
          "mixture-of-experts preset needs bf16 compute"),
     ],
 )
@@ -203,6 +208,34 @@ def test_a_new_run_refuses_another_runs_checkpoints_and_a_finished_run_is_comple
 
     assert one_process(*SHORT, "--out", out, "--overwrite", "--steps", "1") == 0
     assert [p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*")] == ["step_00000001"]
+
+
+def test_an_error_during_a_background_save_finishes_it_before_the_run_ends(one_process, monkeypatch, capsys, tmp_path):
+    """The save of step 1 is in flight (its write held) when step 2 raises: the run waits
+    for it, says it was published, and only then lets the error end the run (and its
+    process group)."""
+    from fsdp_int8.checkpoint import _files
+
+    real_write, release = _files.write_manifest, threading.Event()
+
+    def held_write(*args, **kwargs):  # the writer thread waits until step 2 has raised
+        assert release.wait(timeout=60)
+        return real_write(*args, **kwargs)
+
+    def failing_rate(step, args):
+        if step == 1:
+            release.set()
+            raise RuntimeError("injected at step 2")
+        return args.lr
+
+    monkeypatch.setattr(_files, "write_manifest", held_write)
+    monkeypatch.setattr(train, "learning_rate", failing_rate)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="injected at step 2"):
+        one_process(*SHORT, "--out", str(out), "--checkpoint-async", "--checkpoint-every", "1")
+    assert f"the checkpoint in flight was published: {out / 'checkpoints' / 'step_00000001'}" in capsys.readouterr().err
+    assert (out / "checkpoints" / "step_00000001" / "manifest.json").is_file()
+    assert not torch.distributed.is_initialized()
 
 
 def test_the_lean_recipe_trains_and_resumes(one_process, tmp_path):
@@ -348,7 +381,7 @@ def test_auto_precision_follows_the_hardware(monkeypatch, int8_fast, bf16_fast, 
     monkeypatch.setattr(hardware, "capability", lambda device: found)
     args = train.parse_args([])
     assert (args.precision, args.compute_dtype) == ("auto", "auto")  # the defaults
-    chosen, dtype, line = precisions.resolve_auto(args.precision, args.compute_dtype, torch.device("cpu"))
+    chosen, dtype, line = hardware_choice.resolve_auto(args.precision, args.compute_dtype, torch.device("cpu"))
     assert (chosen, dtype) == (precision, compute)
     assert line.startswith("auto on a CPU:") and "int8 evidence" in line and "bf16 evidence" in line
 
@@ -356,9 +389,9 @@ def test_auto_precision_follows_the_hardware(monkeypatch, int8_fast, bf16_fast, 
 def test_explicit_precision_wins_over_auto(monkeypatch):
     monkeypatch.setattr(hardware, "capability", lambda device: pytest.fail("asked the hardware"))
     cpu = torch.device("cpu")
-    assert precisions.resolve_auto("int8-mm", "bf16", cpu) == ("int8-mm", "bf16", None)
+    assert hardware_choice.resolve_auto("int8-mm", "bf16", cpu) == ("int8-mm", "bf16", None)
     # a baseline: no compute dtype to choose
-    assert precisions.resolve_auto("fp32", "auto", cpu) == ("fp32", "auto", None)
+    assert hardware_choice.resolve_auto("fp32", "auto", cpu) == ("fp32", "auto", None)
     with pytest.raises(SystemExit):  # the old alias of int8-mm is gone
         train.parse_args(["--precision", "int8-mm-all"])
 
@@ -390,50 +423,66 @@ def test_step_in_backward_flags(capsys):
         assert message in capsys.readouterr().err, argv
 
 
-# ---------------------------------------------------------------- launch.precisions
+# ---------------------------------------------------------------- launch.precisions, launch.compile_policy
 def test_a_row_spells_a_precision_and_its_options():
-    parse = precisions.parse_row
-    assert parse("int8-mm", compile=True) == precisions.Recipe(precisions.PRECISIONS["int8-mm"], "bf16", True)
-    assert parse("int8:fp32:eager", compile=True) == precisions.Recipe.of("int8", "fp32", False)
-    assert parse("int8:compiled", compile=False).compile
-    assert parse("bf16", compile=True) == precisions.Recipe.of("bf16", "fp32", True)  # options dropped
-    for name in ("int8-mm", "int8:fp32:eager", "int8:bf16-model", "int8-grads:eager", "all-bf16", "torchao"):
-        assert parse(name, compile=True).name == name  # the spelling of a recipe reads back as it
-    assert parse("int8:fp32:compiled", compile=False).name == "int8:fp32"
-    assert parse("int8-mm-wgrad-bf16:eager", compile=True).label == "int8 matmuls, float wgrad (eager)"
+    parse, recipe = precisions.parse_row, precisions.Recipe
+    assert parse("int8-mm") == recipe(precisions.PRECISIONS["int8-mm"], "bf16", "on")  # compile=on: the rows' default
+    assert parse("int8:fp32:compile=off") == recipe.of("int8", "fp32", "off")
+    assert parse("int8:compile=on", compile="off").compile == "on" and parse("int8:compile=auto").compile == "auto"
+    assert parse("bf16") == recipe.of("bf16", "fp32", "on")  # options dropped
+    for name in ("int8-mm", "int8:fp32:compile=off", "int8:compile=auto", "int8:bf16-model", "int8-grads:compile=off",
+                 "all-bf16", "torchao"):
+        assert parse(name).name == name  # the spelling of a recipe reads back as it
+    assert parse("int8:fp32:compile=on", compile="off").name == "int8:fp32"
+    assert parse("int8-mm-wgrad-bf16:compile=off").label == "int8 matmuls, float wgrad (compile=off)"
     for bad, message in (("int8-mm-all", "unknown precision"), ("int8:fp16", "unknown option"),
-                         ("fp32:eager", "takes no options")):
+                         ("int8:compile=yes", "compile=auto / compile=on / compile=off"),
+                         ("fp32:compile=off", "takes no options")):
         with pytest.raises(ValueError, match=message):
-            parse(bad, compile=True)
+            parse(bad)
     assert set(precisions.LAUNCHER_PRECISIONS) <= set(precisions.PRECISIONS)
-    assert precisions.compile_wanted("auto", 511) is False and precisions.compile_wanted("auto", 512) is True
+    # the launcher's --compile auto and the benchmarks' rows: the library's rule, for the model's width
+    assert precisions.resolve_compile("auto", 511) == "off" and precisions.resolve_compile("auto", 512) == "on"
+    assert precisions.resolve_compile("on", 16) == "on" and precisions.resolve_compile("off", 4096) == "off"
 
 
-def test_compiled_blocks_are_a_row_option_of_every_precision_and_a_compile_mode():
-    parse = precisions.parse_row
-    assert parse("bf16:blocks", compile=True) == precisions.Recipe(precisions.PRECISIONS["bf16"], None, False, True)
+def test_the_compile_choice_has_one_spelling_and_the_others_name_it():
+    """Rows, recipes and the launcher spell the kernels' choice as Int8TrainingConfig.compile
+    does (auto / on / off); the row options compiled and eager, a bool and --compile blocks
+    are refused, each naming the spelling to use."""
+    for old, new in (("int8:fp32:eager", "int8:fp32:compile=off"), ("int8-mm:compiled:blocks", "int8-mm:compile=on:blocks")):
+        with pytest.raises(ValueError, match=f"is spelled compile=o[nf]+ .*: {new} instead of {old}"):
+            precisions.parse_row(old)
+        with pytest.raises(argparse.ArgumentTypeError, match=new):
+            precisions.row_argument(old)
+    with pytest.raises(TypeError, match="use compile='off' instead of compile=False"):
+        precisions.Recipe(precisions.PRECISIONS["int8"], "bf16", False)
+    assert train.parse_args([]).compile == "auto" and train.parse_args(["--compile", "off"]).compile == "off"
+    with pytest.raises(argparse.ArgumentTypeError, match="--compile-blocks instead of --compile blocks"):
+        compile_policy.compile_choice("blocks")
+
+
+def test_compiled_blocks_are_a_row_option_of_every_precision_and_a_launcher_flag():
+    parse, recipe = precisions.parse_row, precisions.Recipe
+    assert parse("bf16:blocks") == recipe(precisions.PRECISIONS["bf16"], None, "off", True)
     # compiled blocks keep the compiled kernels for what runs outside them (the weights' updates)
-    assert parse("int8-mm:blocks", compile=True) == precisions.Recipe(precisions.PRECISIONS["int8-mm"], "bf16", True, True)
-    assert parse("int8-mm:eager:blocks", compile=True).compile is False
-    for name in ("bf16:blocks", "int8-mm:blocks", "int8:fp32:blocks", "int8-mm:eager:blocks"):
-        assert parse(name, compile=True).name == name
-    assert parse("int8:compiled:blocks", compile=False).name == "int8:blocks"
-    assert precisions.compile_wanted("blocks", 512) and not precisions.compile_wanted("blocks", 511)
-    for bad, message in (("fp32:eager:blocks", "takes no options but blocks"),):
-        with pytest.raises(ValueError, match=message):
-            parse(bad, compile=False)
-    wanted = precisions.blocks_wanted
-    assert wanted("blocks", "cpu") and not wanted("on", "cuda") and not wanted("off", "cuda")
-    assert wanted("auto", "cuda") and not wanted("auto", "cpu")  # GPUs compile blocks by default; CPUs do not
-    assert not wanted("auto", "cuda", tp=2) and not wanted("auto", "cuda", pp=2)  # not tested compiled yet
-    with pytest.raises(ValueError, match="not tested with --tp or --pp"):
-        wanted("blocks", "cpu", pp=2)
-    # torch compiles torch._grouped_mm for bf16 operands only: fp32 MoE blocks stay eager
-    assert not wanted("auto", "cuda", fp32_experts=True)
+    assert parse("int8-mm:blocks") == recipe(precisions.PRECISIONS["int8-mm"], "bf16", "on", True)
+    assert parse("int8-mm:compile=off:blocks").compile == "off"
+    for name in ("bf16:blocks", "int8-mm:blocks", "int8:fp32:blocks", "int8-mm:compile=off:blocks"):
+        assert parse(name).name == name
+    assert parse("int8:compile=on:blocks", compile="off").name == "int8:blocks"
+    with pytest.raises(ValueError, match="takes no options but blocks"):
+        parse("fp32:compile=off:blocks")
+    flagged = train.parse_args(["--compile-blocks", "--compile", "off"])  # two choices, one flag each
+    assert flagged.compile_blocks and flagged.compile == "off" and not train.parse_args([]).compile_blocks
+    # torch compiles torch._grouped_mm for bf16 operands only: fp32 MoE blocks are refused
+    # (--precision / --compute-dtype auto: once the hardware has resolved them)
+    moe = train.parse_args(["--preset", "tiny-moe", "--compile-blocks"])
+    compile_policy.check_blocks(moe, fp32=False)
     with pytest.raises(ValueError, match="mixture-of-experts preset needs bf16 compute"):
-        wanted("blocks", "cuda", fp32_experts=True)
-    assert precisions.Recipe.of("fp32").computes_in_fp32 and precisions.Recipe.of("int8", "fp32").computes_in_fp32
-    assert not precisions.Recipe.of("bf16").computes_in_fp32 and not precisions.Recipe.of("int8-mm").computes_in_fp32
+        compile_policy.check_blocks(moe, fp32=True)
+    assert recipe.of("fp32").computes_in_fp32 and recipe.of("int8", "fp32").computes_in_fp32
+    assert not recipe.of("bf16").computes_in_fp32 and not recipe.of("int8-mm").computes_in_fp32
 
 
 def _every_precision_trains(rank: int, world: int) -> dict:
@@ -441,11 +490,11 @@ def _every_precision_trains(rank: int, world: int) -> dict:
     shape = PRESETS["tiny"]
     tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     for row in ("fp32", "bf16", "all-bf16", "int8", "int8-mm", "int8-mm-wgrad-bf16", "int8-grads",
-                "int8-mm-grads", "int8:fp32:eager", "int8-mm:bf16-model", "bf16:blocks", "int8-mm:blocks"):
-        recipe = precisions.parse_row(row, compile=False)
+                "int8-mm-grads", "int8:fp32:compile=off", "int8-mm:bf16-model", "bf16:blocks", "int8-mm:blocks"):
+        recipe = precisions.parse_row(row, compile="off")
         # full_init is one code path for every recipe: one baseline, one int8 and the bf16 model suffice
         for full_init in (False, True) if row in ("bf16", "int8", "int8-mm:bf16-model") else (False,):
-            model = precisions.build_model(recipe, shape, "cpu", full_init=full_init)
+            model = build.build_model(recipe, shape, "cpu", full_init=full_init)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             losses = [train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], clip=False)
                       for _ in range(3)]
@@ -460,12 +509,12 @@ def _every_precision_trains(rank: int, world: int) -> dict:
 
 
 def test_every_precision_builds_shards_and_trains():
-    """Each precision of launch.precisions, built both ways (on meta then initialised by
+    """Each precision of launch.precisions, built by launch.build both ways (on meta then initialised by
     shard, and initialised whole then sharded), trains: its loss falls over 3 steps. With
     ``blocks`` (a bf16 baseline and int8 matmuls) every block is compiled whole, by inductor."""
     results = run_distributed(_every_precision_trains, 1)[0]
     for (row, full_init), found in results.items():
-        recipe = precisions.parse_row(row, compile=False)
+        recipe = precisions.parse_row(row, compile="off")
         assert found["losses"][-1] < found["losses"][0], (row, full_init, found["losses"])
         assert found["compiled"] == [recipe.blocks] * PRESETS["tiny"].n_layers, (row, found["compiled"])
         assert (found["int8"] == 7 * PRESETS["tiny"].n_layers) == recipe.precision.int8, (row, found)
@@ -486,13 +535,13 @@ def _tensor_parallel_against_data_parallel(rank: int, world: int) -> dict:
               "pp+tp": parallel.device_mesh("cpu", pp=2, tp=2)}
     out = {"data_rank": {name: parallel.data_rank(mesh) for name, mesh in meshes.items()}}
     for layout, mesh in meshes.items():  # the launcher's meta-device build: each rank initialises its piece
-        model = precisions.build_model(precisions.parse_row("int8:fp32:eager", compile=False), shape, "cpu",
+        model = build.build_model(precisions.parse_row("int8:fp32:compile=off"), shape, "cpu",
                                        mesh=parallel.stage_mesh(mesh), stage=parallel.pipeline_stage(mesh))
         out["init", layout] = _gathered_values(model)
-    for row in ("fp32", "int8:fp32:eager"):
+    for row in ("fp32", "int8:fp32:compile=off"):
         for layout in ("dp", "tp"):
             # full_init: the same initial weights whatever the layout (on meta, each shard draws its own)
-            model = precisions.build_model(precisions.parse_row(row, compile=False), shape, "cpu", full_init=True,
+            model = build.build_model(precisions.parse_row(row), shape, "cpu", full_init=True,
                                            mesh=meshes[layout])
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             losses, norms = [], []
@@ -539,7 +588,7 @@ def test_tensor_parallel_builds_what_data_parallel_builds():
         for layout in found["data_rank"]:  # a meta-device init equals a single process's, bit for bit
             init = found["init", layout]
             assert init and all(torch.equal(value, whole[name]) for name, value in init.items()), (rank, layout)
-        for row in ("fp32", "int8:fp32:eager"):
+        for row in ("fp32", "int8:fp32:compile=off"):
             dp, tp = found[row, "dp"], found[row, "tp"]
             # Same weights and data: the layouts differ only in the order of fp32 sums (tp partial
             # sums, the clip's norm over two meshes), ~1e-6 relative; a wrong split or a norm that

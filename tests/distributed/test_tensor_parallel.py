@@ -328,14 +328,14 @@ def _check_quantized_reduce_scatter(mesh) -> None:
 
 
 def _check_compiled_kernels_match_eager(mesh) -> None:
-    """``compile=True`` runs the same arithmetic as eager under TP (the fused update of
+    """``compile="on"`` runs the same arithmetic as eager under TP (the fused update of
     colwise weights on their tp stream, the shared-scale rounding of rowwise ones): three
     stochastic-rounding steps with int8 matmuls give the same losses, bit for bit. In the
     exhaustive matrix only: compiling costs about a minute on 2 cores."""
     with case("compiled kernels under TP equal eager"):
         losses = {}
         for compiled in (False, True):
-            config = _config(seed=6, compile=compiled, int8_matmul=Int8MatmulConfig())
+            config = _config(seed=6, compile="on" if compiled else "off", int8_matmul=Int8MatmulConfig())
             model = fsdp_int8.shard_model(_model(), mesh=mesh, config=config, tp_plan=PLAN)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             x = _batch(4)[mesh.get_local_rank("dp") * 4:][:4]

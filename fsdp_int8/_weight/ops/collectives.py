@@ -46,7 +46,7 @@ def _all_gather_into_tensor(func, weight: Int8Weight, group_size: int, group_nam
     # separately, rows stay whole.
     data = _WAIT(func(weight.int_data.contiguous(), group_size, group_name))
     scale = _WAIT(func(weight.scale.contiguous(), group_size, group_name))
-    return weight.derive(data, scale)
+    return weight.with_tensors(data, scale)
 
 
 @_implements(_WAIT, _functional._wrap_tensor_autograd.default)
@@ -122,7 +122,7 @@ def _warn_if_inexact(func, args: tuple, kwargs: dict, images: dict[int, list]) -
         )
 
 
-def _images(args: tuple, kwargs: dict, make: Callable[[Int8Weight], torch.Tensor]):
+def _swap_weights(args: tuple, kwargs: dict, make: Callable[[Int8Weight], torch.Tensor]):
     """``args`` / ``kwargs`` with every Int8Weight replaced by ``make(weight)``, and the
     ``(weight, image)`` pairs by argument position (keyword arguments under their name)."""
     pairs: dict[Any, list[tuple[Int8Weight, torch.Tensor]]] = {}
@@ -139,7 +139,7 @@ def _images(args: tuple, kwargs: dict, make: Callable[[Int8Weight], torch.Tensor
     return wire_args, wire_kwargs, pairs
 
 
-def _poison(weight: Int8Weight) -> torch.Tensor:
+def _nan_like(weight: Int8Weight) -> torch.Tensor:
     return torch.full(weight.shape, float("nan"), dtype=weight.dtype, device=weight.device)
 
 
@@ -158,11 +158,11 @@ def _complete(func, result: Any, written: list[torch.Tensor]) -> None:
 def _values_on_the_wire(func, *args, **kwargs) -> Any:
     error: BaseException | None = None
     try:
-        wire_args, wire_kwargs, images = _images(args, kwargs, lambda w: w.dequantize())
+        wire_args, wire_kwargs, images = _swap_weights(args, kwargs, lambda w: w.dequantize())
         _warn_if_inexact(func, args, kwargs, images)
     except Exception as caught:  # take part anyway: the other ranks are in this collective
         error = caught
-        wire_args, wire_kwargs, images = _images(args, kwargs, _poison)
+        wire_args, wire_kwargs, images = _swap_weights(args, kwargs, _nan_like)
     result = func(*wire_args, **wire_kwargs)
     names = [a.name for a in func._schema.arguments]
     positions = _written(func)
@@ -186,7 +186,7 @@ def _values_on_the_wire(func, *args, **kwargs) -> Any:
 @_op_table.falls_back_in(*COLLECTIVE_NAMESPACES)
 def _refuse_collective(func, *args, **kwargs) -> None:
     """A collective this table does not know: take part sending NaN, then refuse it."""
-    wire_args, wire_kwargs, images = _images(args, kwargs, _poison)
+    wire_args, wire_kwargs, images = _swap_weights(args, kwargs, _nan_like)
     result = func(*wire_args, **wire_kwargs)
     pending = [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
     _complete(func, result, pending + [i for pairs in images.values() for _, i in pairs])

@@ -44,7 +44,7 @@ def zeros_in_rows(weight: Int8Weight, size: Sequence[int], dtype, device) -> Int
     int_data = torch.zeros(size, dtype=torch.int8, device=device)
     scale_shape = size[:-1] if len(size) >= 2 else [numel // weight.row_len]
     scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
-    return weight.derive(int_data, scale, dtype=dtype)
+    return weight.with_tensors(int_data, scale, dtype=dtype)
 
 
 def _wants_plain(dtype) -> bool:
@@ -76,7 +76,7 @@ def _zeros_like(func, weight, dtype=None, layout=None, device=None, pin_memory=N
 
 @_implements(aten.clone.default)
 def _clone(func, weight: Int8Weight, memory_format=None) -> Int8Weight:
-    return weight.derive(
+    return weight.with_tensors(
         weight.int_data.clone(memory_format=torch.contiguous_format),
         weight.scale.clone(memory_format=torch.contiguous_format),
     )
@@ -97,7 +97,7 @@ def _to_copy(func, weight: Int8Weight, dtype=None, layout=None, device=None, pin
     ]
     if pin_memory:
         moved = [t.pin_memory() for t in moved]
-    return weight.derive(*moved, dtype=dtype)
+    return weight.with_tensors(*moved, dtype=dtype)
 
 
 @_implements(aten.is_pinned.default)
@@ -107,7 +107,7 @@ def _is_pinned(func, weight: Int8Weight, device=None) -> bool:
 
 @_implements(aten._pin_memory.default)
 def _pin_memory(func, weight: Int8Weight, device=None) -> Int8Weight:
-    return weight.derive(weight.int_data.pin_memory(), weight.scale.pin_memory())
+    return weight.with_tensors(weight.int_data.pin_memory(), weight.scale.pin_memory())
 
 
 @_implements(aten.equal.default)

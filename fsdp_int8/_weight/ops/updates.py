@@ -88,7 +88,7 @@ def _update(func, target: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     args, kwargs = _as_fp32(args, kwargs)
     func(values, *args, **kwargs)
     stochastic = target.stochastic_rounding and func not in _DETERMINISTIC
-    return target.assign_(values, stochastic=stochastic, step_update=True)
+    return target.assign_(values, stochastic=stochastic, optimizer_update=True)
 
 
 # ---------------------------------------------------------------- fused addcdiv_
@@ -190,7 +190,7 @@ def _fused_optimizer_step(func, params, *args, **kwargs) -> None:
     func(work_params, *work_args, **kwargs)
     for param, values in zip(params, work_params):
         if isinstance(param, Int8Weight):
-            param.assign_(values, stochastic=param.stochastic_rounding, step_update=True)
+            param.assign_(values, stochastic=param.stochastic_rounding, optimizer_update=True)
         elif values is not param:
             param.copy_(values)
     for arg, work in zip(args, work_args):

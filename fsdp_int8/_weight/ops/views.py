@@ -58,7 +58,7 @@ def _as_rows(weight: Int8Weight, start: int, stop: int, *, flat: bool) -> Int8We
     data = weight.int_rows()[start:stop]
     if flat:
         data = data.view(-1)
-    return weight.derive(data, weight.scale.view(-1)[start:stop])
+    return weight.with_tensors(data, weight.scale.view(-1)[start:stop])
 
 
 def _rows_of(weight: Int8Weight, count: int, what: str) -> int:
@@ -96,7 +96,7 @@ def _row_dim(dim: int, ndim: int, op: str) -> int:
 
 def _flat_view(weight: Int8Weight) -> Int8Weight:
     try:
-        return weight.derive(weight.int_data.view(-1), weight.scale.view(-1))
+        return weight.with_tensors(weight.int_data.view(-1), weight.scale.view(-1))
     except RuntimeError:
         raise NotImplementedError(
             "cannot view this Int8Weight as flat: its int8 rows are strided views (of an "
@@ -108,9 +108,9 @@ def _flat_view(weight: Int8Weight) -> Int8Weight:
 def _view_as_shape(weight: Int8Weight, size: Sequence[int]) -> Int8Weight:
     size = list(torch._prims_common.infer_size(size, weight.numel()))
     if size == list(weight.shape):
-        return weight.derive(weight.int_data, weight.scale)
+        return weight.with_tensors(weight.int_data, weight.scale)
     if len(size) >= 2 and size[-1] == weight.row_len:  # rows regrouped: [*leading, K]
-        return weight.derive(weight.int_data.view(size), weight.scale.view(size[:-1]))
+        return weight.with_tensors(weight.int_data.view(size), weight.scale.view(size[:-1]))
     if len(size) == 1:
         return _flat_view(weight)
     raise NotImplementedError(
@@ -123,17 +123,15 @@ def _view_as_shape(weight: Int8Weight, size: Sequence[int]) -> Int8Weight:
 def _along(weight: Int8Weight, dim: int, take) -> Int8Weight:
     """A regrouped view's data and scales, both cut by ``take(tensor, dim)`` (leading dim).
     A piece cut along a leading dim other than 0 is no dim-0 shard of any weight
-    (``full_rows`` 0): FSDP2 sharding experts that way (torchtitan's ``Shard(1)``) is then
+    (``unsharded_rows`` 0): FSDP2 sharding experts that way (torchtitan's ``Shard(1)``) is then
     refused at their all-gather, whose wire format holds whole dim-0 entries."""
-    piece = weight.derive(take(weight.int_data, dim), take(weight.scale, dim))
-    if dim != 0:
-        piece.full_rows = 0
-    return piece
+    changes = {} if dim == 0 else {"unsharded_rows": 0}
+    return weight.with_tensors(take(weight.int_data, dim), take(weight.scale, dim), **changes)
 
 
 @_implements(aten.detach.default, aten.alias.default)
 def _alias(func, weight: Int8Weight) -> Int8Weight:
-    return weight.derive(weight.int_data, weight.scale)
+    return weight.with_tensors(weight.int_data, weight.scale)
 
 
 @_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -221,10 +219,10 @@ def _split_with_sizes(func, weight: Int8Weight, split_sizes, dim: int = 0) -> li
 def _column_window(weight: Int8Weight, start: int, end: int) -> Int8Weight:
     """Columns ``[start, end)`` of a 2-D weight, with its (whole rows') scales, as a view."""
     if start == 0 and end == weight.row_len:
-        return weight.derive(weight.int_data, weight.scale)
+        return weight.with_tensors(weight.int_data, weight.scale)
     outer = weight.tensor_parallel  # a window of a window: columns of the same whole rows
     offset, row_len = (outer.start, outer.row_len) if isinstance(outer, ColumnWindow) else (0, weight.row_len)
-    return weight.derive(
+    return weight.with_tensors(
         weight.int_data[:, start:end], weight.scale, row_len=end - start,
         tensor_parallel=ColumnWindow(offset + start, offset + end, row_len),
     )
@@ -298,11 +296,9 @@ def _cat(func, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     dim = _row_dim(dim, first.dim(), "cat")
     if not whole_rows:
         raise NotImplementedError("cat needs Int8Weights of one row length and one rank")
-    joined = first.derive(
-        torch.cat([t.int_data for t in tensors], dim), torch.cat([t.scale for t in tensors], dim)
-    )
-    joined.full_rows = max(first.full_rows, joined.rows)
-    return joined
+    scale = torch.cat([t.scale for t in tensors], dim)
+    return first.with_tensors(torch.cat([t.int_data for t in tensors], dim), scale,
+                        unsharded_rows=max(first.unsharded_rows, scale.numel()))
 
 
 def _cat_columns(tensors: Sequence[Int8Weight]) -> Int8Weight:
@@ -317,9 +313,9 @@ def _cat_columns(tensors: Sequence[Int8Weight]) -> Int8Weight:
             "their row scales (a tensor-parallel split by fsdp_int8.parallel does); these "
             "differ. Call .dequantize() on each piece for a plain result. " + _ROW_BREAKING
         )
-    return first.derive(
+    return first.with_tensors(
         torch.cat([t.int_rows() for t in tensors], 1), first.scale.clone(),
-        row_len=sum(t.row_len for t in tensors), full_rows=None, tensor_parallel=None,
+        row_len=sum(t.row_len for t in tensors), unsharded_rows=None, tensor_parallel=None,
     )
 
 
