@@ -344,9 +344,11 @@ def load_checkpoint(
             ``CheckpointInfo.step`` and ``world_size`` are ``None``.
 
     Raises:
-        CheckpointError: missing, incomplete, truncated or corrupted checkpoints, folders
-            without a manifest (unless ``allow_unverified``), checkpoints whose entries or
-            shapes do not fit the model or optimizer, int8 weights with NaN, infinite or
+        CheckpointError: missing, incomplete (a rank's files not in the manifest or not on
+            disk), truncated or corrupted checkpoints, folders without a manifest (unless
+            ``allow_unverified``), checkpoints whose entries or shapes do not fit the model
+            or optimizer or (``strict``) whose model split its tensors into other heads or
+            top-k, int8 weights with NaN, infinite or
             negative scales or values of -128, and any failure while reading.
         TypeError: ``optimizer`` is no optimizer and forwards to none.
     """
