@@ -3,7 +3,7 @@ sharded (``Int8TrainingConfig``), and which matmuls run as int8 GEMMs (``Int8Mat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Literal
 
 import torch
@@ -85,6 +85,21 @@ class Int8MatmulConfig:
 # model saved with torch.save loads under torch.load(weights_only=True) with it allow-listed
 # (plain data: three bools).
 torch.serialization.add_safe_globals([Int8MatmulConfig])
+
+
+def recorded_int8_matmul(value: Any) -> tuple[Int8MatmulConfig | None, bool]:
+    """An int8 matmul choice as a file recorded it (an ``Int8MatmulConfig``, its fields as a
+    dict, or ``None``), as ``(int8_matmul, int8_gathered_weights)``. Earlier files wrote
+    "keep the gathered weights int8" as a config with every GEMM off: that reads as
+    ``(None, True)``. Only files go through this: such a config given in code is refused."""
+    if value is None:
+        return None, False
+    if isinstance(value, Int8MatmulConfig):  # unpickled: its fields as the file held them
+        value = {field.name: getattr(value, field.name) for field in fields(value) if hasattr(value, field.name)}
+    flags = {name: bool(flag) for name, flag in dict(value).items()}
+    if not (flags.get("output") or flags.get("grad_input") or flags.get("grad_weight")):
+        return None, True
+    return Int8MatmulConfig(**flags), False
 
 
 def __getattr__(name: str) -> Any:

@@ -20,8 +20,8 @@ from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embe
 from fsdp_int8._weight.load_checks import add_check_hook
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import (
-    OFF, ON, Int8TrainingConfig, counts_experts, expert_weight_names, is_conv1d, training_config,
-    why_experts_stay_full_precision,
+    OFF, ON, Int8TrainingConfig, counts_experts, expert_weight_names, is_conv1d, recorded_int8_matmul,
+    training_config, why_experts_stay_full_precision,
 )
 from fsdp_int8.guard import refuse_steps_on_replaced
 
@@ -197,9 +197,8 @@ class _RequantizeAssigned:
         # layouts 1 and 2 no ``names`` (a layer's weight); 0.1.0's layouts hold a bool
         self.__dict__.update({"compiled": OFF, "names": ("weight",), "int8_gathered_weights": False, **state})
         self.compiled = recorded_compile(self.compiled)
-        matmul = self.int8_matmul  # a config without int8 GEMMs: the earlier "keep gathered int8"
-        if matmul is not None and not (matmul.output or matmul.grad_input or matmul.grad_weight):
-            self.int8_matmul, self.int8_gathered_weights = None, True
+        self.int8_matmul, gathered = recorded_int8_matmul(self.int8_matmul)
+        self.int8_gathered_weights = self.int8_gathered_weights or gathered
 
     def __call__(self, module: nn.Module, incompatible_keys) -> None:
         for name in self.names:

@@ -119,8 +119,8 @@ def guard_finite_steps(optimizer: torch.optim.Optimizer) -> RemovableHandle:
         check_finite_gradients(opt)
 
     _explicitly_guarded.add(optimizer)  # the default guard does not check a second time
-    handle = optimizer.register_step_pre_hook(hook)
-    return handle
+    _guarded_by_default.discard(optimizer)
+    return optimizer.register_step_pre_hook(hook)
 
 
 # An optimizer class that checks its gradients itself (Int8AdamW, Int8SGD) sets this.
@@ -148,13 +148,14 @@ def _before_each_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
         if _needs_default_guard(optimizer):
             _guarded_by_default.add(optimizer)
         _checked_optimizers.add(optimizer)
-    if optimizer in _guarded_by_default and optimizer not in _explicitly_guarded:
+    if optimizer in _guarded_by_default:
         check_finite_gradients(optimizer)
 
 
 def _needs_default_guard(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` holds an int8 weight and does not check its gradients itself."""
-    if getattr(optimizer, CHECKS_OWN_GRADIENTS, False):
+    """Whether ``optimizer`` holds an int8 weight and checks its gradients neither itself nor
+    through :func:`guard_finite_steps`."""
+    if getattr(optimizer, CHECKS_OWN_GRADIENTS, False) or optimizer in _explicitly_guarded:
         return False
     return any(
         isinstance(local_shard(param), Int8Weight) for group in optimizer.param_groups for param in group["params"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fsdp_int8.config import Int8MatmulConfig
+from fsdp_int8.config import recorded_int8_matmul
 
 __all__ = ["pickled_fields", "read"]
 
@@ -49,14 +49,6 @@ def read(fields: Any, rest: tuple) -> tuple[dict[str, Any], bool, bool]:
             int8_matmul = dict(zip(("output", "grad_input", "grad_weight"), int8_matmul))
         fields = dict(row_len=fields, unsharded_rows=unsharded_rows, stochastic_rounding=stochastic,
                       int8_matmul=int8_matmul, compiled=bool(compiled))
-    matmul = fields.get("int8_matmul")
-    if isinstance(matmul, Int8MatmulConfig):
-        matmul = dataclasses.asdict(matmul)
-    if isinstance(matmul, dict):
-        flags = {name: bool(value) for name, value in matmul.items()}
-        if not (flags.get("output") or flags.get("grad_input") or flags.get("grad_weight")):
-            # a config without int8 GEMMs: how a weight said "keep the gathered weight int8"
-            fields["int8_matmul"], fields["int8_gathered_weights"] = None, True
-        else:
-            fields["int8_matmul"] = Int8MatmulConfig(**flags)
+    fields["int8_matmul"], gathered = recorded_int8_matmul(fields.get("int8_matmul"))
+    fields["int8_gathered_weights"] = fields.get("int8_gathered_weights", False) or gathered
     return fields, bool(requires_grad), bool(is_param)

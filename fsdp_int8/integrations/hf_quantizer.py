@@ -40,7 +40,8 @@ from transformers.quantizers.quantizers_utils import get_module_from_name, shoul
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from fsdp_int8._weight.tensor import Int8Weight
-from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, expert_weight_names, training_config
+from fsdp_int8.config import (Int8MatmulConfig, Int8TrainingConfig, expert_weight_names, recorded_int8_matmul,
+                              training_config)
 from fsdp_int8.convert import parameter_owners, quantize_, recorded_compile
 from fsdp_int8.integrations._hf_conversions import (
     add_scale_conversions, check_tied_copy, checked_rows, int8_layers_in_checkpoint,
@@ -109,10 +110,9 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         self.skip_names = list(skip_names)
         self.min_features = int(min_features)
         self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
-        self.int8_matmul = None if int8_matmul is None else dict(int8_matmul)
-        self.int8_gathered_weights = bool(int8_gathered_weights)
-        if self.int8_matmul is not None and not any(self.int8_matmul.get(k) for k in ("output", "grad_input", "grad_weight")):
-            self.int8_matmul, self.int8_gathered_weights = None, True  # how earlier folders said it
+        matmul, gathered = recorded_int8_matmul(int8_matmul)
+        self.int8_matmul = None if matmul is None else dataclasses.asdict(matmul)
+        self.int8_gathered_weights = bool(int8_gathered_weights) or gathered
         self.compile = compile  # "auto", "on" or "off": to_training_config checks it
         self.quantize_embeddings = bool(quantize_embeddings)
         self.to_training_config()  # validates the fields now, not at load time
