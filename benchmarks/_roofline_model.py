@@ -52,7 +52,7 @@ class DevicePeaks:
         overlap: Whether collectives overlap compute (GPUs: True).
         measured: Where the figures come from, for the output.
         gemm_rates: FLOP/s of 2-D GEMMs by ``(dtype, m, k, n, a transposed, b transposed)``
-            (``benchmarks._op_trace.gemm_shape``), measured where the rate depends on the
+            (``benchmarks._flops.gemm_shape``), measured where the rate depends on the
             shape and layout (a CPU's reference loops); any other GEMM runs at ``flops``' rate.
     """
 

@@ -38,24 +38,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import tempfile
-import traceback
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import fsdp_int8
 from benchmarks import ratios
+from benchmarks._gpu_checks import run_checks
 from benchmarks import rows as registry
 from benchmarks.timing import interleave, paired_ratio, train_step
 from fsdp_int8 import Int8MatmulConfig, Int8Weight, hardware
 from fsdp_int8.hardware import device_type_for
 from fsdp_int8.testing import run_distributed
-from launch.model import PRESETS, next_token_loss
+from launch.model import next_token_loss
 from launch.build import build_model
 from launch.precisions import Recipe
 
@@ -69,126 +67,6 @@ GOALS = {
     "int8 matmul training >= 1.3x bf16 FSDP2 tokens/s (1b)": ("train", "int8-mm", 1.3),
     "compiled int8 matmul training >= 1.3x compiled bf16 FSDP2 tokens/s (1b)": ("train", "int8-mm:blocks", 1.3),
 }
-
-
-# ---------------------------------------------------------------- checks
-def _check_linear_shapes(device: str) -> None:
-    config = fsdp_int8.Int8TrainingConfig(int8_matmul=Int8MatmulConfig(), min_features=1)
-    for tokens in (1, 16, 17, 64):  # <= 16 rows are padded to 17 for cuBLASLt
-        layer = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 32)), config).to(device)
-        x = torch.randn(tokens, 64, device=device, requires_grad=True)
-        reference = F.linear(x, layer[0].weight.dequantize(), layer[0].bias)
-        out = layer(x)
-        out.sum().backward()
-        # int8 activations: one rounding of x per row (<= 1/254 of its absmax), so the
-        # output moves by well under 5% of its scale; exactness is tested on the CPU
-        error = (out - reference).abs().max() / reference.abs().max()
-        assert error < 0.05 and x.grad is not None and torch.isfinite(x.grad).all(), (tokens, float(error))
-    if device == "cuda":
-        odd = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(60, 32)), config).to(device)
-        try:
-            odd(torch.randn(4, 60, device=device))
-        except ValueError as error:
-            assert "divisible by 8" in str(error)
-        else:
-            raise AssertionError("in_features=60 ran an int8 GEMM on CUDA")
-
-
-def _compiled_or_eager_step(device: str, compile: str) -> tuple[torch.Tensor, ...]:
-    """Forward, backward and an SGD step of a bf16 int8-matmul layer; what each wrote."""
-    torch.manual_seed(0)
-    config = fsdp_int8.Int8TrainingConfig(int8_matmul=Int8MatmulConfig(), compile=compile)
-    layer = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(512, 256)).to(torch.bfloat16), config).to(device)
-    x = torch.randn(64, 512, device=device).bfloat16().requires_grad_()
-    out = layer(x)
-    out.float().square().sum().backward()
-    torch.optim.SGD(layer.parameters(), lr=1e-2).step()
-    weight = layer[0].weight
-    return out.detach(), x.grad, weight.int_data.clone(), weight.scale.clone()
-
-
-def _check_compiled_matches_eager(device: str) -> None:
-    # compile="on" runs activation quantization, dequantization and the weight update as
-    # compiled passes with the eager passes' fp32 operations: the same bits. A compile that
-    # fails falls back to eager (with a warning, once per process), which would compare
-    # eager with eager: the profiler must see the compiled regions run.
-    from torch.profiler import ProfilerActivity, profile
-
-    eager = _compiled_or_eager_step(device, compile="off")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        compiled = _compiled_or_eager_step(device, compile="on")
-    regions = sum(e.count for e in prof.key_averages() if e.key.startswith("Torch-Compiled Region"))
-    assert regions >= 3, f"{regions} compiled regions ran (forward, backward, update): torch.compile fell back to eager"
-    for name, e, c in zip(("output", "grad_input", "int8 weight", "scales"), eager, compiled):
-        assert torch.equal(e, c), f"{name}: compiled != eager"
-
-
-def _check_deferred_finiteness(device: str) -> None:
-    weight = torch.nn.Parameter(Int8Weight.from_float(torch.randn(32, 32, device=device)))
-    # an infinite learning rate on finite gradients: the update alone is non-finite (a
-    # non-finite gradient is refused before the step by the default guard)
-    optimizer = torch.optim.SGD([weight], lr=float("inf"))
-    fsdp_int8.optim.batch_int8_updates(optimizer)  # on a GPU: the flag is read once, when step() ends
-    weight.grad = torch.ones((32, 32), device=device)
-    try:
-        optimizer.step()
-    except ValueError as error:
-        assert "non-finite" in str(error), error
-    else:
-        raise AssertionError("a step writing Inf into an int8 weight did not raise")
-
-
-def _check_checkpoint_round_trip(device: str, folder: Path) -> None:
-    model = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 64)),
-                                fsdp_int8.Int8TrainingConfig(min_features=1)).to(device)
-    optimizer = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(8, 64, device=device)).sum().backward()
-    optimizer.step()
-    fsdp_int8.save_checkpoint(folder, model, optimizer, step=1)
-    saved = model[0].weight.int_data.clone(), model[0].weight.scale.clone()
-    with torch.no_grad():
-        model[0].weight.zero_()
-    fsdp_int8.load_checkpoint(folder, model, optimizer)
-    assert torch.equal(model[0].weight.int_data, saved[0]) and torch.equal(model[0].weight.scale, saved[1])
-
-
-def _fsdp_one_rank(rank: int, world: int) -> str:
-    device = torch.device(device_type_for(world))
-    model = build_model(Recipe.of("int8-mm"), PRESETS["tiny"], device)  # on meta, sharded, then initialised
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 256, (4, 33), device=device)
-    losses = [train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], clip=False) for _ in range(3)]
-    assert losses[-1] < losses[0], losses
-    return f"{device.type}: losses {losses[0]:.3f} -> {losses[-1]:.3f}"
-
-
-def run_checks(device: str, dry_run: bool, folder: Path) -> dict:
-    """Each check's ``"pass"`` or its error, then the distributed tests' summary line."""
-    cases: dict[str, Callable[[], object]] = {
-        "F.linear int8 GEMMs at cuBLASLt's shape rules": lambda: _check_linear_shapes(device),
-        "compiled kernels equal eager, bit for bit": lambda: _check_compiled_matches_eager(device),
-        "deferred finiteness check raises at step()": lambda: _check_deferred_finiteness(device),
-        "checkpoint round trip, bit-exact": lambda: _check_checkpoint_round_trip(device, folder / "checkpoint"),
-        "FSDP2 world size 1 trains (int8 matmuls)": lambda: run_distributed(_fsdp_one_rank, 1)[0],
-    }
-    results = {}
-    for name, case in cases.items():
-        try:
-            outcome = case()
-            results[name] = "pass" + (f" ({outcome})" if isinstance(outcome, str) else "")
-        except Exception as error:  # noqa: BLE001 -- every failure is reported, none stops the run
-            results[name] = f"FAIL: {type(error).__name__}: {str(error)[:300]}"
-            traceback.print_exc()
-    if not dry_run:  # the suite's multi-process tests run on GPUs wherever there is one per rank
-        if torch.cuda.device_count() >= 2:
-            name, selection = "tests/distributed (ranks on GPUs where there are enough)", ["tests/distributed"]
-        else:
-            name = "tests/distributed at world size 1"
-            selection = ["-k", "world_size_one", "tests/distributed/test_fsdp.py"]
-        suite = subprocess.run([sys.executable, "-m", "pytest", "-q", *selection], cwd=ROOT,
-                               capture_output=True, text=True)
-        results[name] = (suite.stdout.strip().splitlines() or ["no output"])[-1]
-    return results
 
 
 # ---------------------------------------------------------------- gemm

@@ -215,8 +215,15 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def device_type_for(world_size: int = 1) -> str:
-    """The accelerator's device type (``"cuda"``, ...) when this machine has one device for
-    each of ``world_size`` ranks, else ``"cpu"``: the one rule for picking a device."""
+    """The accelerator's device type (``"cuda"``, ...) when this machine has at least
+    ``world_size`` of its devices (one per rank), else ``"cpu"``.
+
+    The one rule the library uses to pick a device (``shard_model`` on a meta model, the
+    test kit, the launcher, the benchmarks); use it to place models and data.
+
+    Args:
+        world_size: The ranks that each need a device of their own on this machine.
+    """
     if torch.accelerator.is_available() and torch.accelerator.device_count() >= world_size:
         return torch.accelerator.current_accelerator().type
     return "cpu"

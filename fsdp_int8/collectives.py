@@ -36,8 +36,12 @@ _WATCHED: dict[str, tuple[int, str]] = {
 class CollectiveRecord:
     """One collective call as seen by this rank.
 
-    ``bytes`` is the size of the full buffer (all ranks' shares); in a ring each rank sends
-    and receives ``(world_size - 1) / world_size`` of it: :attr:`wire_bytes`.
+    Attributes:
+        name: The ``torch.distributed`` function, e.g. ``"all_gather_single"``.
+        dtype: The dtype of the full buffer.
+        numel: Its element count (all ranks' shares).
+        bytes: Its size in bytes.
+        world_size: The size of the group the call ran on.
     """
 
     name: str
@@ -48,13 +52,22 @@ class CollectiveRecord:
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes this rank sends (and receives) for this call in a ring algorithm."""
+        """Bytes this rank sends (and receives) for this call in a ring algorithm:
+        ``bytes * (world_size - 1) / world_size``."""
         return self.bytes * (self.world_size - 1) / self.world_size
 
 
 @dataclass(eq=False)  # identity, not equal records: nested counters leave the active list one by one
 class CollectiveCounter:
-    """Records collectives while active; read :attr:`records` or the summaries."""
+    """The records of one :func:`count_collectives` block; read :attr:`records` or the summaries.
+
+    Counters compare by identity, not by their records: nested blocks each count what ran
+    inside them, and leave in order, even when an inner and an outer counter hold equal
+    records.
+
+    Attributes:
+        records: Every call recorded while the block was active, in order.
+    """
 
     records: list[CollectiveRecord] = field(default_factory=list)
 
@@ -71,7 +84,8 @@ class CollectiveCounter:
         return sum(r.bytes for r in self.records if name is None or r.name == name)
 
     def wire_bytes(self, name: str | None = None) -> float:
-        """Bytes this rank sent in a ring for all calls (of ``name`` only, if given)."""
+        """Bytes this rank sent in a ring for all calls (of ``name`` only, if given); see
+        :attr:`CollectiveRecord.wire_bytes`."""
         return sum(r.wire_bytes for r in self.records if name is None or r.name == name)
 
     def summary(self) -> dict[str, dict[str, int]]:
@@ -111,6 +125,18 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def count_collectives() -> Iterator[CollectiveCounter]:
     """Record every ``torch.distributed`` collective issued inside the block.
+
+    While active it wraps the ``torch.distributed`` module attributes
+    ``all_gather_single``, ``all_gather_into_tensor``, ``reduce_scatter_single``,
+    ``reduce_scatter_tensor``, ``all_reduce``, ``all_to_all_single`` and ``broadcast`` and
+    records the full-size buffer of each call (the gathered output, the scattered input,
+    the reduced tensor). Code that looks the function up on ``torch.distributed`` at call
+    time (FSDP2 does) is seen; a reference bound before the block is not. The patch is
+    process-wide (all threads); counters can nest, and each active counter records every
+    call. The originals are restored when the last active counter exits.
+
+    Returns:
+        A fresh :class:`CollectiveCounter` (yielded by the context manager).
 
     Example::
 

@@ -13,18 +13,16 @@ from fsdp_int8._dist import device_type_for
 from fsdp_int8._quant.kernels import compiler_available
 
 AUTO, ON, OFF = "auto", "on", "off"
-# Int8TrainingConfig.compile's values; the launcher's --compile and the benchmark rows'
-# compile= option take these same words
-COMPILE_CHOICES = (AUTO, ON, OFF)
-# compile="auto" turns the compiled kernels on from this row length (a layer's input
-# features): below it a layer's kernels are too small for one fused pass to repay
-# torch.compile's start-up (about 15 s per process, docs/performance.md)
+COMPILE_CHOICES = (AUTO, ON, OFF)  # also the launcher's --compile and the benchmark rows' compile=
+# compile="auto" compiles from this row length (input features): narrower kernels do not
+# repay torch.compile's start-up (about 15 s per process, docs/performance.md)
 COMPILE_FROM_WIDTH = 512
 
 __all__ = ["Int8TrainingConfig", "Int8MatmulConfig", "ModuleFilter"]
 
-# ``filter(module, fully_qualified_name) -> bool``: True quantizes that ``nn.Linear`` (or,
-# with ``quantize_embeddings``, that ``nn.Embedding``).
+#: The type of ``Int8TrainingConfig.module_filter``: ``module_filter(module, qualified_name)``
+#: returns ``True`` for each offered module (``nn.Linear``, GPT-2 ``Conv1D``, experts module,
+#: with ``quantize_embeddings`` ``nn.Embedding``) that gets an int8 weight.
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
@@ -32,8 +30,11 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 class Int8MatmulConfig:
     """Which of a linear layer's three matmuls run as int8 x int8 -> int32 GEMMs.
 
-    Activations and gradients are quantized per row on the fly (round to nearest); the
-    weight's stored int8 values are used as they are, never dequantized.
+    The GEMMs are ``torch._int_mm``. Activations and gradients are quantized per row on the
+    fly (per channel for ``grad_weight``), rounding to nearest, compiled or not as
+    ``Int8TrainingConfig.compile`` says; the weight's stored int8 values are used as they
+    are, never dequantized. Each :class:`fsdp_int8.weight.Int8Weight` carries its config
+    (``w.int8_matmul``). Give it as ``Int8TrainingConfig(int8_matmul=Int8MatmulConfig())``.
 
     Attributes:
         output: ``y = x W^T`` (forward).
@@ -47,18 +48,24 @@ class Int8MatmulConfig:
         save_int8_input: Keep the forward's int8 input (its int8 rows and one fp32 scale
             per token) for the weight gradient, instead of the input in the compute
             dtype: about half the saved bytes of a bf16 input, a quarter of an fp32 one.
-            Layers that read the same input (q / k / v, gate / up) share one copy. The
+            Layers that read the same input (q / k / v, gate / up) share one copy (under
+            ``torch.compile``, inductor merges their identical quantizations). The
             weight gradient folds the per-token scales into grad_y, quantizes that per
             output channel and runs its int8 GEMM on the saved rows, so the input carries
-            no rounding beyond the forward's own. Needs ``output`` and ``grad_weight``.
-            Off by default (docs/memory.md: what it saves and its quality).
+            no rounding beyond the forward's own; the output and ``grad_input`` are the
+            same bit for bit. Needs ``output`` and ``grad_weight``. Off by default
+            (docs/memory.md: what it saves and its quality).
 
-    At least one of the three is on: to keep FSDP2's gathered weights int8 without any
-    int8 GEMM, set ``Int8TrainingConfig(int8_gathered_weights=True)`` instead.
+    On CUDA, an int8 GEMM needs in and out features divisible by 8 (``ValueError`` at the
+    layer's first forward otherwise). On a device without a fast int8 GEMM
+    (docs/performance.md, "Which kernels are fast where"; :func:`fsdp_int8.hardware.capability`)
+    the first forward with one warns once per process (``UserWarning`` starting
+    ``fsdp_int8:``) and runs as configured: weight-only int8 is faster there.
 
-    On a device without a fast int8 GEMM (CPUs without VNNI or AMX; GPUs before sm_75 and Blackwell Ultra, sm_103, whose int8 rate is below its bf16 rate)
-    the first forward with an int8 GEMM warns once per process: weight-only int8 is
-    faster there.
+    Raises:
+        ValueError: when all three GEMMs are off (to keep FSDP2's gathered weights int8
+            without any int8 GEMM, set ``Int8TrainingConfig(int8_gathered_weights=True)``
+            instead), or ``save_int8_input`` is on without ``output`` and ``grad_weight``.
     """
 
     output: bool = True
@@ -88,9 +95,8 @@ torch.serialization.add_safe_globals([Int8MatmulConfig])
 
 
 def recorded_int8_matmul(value: Any) -> tuple[Int8MatmulConfig | None, bool]:
-    """An int8 matmul choice as a file recorded it (an ``Int8MatmulConfig``, its fields as a
-    dict, or ``None``), as ``(int8_matmul, int8_gathered_weights)``. Earlier files wrote
-    "keep the gathered weights int8" as a config with every GEMM off: that reads as
+    """A recorded int8 matmul choice (``Int8MatmulConfig``, its fields as a dict, or ``None``)
+    as ``(int8_matmul, int8_gathered_weights)``; files' all-GEMMs-off config reads as
     ``(None, True)``. Only files go through this: such a config given in code is refused."""
     if value is None:
         return None, False
@@ -118,27 +124,29 @@ LEAN_LOSS_CHUNK_TOKENS = 128
 
 @dataclass(frozen=True)
 class Int8TrainingConfig:
-    """How :func:`fsdp_int8.quantize_` and :func:`fsdp_int8.shard_model` treat a model.
+    """Every switch of int8 training, read by ``quantize_`` and ``shard_model``.
+
+    :func:`fsdp_int8.quantize_`, :func:`fsdp_int8.shard_model` and the torchtitan converter
+    read from it which layers get an int8 weight, how optimizer updates round back into
+    int8, how the stochastic-rounding generator is seeded, which matmuls run as int8 GEMMs
+    and whether the quantization kernels are compiled. Frozen: derive a variant with
+    ``dataclasses.replace(config, seed=1)``. :meth:`lean` is the lean-memory recipe.
 
     Attributes:
         stochastic_rounding: Write optimizer updates back with stochastic rounding
             (unbiased, so updates smaller than one int8 step survive on average).
-            ``False`` rounds to nearest: deterministic, for debugging and exact parity tests.
+            ``False`` rounds to nearest: deterministic, for debugging and exact parity
+            tests. Initialisation and loading always round to nearest.
         seed: Seed of the stochastic-rounding generator. Each shard rank mixes in its
             shard index, so shards draw different noise while replicas (HSDP, or DDP
             around an unsharded model) draw the same and stay bit-identical.
-        module_filter: Decides which ``nn.Linear`` layers (and mixture-of-experts
-            modules) are quantized. ``None`` uses
-            the default: every ``nn.Linear`` whose name is not in ``skip_names`` and
-            whose in and out features are both at least ``min_features``, and every
-            experts module likewise (:func:`expert_weight_names`: transformers 5's and
-            torchtitan's MoE experts, whose 3-D weights ``[experts, out, in]`` get one
-            scale per expert and output feature). Only ``nn.Linear`` modules,
-            experts modules and transformers' ``Conv1D`` modules (GPT-2) are
-            offered (a MoE router stays in full precision); a ``Conv1D`` has ``nx``
-            (in) and ``nf`` (out) features, not
-            ``in_features`` / ``out_features``. PEFT adapter layers (LoRA's ``lora_A`` /
-            ``lora_B``) are never offered: they stay in full precision.
+        module_filter: ``module_filter(module, qualified_name) -> bool`` (:data:`ModuleFilter`)
+            decides which offered modules are quantized, replacing the default rule
+            (``skip_names``, ``min_features``) entirely. Offered: ``nn.Linear``,
+            transformers' ``Conv1D`` (GPT-2; ``nx`` in and ``nf`` out features, not
+            ``in_features`` / ``out_features``), mixture-of-experts modules and, with
+            ``quantize_embeddings``, ``nn.Embedding``. PEFT adapter layers (LoRA's
+            ``lora_A`` / ``lora_B``) are never offered. ``None``: :meth:`selects_by_default`.
         skip_names: Last name components that stay in full precision (output heads,
             whose error is the most visible in the loss).
         min_features: Smaller layers stay in full precision: a row of K weights
@@ -149,43 +157,43 @@ class Int8TrainingConfig:
             matmuls run in the compute dtype.
         int8_gathered_weights: Weight-only layers keep FSDP2's all-gathered (unsharded)
             weights as int8 rows and scales, and each matmul and lookup dequantizes a
-            transient copy in the compute dtype: the values of weight-only int8 (whose
-            all-gather dequantizes the whole weight once per unshard) with half the bytes
-            for the gathered weights (docs/memory.md). Layers with int8 matmuls keep them
-            int8 anyway (their GEMMs read the int8 rows). Off by default; the lean recipe
-            turns it on.
+            transient copy in the compute dtype: weight-only int8's values bit for bit
+            with half the gathered bytes (docs/memory.md). Layers with int8 matmuls gather
+            int8 anyway. Off by default; the lean recipe turns it on.
         compile: Run the quantization kernels of this model's int8 weights (optimizer
             updates, dequantization, the int8 matmuls' activation quantization) as
             ``torch.compile``d passes, one fused pass instead of five to ten, with the same
             results bit for bit. Each kernel compiles once per process and input dtype
-            (seconds; cached on disk by inductor). ``"auto"`` (default): per layer, on
-            where it repays that, a layer whose rows hold at least
-            :data:`COMPILE_FROM_WIDTH` inputs on a machine with a compiler for its device
-            (a C++ compiler for the CPU, Triton for GPUs), off elsewhere; if compiling
-            then fails anyway, the kernels run eagerly from then on, logged, with no
-            warning. ``"on"``: on for every layer, and a failure warns once
-            (``RuntimeWarning``) before going eager. ``"off"``: eager kernels. A bool is
-            refused (``TypeError`` naming ``"on"`` or ``"off"``): the field takes words.
+            (seconds; cached on disk by inductor; docs/performance.md). ``"auto"``
+            (default): on for a layer whose rows hold at least 512 inputs, on a machine
+            with a compiler for its device (a C++ compiler for the CPU, Triton for GPUs),
+            off elsewhere (:meth:`compiles`); if compiling then fails, the kernels run
+            eagerly from then on, logged (INFO), with no warning. ``"on"``: on for every
+            layer, and a failure warns once (``RuntimeWarning``) before going eager.
+            ``"off"``: eager kernels. Each weight carries the resolved choice
+            (``w.compiled``) through copies, pickles and checkpoints. Meta and empty
+            tensors always run eagerly.
         quantize_embeddings: Also make ``nn.Embedding`` weights int8 (one scale per
-            token row, stochastic-rounding updates, the int8 all-gather). An output head
-            tied to the embedding follows it: it runs on the int8 weight (with
-            ``int8_matmul``'s GEMMs when set). ``module_filter``, when set, is offered the
-            embeddings too; otherwise an embedding is selected when its ``embedding_dim`` is
-            at least ``min_features`` (``skip_names`` is for linear layers). Embeddings with
-            ``max_norm`` or ``sparse`` gradients stay in full precision, with a warning.
+            token row, stochastic-rounding updates, the int8 all-gather, every checkpoint
+            and export path). A lookup dequantizes only the rows it reads; the gradient
+            is torch's dense embedding gradient. An output head tied to the embedding
+            follows it onto the int8 weight (with ``int8_matmul``'s GEMMs when set).
+            Without ``module_filter``, an embedding is selected when its ``embedding_dim``
+            is at least ``min_features``. Embeddings with ``max_norm`` (it renormalises
+            rows in place) or ``sparse`` gradients stay in full precision, with a warning.
             Off by default (docs/memory.md: what it saves, and its quality).
         compute_dtype: The dtype the unsharded weights compute in under
             :func:`fsdp_int8.shard_model` when it is given no ``mp_policy``: FSDP2 mixed
             precision with this ``param_dtype`` and an fp32 gradient reduction
             (torchtitan's default with ``torch.bfloat16``). ``None`` (default): FSDP2's
-            own default, the parameters' dtype. A framework that sets its own mixed
-            precision (accelerate, Lightning, torchtitan) decides there instead.
+            own default, the parameters' dtype. With an ``mp_policy`` of another
+            ``param_dtype``, ``shard_model`` raises ``ValueError``. A framework that sets
+            its own mixed precision (accelerate, Lightning, torchtitan) decides there.
         in_place_reduce_scatter: :func:`fsdp_int8.shard_model` installs
             :class:`fsdp_int8.gradients.InPlaceReduceScatter` on every FSDP module: on gloo
-            process groups (CPUs) the gradient reduce-scatter sums each rank's chunk in place
-            instead of all-reducing a copy of the whole input, and releases the input once
-            reduced; the same fp32 sums (bit for bit on 2 ranks). Other backends keep FSDP2's
-            own. Off by default (one ``dist.reduce`` per rank instead of one collective).
+            (CPUs) the gradient reduce-scatter sums each rank's chunk in place instead of
+            all-reducing a copy of its whole input; the same fp32 sums. Other backends keep
+            FSDP2's own. Off by default (docs/memory.md, "Gloo's reduce-scatter copy").
         loss_chunk_tokens: A transformers causal LM that :func:`fsdp_int8.quantize_` (or
             ``shard_model``) quantizes computes its loss with
             :func:`fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss`, this many tokens
@@ -193,11 +201,31 @@ class Int8TrainingConfig:
             whole batch. Models whose loss is not transformers' causal-LM loss, or that set
             their own ``loss_function``, keep theirs. ``None`` (default): transformers' loss.
 
-    :meth:`lean` is the lean-memory recipe's configuration.
+    A mixture-of-experts module has an int ``num_experts`` and 3-D floating parameters
+    ``[num_experts, out, in]``: transformers 5's ``*Experts`` (``gate_up_proj``,
+    ``down_proj``) and torchtitan's ``GroupedExperts`` (``w1_EFD``, ``w2_EDF``,
+    ``w3_EFD``). Each such parameter becomes a 3-D ``Int8Weight`` with one scale per expert
+    and output feature; experts stored transposed (transformers' ``is_transposed``,
+    ``[E, in, out]``) stay in full precision with a warning (docs/moe.md).
 
-    The int8 gradient reduce-scatter is not a field: it replaces FSDP2's communication
-    of an already sharded model, so it is enabled on that model with
-    :func:`fsdp_int8.gradients.enable_quantized_reduce_scatter`.
+    The int8 gradient reduce-scatter is not a field: it replaces the communication of an
+    already sharded model (:func:`fsdp_int8.gradients.enable_quantized_reduce_scatter`).
+
+    Raises:
+        TypeError: when a field has the wrong type (``seed`` not an int,
+            ``int8_matmul=True``, ``compile="yes"``, a ``module_filter`` that is not
+            callable, ...; ``compile=True`` names the word to use, ``"on"``), or for an
+            unknown keyword. ``quantize_`` and ``shard_model`` refuse a ``config`` that is
+            not an ``Int8TrainingConfig`` (an ``Int8MatmulConfig`` goes inside it).
+        ValueError: when ``min_features < 1``.
+
+    Example:
+        All three matmuls in int8, compiled kernels for every layer, only the attention
+        projections::
+
+            config = Int8TrainingConfig(
+                int8_matmul=Int8MatmulConfig(), compile="on",
+                module_filter=lambda module, name: "attn" in name)
     """
 
     stochastic_rounding: bool = True
@@ -215,13 +243,14 @@ class Int8TrainingConfig:
 
     @classmethod
     def lean(cls, **changes: Any) -> "Int8TrainingConfig":
-        """The lean-memory recipe's configuration (docs/memory.md): int8 embeddings (a tied
-        head follows), FSDP2's gathered weights kept int8 (each matmul and lookup
-        dequantizes a transient copy: weight-only int8's values, half the gathered bytes),
-        bf16 compute, the in-place gradient reduce-scatter (no copy of its input on
-        gloo; the same sums) and, for transformers causal LMs, the chunked loss
-        (:data:`LEAN_LOSS_CHUNK_TOKENS` tokens a chunk); ``changes`` replace fields. Train
-        it with :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the step inside backward)."""
+        """The lean-memory recipe's configuration (docs/memory.md, "The lean call").
+
+        A new config with ``quantize_embeddings=True`` (a tied head follows),
+        ``int8_gathered_weights=True``, ``compute_dtype=torch.bfloat16``,
+        ``in_place_reduce_scatter=True`` and ``loss_chunk_tokens=128``; ``changes`` set
+        fields instead. Train it with :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the
+        step inside backward).
+        """
         recipe = dict(quantize_embeddings=True, int8_gathered_weights=True, compute_dtype=torch.bfloat16,
                       in_place_reduce_scatter=True, loss_chunk_tokens=LEAN_LOSS_CHUNK_TOKENS)
         return cls(**{**recipe, **changes})
@@ -257,18 +286,28 @@ class Int8TrainingConfig:
 
     def compiles(self, row_len: int) -> bool:
         """Whether a layer whose rows hold ``row_len`` inputs runs compiled kernels:
-        ``compile == "on"``, or with ``"auto"`` the rule the field's docstring gives."""
+        ``compile == "on"``, or with ``"auto"`` at least 512 inputs and a compiler for the
+        training device."""
         if self.compile != AUTO:
             return self.compile == ON
         return row_len >= COMPILE_FROM_WIDTH and compiler_available(device_type_for())
 
     def should_quantize(self, module: nn.Module, name: str, *, router: bool = False) -> bool:
-        """Whether ``module`` (found at ``name`` in the model) gets an int8 weight: the one
-        rule, for ``nn.Linear``, GPT-2's ``Conv1D``, mixture-of-experts modules and (with
-        ``quantize_embeddings``) ``nn.Embedding``. ``module_filter`` decides when it is set;
-        otherwise :meth:`selects_by_default`, which keeps a MoE ``router`` in full
-        precision (``quantize_`` passes ``router=True`` for a linear layer directly under a
-        module with ``num_experts``: torchtitan's ``TokenChoiceTopKRouter.gate``)."""
+        """Whether ``module`` (found at ``name`` in the model) gets an int8 weight.
+
+        The one rule, asked by ``quantize_``, ``shard_model``, the transformers quantizer
+        and the torchtitan converter (``quantize_`` skips PEFT adapter layers before
+        asking): ``False`` for anything but an ``nn.Linear``, a GPT-2 ``Conv1D``, a
+        mixture-of-experts module or (with ``quantize_embeddings``) an ``nn.Embedding``;
+        else ``module_filter(module, name)`` when it is set; else ``False`` for a
+        ``router``; else :meth:`selects_by_default`.
+
+        Args:
+            module: The candidate module.
+            name: Its qualified name in the model.
+            router: It is a MoE router: a linear layer directly under a module with an int
+                ``num_experts`` (torchtitan's ``TokenChoiceTopKRouter.gate``).
+        """
         if router and self.module_filter is None:
             return False
         if isinstance(module, nn.Embedding):
@@ -281,8 +320,8 @@ class Int8TrainingConfig:
         return self.selects_by_default(module, name)
 
     def selects_by_default(self, module: nn.Module, name: str) -> bool:
-        """The rule without ``module_filter``: a linear layer, or a mixture-of-experts
-        module (:func:`expert_weight_names`), whose last name component is not in
+        """The rule without ``module_filter``: a linear layer (a ``Conv1D``: ``nx`` and
+        ``nf``), or a mixture-of-experts module, whose last name component is not in
         ``skip_names`` and whose input and output features are both at least
         ``min_features`` (for experts: those of every expert weight); with
         ``quantize_embeddings``, an embedding whose rows hold at least ``min_features``
@@ -311,10 +350,8 @@ def training_config(config: Any) -> Int8TrainingConfig:
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """A ``transformers.pytorch_utils.Conv1D`` (GPT-2's linears: weight ``[nx, nf]``).
-
-    Recognised by name and attributes, so that ``fsdp_int8`` never imports transformers.
-    """
+    """A ``transformers.pytorch_utils.Conv1D`` (GPT-2's linears: weight ``[nx, nf]``),
+    recognised by name and attributes, so that ``fsdp_int8`` never imports transformers."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
@@ -339,14 +376,10 @@ def counts_experts(owner: object) -> bool:
 def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
     """Names of ``module``'s own mixture-of-experts weights, ``()`` if it has none.
 
-    An experts module keeps its expert count in ``num_experts`` and one 3-D floating
-    parameter ``[num_experts, out, in]`` per projection: transformers 5's ``*Experts``
-    (``gate_up_proj``, ``down_proj``) and torchtitan's ``GroupedExperts`` (``w1_EFD``,
-    ``w2_EDF``, ``w3_EFD``). Recognised by those attributes, so that ``fsdp_int8`` imports
-    neither framework. Biases (``[num_experts, out]``) are not expert weights. A module
-    that stores its experts transposed (transformers' ``is_transposed``: ``[E, in, out]``)
-    has none: one scale per stored row would be one per input feature
-    (:func:`why_experts_stay_full_precision` says so).
+    Recognised by attributes (the rule: the ``Int8TrainingConfig`` docstring), so that
+    ``fsdp_int8`` imports neither framework. Biases (``[num_experts, out]``) are not expert
+    weights; experts stored transposed have none (one scale per stored row would be one per
+    input feature: :func:`why_experts_stay_full_precision`).
     """
     experts = getattr(module, "num_experts", None)
     if not counts_experts(module) or experts < 1 or getattr(module, "is_transposed", False):

@@ -40,11 +40,8 @@ _NAMES_SHOWN = 6  # a warning names this many modules, then counts the rest
 
 
 def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
-    """Every module name that registers each parameter, by ``id(parameter)``.
-
-    A parameter with two owners is tied (``tie_word_embeddings``: the embedding and the
-    output head).
-    """
+    """Every module name that registers each parameter, by ``id(parameter)``; a parameter
+    with two owners is tied (``tie_word_embeddings``: the embedding and the output head)."""
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for param in module._parameters.values():
@@ -84,13 +81,10 @@ class _Targets(NamedTuple):
 def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
     """The modules to quantize, and the candidates left alone with the reason.
 
-    A weight shared with a module that keeps it in full precision (an ``nn.Embedding``
-    tied to the output head) is left alone: quantizing it for one owner would untie it
-    (the other would keep a plain weight) or give the other an int8 weight it cannot use.
-    A selected embedding takes its tied ``nn.Linear`` heads along (they run on the int8
-    weight).
-    A Conv1D's weight is left alone if anything else holds it: its int8 weight is the
-    transpose, which no other module could use.
+    A weight shared with a module that keeps it in full precision is left alone:
+    quantizing it for one owner would untie it or give the other an int8 weight it cannot
+    use. A selected embedding takes its tied ``nn.Linear`` heads along. A Conv1D's weight
+    is left alone if anything else holds it: its int8 weight is the transpose.
     """
     selected: list[tuple[str, nn.Module, bool]] = []
     adapters = _adapter_layers(model)
@@ -162,10 +156,9 @@ def _warn_about_full_precision(tied: list[str], unsupported: list[str]) -> None:
 
 
 def recorded_compile(value: Any) -> Any:
-    """``Int8TrainingConfig.compile`` as a file recorded it: fsdp_int8 0.1.0 wrote the
-    choice as a bool (a pickled model's load hook, a ``config.json``), read here as ``"on"``
-    or ``"off"``; any other value is returned as it is, for the config to check. Only files
-    go through this: a bool given in code is refused, naming the word to use."""
+    """``Int8TrainingConfig.compile`` as a file recorded it: 0.1.0's bool (a pickled load
+    hook, a ``config.json``) reads as ``"on"`` / ``"off"``, anything else as it is. Only
+    files go through this: a bool given in code is refused."""
     if isinstance(value, bool):
         return ON if value else OFF
     return value
@@ -174,12 +167,10 @@ def recorded_compile(value: Any) -> Any:
 class _RequantizeAssigned:
     """``load_state_dict`` post-hook of a quantized layer: keeps its weight int8.
 
-    ``load_state_dict(state_dict, assign=True)`` replaces parameters by the state dict's
-    tensors instead of copying into them. A plain floating weight assigned that way (as
-    accelerate's ``cpu_ram_efficient_loading`` does on every rank but the first, with the
-    shards it scattered) is rounded to nearest into a new ``Int8Weight``, sharded like it;
-    an ``Int8Weight`` is kept as it is. A picklable object, not a closure: modules holding
-    it are still saved whole by ``torch.save`` and copied by ``copy.deepcopy``.
+    A plain floating weight that ``load_state_dict(..., assign=True)`` assigns (accelerate's
+    ``cpu_ram_efficient_loading`` on every rank but the first) is rounded to nearest into a
+    new ``Int8Weight``, sharded like it. A picklable object, not a closure: modules holding
+    it still ``torch.save`` whole and ``copy.deepcopy``.
     """
 
     def __init__(
@@ -265,49 +256,60 @@ def _keep_int8_on_load(module: nn.Module, config: Int8TrainingConfig, names: tup
 
 
 def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.Module:
-    """Swap eligible ``nn.Linear`` weights of ``model`` for int8 weights, in place.
+    """Swap the weights of ``model`` that ``config`` selects for int8 weights, in place.
 
-    transformers' ``Conv1D`` layers (GPT-2; weight ``[in, out]``) are selected by the same
-    rule (``module_filter`` is offered the Conv1D, or ``skip_names`` and ``min_features``
-    with its ``nx`` / ``nf``) and become ``Int8Conv1D`` modules in place: ``nn.Linear``s
-    over the ``[out, in]`` int8 transpose (one scale per output feature), with GPT-2's
-    state-dict keys. Plain tensors under their keys are GPT-2's ``[in, out]``:
-    ``load_state_dict`` of a GPT-2 state dict works, and ``export_full_state_dict``
-    writes one.
+    For one process or DDP; with FSDP2 use :func:`fsdp_int8.shard_model`, which calls it.
+    Each ``nn.Linear`` (and mixture-of-experts weight) that
+    :meth:`Int8TrainingConfig.should_quantize` accepts gets an ``nn.Parameter`` holding an
+    ``Int8Weight``, rounded to nearest from its current values, with the same outer dtype
+    and ``requires_grad`` and ``config``'s rounding, ``int8_matmul`` and ``compile``.
+    Transformers' ``Conv1D`` layers (GPT-2; weight ``[in, out]``) become ``Int8Conv1D``
+    modules in place: ``nn.Linear``s over the ``[out, in]`` int8 transpose with GPT-2's
+    state-dict keys, so ``load_state_dict`` of a GPT-2 state dict works and
+    ``export_full_state_dict`` writes one. Expert weights become 3-D int8 weights, one
+    scale per expert and output feature; routers stay in full precision. PEFT adapter
+    layers (the modules a peft tuner layer names in ``adapter_layer_names``, such as
+    LoRA's ``lora_A`` / ``lora_B``) are never quantized.
 
-    Quantization rounds to nearest; later optimizer updates use the config's rounding.
-    Idempotent (already quantized weights are left alone), keeps tied weights tied, and
-    works on a model on the meta device (``to_empty`` then allocates int8 storage). A
-    quantized layer stays quantized when ``load_state_dict(..., assign=True)`` assigns it
-    a plain floating weight (accelerate's ``cpu_ram_efficient_loading`` does): the values
-    are rounded to nearest into a new int8 weight. When it
-    quantizes anything it also seeds the stochastic-rounding generator from
-    ``config.seed`` and shard coordinate 0 (the same on every process: replicas of an
-    unsharded model, as under DDP, round alike).
+    Idempotent (``Int8Weight``s are left alone), keeps tied weights tied, and works on the
+    meta device (``to_empty`` then allocates int8 storage). A quantized layer stays
+    quantized when ``load_state_dict(..., assign=True)`` assigns it a plain floating weight
+    (accelerate's ``cpu_ram_efficient_loading`` does): it is rounded to nearest into a new
+    int8 weight. A ``transformers.PreTrainedModel`` also gets fsdp_int8's transformers
+    quantizer (:func:`fsdp_int8.integrations.hf_quantizer.attach_hf_quantizer`), so that
+    ``save_pretrained``, ``Trainer`` checkpoints and ``from_pretrained`` keep its int8 rows
+    and scales. Build the optimizer afterwards: an optimizer holding a replaced parameter
+    raises ``RuntimeError`` at its first ``step()``.
 
-    It warns once, naming them, about layers it leaves in full precision that look like
-    candidates: weights tied to a module that is not quantized (an ``nn.Embedding`` tied
-    to the output head), ``Conv1D`` layers it cannot convert (a weight shared with
-    another module, a ``forward`` replaced on the instance) and, with
-    ``quantize_embeddings``, embeddings with ``max_norm`` or sparse gradients, experts
-    stored transposed. It logs the count of int8 weights and elements on the
-    ``fsdp_int8`` logger at INFO, and warns when less than half of the parameter elements
-    are int8, naming the largest full-precision parameters.
-
-    Mixture-of-experts modules (``Int8TrainingConfig.should_quantize``: transformers 5's
-    and torchtitan's experts, with ``num_experts`` and 3-D ``[experts, out, in]`` weights)
-    get 3-D int8 weights, one scale per expert and output feature; routers stay in full
-    precision.
+    When it quantizes anything it seeds the stochastic-rounding generator from
+    ``config.seed`` and shard coordinate 0 on every process, so DDP replicas round alike
+    (a model sharded afterwards by ``fully_shard`` by hand reseeds at its first all-gather:
+    docs/design.md); a call that changes nothing does not reseed. It warns once, naming
+    them, about candidate layers it leaves in full precision (weights tied to a module that
+    is not quantized, ``Conv1D`` layers whose weight another module shares or whose
+    ``forward`` was replaced on the instance, embeddings with ``max_norm`` or sparse
+    gradients, experts stored transposed), logs the count of int8 weights (``fsdp_int8``
+    logger, INFO), and warns when less than half of the parameter elements are int8,
+    naming the largest full-precision parameters.
 
     Args:
         model: The model, before any ``fully_shard``.
-        config: Which layers and how; defaults to :class:`Int8TrainingConfig()`.
+        config: Which layers and how; default ``Int8TrainingConfig()``.
 
     Returns:
         ``model`` itself.
 
     Raises:
-        RuntimeError: if the model is already sharded (quantize first, then shard).
+        RuntimeError: when the model is already sharded (FSDP2 or DTensor parameters).
+        TypeError: when ``config`` is not an ``Int8TrainingConfig``.
+        ValueError: when a weight to quantize holds NaN or Inf or has 0 input features
+            (nothing is swapped then: every int8 weight is built before the first swap).
+
+    Example:
+        ::
+
+            model = fsdp_int8.quantize_(MyModel(), fsdp_int8.Int8TrainingConfig(compile="on"))
+            model = torch.nn.parallel.DistributedDataParallel(model)  # replicas stay bit-identical
     """
     config = training_config(config)
     if is_sharded(model):
@@ -367,17 +369,26 @@ def init_int8_weights_(
 ) -> nn.Module:
     """Initialise every int8 weight of ``model`` through a float tensor, rounding to nearest.
 
+    For each parameter whose (local) tensor is an ``Int8Weight`` it makes an fp32 zero
+    tensor like the parameter (a DTensor with the same sharding on a sharded model), has
+    ``init_fn`` fill it and copies it into the weight; other parameters are not touched.
     Single-op initialisers (``uniform_``, ``normal_``, ``kaiming_uniform_``, a module's
-    ``reset_parameters``) work on int8 weights directly. Multi-step ones such as
-    ``nn.init.trunc_normal_`` would requantize between their steps; run them here instead.
-    Works before and after sharding (the float tensor has the parameter's sharding).
+    ``reset_parameters``) work on int8 weights directly; multi-step ones such as
+    ``nn.init.trunc_normal_`` would requantize between their steps: run them here. Works
+    before and after sharding.
 
     Args:
         model: A quantized (possibly sharded) model.
-        init_fn: ``init_fn(name, values)`` fills the fp32 tensor ``values`` in place.
+        init_fn: ``init_fn(name, values)`` fills the fp32 tensor ``values`` in place; its
+            return value is ignored.
 
     Returns:
         ``model``.
+
+    Example:
+        ::
+
+            fsdp_int8.init_int8_weights_(model, lambda name, w: torch.nn.init.trunc_normal_(w, std=0.02))
     """
     for name, param in model.named_parameters():
         if not isinstance(local_shard(param), Int8Weight):

@@ -46,7 +46,19 @@ __all__ = ["NonFiniteGradientError", "check_finite_gradients", "guard_finite_ste
 
 
 class NonFiniteGradientError(ValueError):
-    """An optimizer step refused because a gradient holds NaN or Inf (nothing was changed)."""
+    """An optimizer step refused because a gradient holds NaN or Inf.
+
+    A ``ValueError``. Parameters, optimizer states, step counters and generators are as
+    they were: catch it, ``zero_grad()`` and go on with the next batch.
+
+    Example::
+
+        try:
+            optimizer.step()
+        except NonFiniteGradientError:
+            skipped += 1
+        optimizer.zero_grad()
+    """
 
 
 def _all_finite(tensors: Iterable[torch.Tensor], read_with: torch.Tensor | None = None) -> tuple[bool, list[int]]:
@@ -87,11 +99,23 @@ def norms_finite(group: list[torch.Tensor]) -> torch.Tensor:
 
 def check_finite_gradients(optimizer: torch.optim.Optimizer, *, read_with: torch.Tensor | None = None) -> list[int]:
     """Raise :class:`NonFiniteGradientError` if any gradient of ``optimizer``'s parameters,
-    on any rank, holds NaN or Inf. Call on every rank (it all-reduces the verdict).
+    on any rank, holds NaN or Inf.
 
-    ``read_with``: a 1-D integer tensor read back in the same host sync as the verdict
-    (an optimizer's rounding seeds: one device sync per step for both); returned as a
-    list (``[]`` without it)."""
+    Call it on every rank: with a process group initialised it all-reduces the verdict.
+    Sparse gradients are not checked.
+
+    Args:
+        optimizer: Any ``torch.optim.Optimizer``; its parameters' ``.grad`` are checked.
+        read_with: A 1-D integer tensor read back in the same host sync as the verdict
+            (:class:`~fsdp_int8.Int8AdamW` / :class:`~fsdp_int8.Int8SGD` read their rounding
+            seeds so: one device sync for both).
+
+    Returns:
+        ``read_with``'s values as a list (``[]`` without it).
+
+    Raises:
+        NonFiniteGradientError: a gradient holds NaN or Inf on this or another rank.
+    """
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     finite, values = _all_finite(grads, read_with)
     if not finite:
@@ -109,10 +133,20 @@ def guard_finite_steps(optimizer: torch.optim.Optimizer) -> RemovableHandle:
     Registers :func:`check_finite_gradients` as a step pre-hook, so a NaN or Inf gradient
     raises :class:`NonFiniteGradientError` on every rank and the step applies nothing. For
     ``torch.optim`` optimizers; :class:`~fsdp_int8.Int8AdamW` and :class:`~fsdp_int8.Int8SGD`
-    check on their own.
+    check on their own. An optimizer holding int8 weights that does not check its
+    gradients itself has this guard by default from its first step (:mod:`fsdp_int8.guard`);
+    calling this on it does not check twice.
+
+    Args:
+        optimizer: Any ``torch.optim.Optimizer``.
 
     Returns:
         The hook's handle (``handle.remove()`` takes the guard off).
+
+    Example::
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fsdp_int8.guard.guard_finite_steps(optimizer)
     """
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -1,38 +1,13 @@
 """What is fast on this device: an int8 GEMM (``torch._int_mm``) and a bf16 matmul.
 
-The same code is 10-70x slower or faster depending on the hardware under it. On x86 CPUs
-torch runs ``torch._int_mm`` and bf16 matmuls with native kernels only where the CPU has
-the instructions for them (VNNI or AMX for int8, AVX-512 BF16 or AMX for bf16); without
-them both fall back to reference loops (measured on an AVX2-only EPYC, one thread,
-128^3: 16-18x the fp32 matmul; 512^3: 51-52x). On CUDA, int8 tensor cores exist from
-sm_75 and bf16 ones from sm_80, but an int8 GEMM only pays where its rate is above the
-bf16 matmul's: Blackwell Ultra (sm_103, B300 / GB300) has about 0.15 POPS of dense int8
-against 2.25-2.5 PFLOPS of dense bf16, 15x slower.
-
-The rule, decided once per process and device and cached (docs/performance.md):
-
-1. CUDA: bf16 is fast from sm_80. Int8 is fast where the published dense int8 rate is
-   above the bf16 rate, read from the one table of GPU peaks (:data:`GPUS`) by compute
-   capability: sm_75, sm_80, sm_86, sm_89, sm_90 and sm_100 yes, sm_103 no; below sm_75
-   never (no int8 tensor cores). A capability the table does not list is measured: a
-   ``_INT8_PROBE_SIZE``^3 int8 GEMM against a bf16 matmul of the same shape, fast if it
-   takes less time.
-2. CPU: a feature torch reports (``torch.cpu._is_vnni_supported`` /
-   ``_is_amx_tile_supported`` for int8, ``_is_avx512_bf16_supported`` / AMX for bf16)
-   says "fast".
-3. Otherwise (a CPU without those features, another architecture, another accelerator) a
-   timing probe decides: the kernel against an fp32 matmul of the same 128^3 shape. A
-   kernel within ``FAST_RATIO`` of fp32 counts as fast. The two populations are far apart
-   (native kernels 0.1-1x of fp32, reference loops 15-90x), so the cut does not depend
-   on noise.
-
-Which device a process trains on is :func:`device_type_for` (the accelerator when there is
-one for each rank, else the CPU): the one rule the launcher, ``shard_model`` and the test
-kit share.
-
-Nothing here changes what runs: :func:`warn_if_slow` warns (once per process and kind of
-device) when a layer's configuration asks for a kernel this device runs slowly, and the
-launcher's ``--precision auto`` reads :func:`capability`.
+The same configuration runs 10-70x faster or slower depending on whether the hardware has
+native int8 GEMMs and bf16 matmuls; the table per device:
+docs/performance.md, "Which kernels are fast where". :func:`capability` decides, once per
+process and device. Nothing here changes what runs: :func:`warn_if_slow` warns (once per
+process and kind of device) when a layer's configuration asks for a kernel this device
+runs slowly, and the launcher's ``--precision auto`` reads :func:`capability`.
+:data:`GPUS` is the one table of GPU peaks, which ``benchmarks.roofline`` reads too.
+:func:`device_type_for` is the one rule for which device a process trains on.
 """
 
 from __future__ import annotations
@@ -52,30 +27,24 @@ from fsdp_int8._dist import device_type_for
 __all__ = ["Capability", "FAST_RATIO", "GPUS", "GpuSpec", "best_seconds", "capability", "device_type_for",
            "hardware_line"]
 
-FAST_RATIO = 2.0  # a kernel at most this many times the fp32 matmul's time counts as fast
+#: A kernel that takes at most this many times an fp32 matmul of the same shape counts as
+#: fast when a timing probe decides: native kernels measure 0.1-1x, reference loops
+#: 15-90x, so the cut does not depend on noise.
+FAST_RATIO = 2.0
 _PROBE_SIZE = 128  # m = n = k: a few milliseconds on a reference loop, microseconds natively
 # m = n = k of the int8-against-bf16 probe of a GPU the table does not list: large enough
 # that both GEMMs run at their tensor cores' rate rather than at the launch latency
 _INT8_PROBE_SIZE = 4096
 
 
-# Published dense peaks of the GPUs users train on: the one table of GPU numbers.
-#
-# Both the int8 rule of :mod:`fsdp_int8.hardware` (int8 GEMMs only where a GPU's int8 rate
-# is above its bf16 rate) and the benchmarks' roofline (``benchmarks.roofline``) read this
-# table, so a corrected figure changes both.
-#
-# Every figure is a vendor data-sheet peak **without** 2:4 structured sparsity. NVIDIA's
-# data sheets since Hopper print tensor-core rates with sparsity (marked "with sparsity"),
-# twice the dense rate; those are halved here. ``torch._inductor.analysis.device_info``
-# lists the sparse figures for H100 (with ``tops_sparsity_factor=2``); the tests check this
-# table against its dense values. ``fp32_tflops`` is the non-tensor-core FP32 rate (what an
-# fp32 matmul gets with TF32 off, torch's default); a rate the GPU does not have is 0.0.
-# ``interconnect_gbs`` is the GPU-to-GPU bandwidth per GPU in one direction: NVLink where
-# the part has it (half the bidirectional figure data sheets print), else PCIe.
+# ``torch._inductor.analysis.device_info`` lists sparse figures for H100 (with
+# ``tops_sparsity_factor=2``); the tests check GPUS against its dense values.
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-    """One GPU's published dense peaks.
+    """One GPU's published dense peaks, from the vendor's data sheet.
+
+    Dense: without 2:4 structured sparsity. NVIDIA's data sheets since Hopper print
+    tensor-core rates with sparsity, twice these; they are halved here.
 
     Attributes:
         key: Short name (``benchmarks.roofline --gpu``).
@@ -84,9 +53,12 @@ class GpuSpec:
         bf16_tflops: Dense bf16 tensor-core TFLOP/s (0.0: no bf16 tensor cores).
         int8_tops: Dense int8 tensor-core TOP/s.
         fp8_tflops: Dense fp8 tensor-core TFLOP/s (0.0: no fp8 tensor cores).
-        fp32_tflops: FP32 TFLOP/s without tensor cores.
+        fp32_tflops: FP32 TFLOP/s without tensor cores (what an fp32 matmul gets with TF32
+            off, torch's default).
         hbm_gbs: Device memory bandwidth, GB/s.
-        interconnect_gbs: GPU-to-GPU bandwidth per GPU and direction, GB/s.
+        interconnect_gbs: GPU-to-GPU bandwidth per GPU in one direction, GB/s: NVLink
+            where the part has it (half the bidirectional figure data sheets print), else
+            PCIe.
         interconnect: What that link is.
     """
 
@@ -114,8 +86,12 @@ class GpuSpec:
 
 
 # Data sheets: NVIDIA T4, A10, L4, A100 (SXM4 80 GB), H100 (SXM5), H200 (SXM), HGX B200,
-# HGX B300 and GB300 NVL72 (per GPU). Blackwell Ultra (sm_103) cut dense int8 to about
-# 0.15 POPS, under its bf16 rate: int8 GEMMs are slower than bf16 there.
+# HGX B300 and GB300 NVL72 (per GPU).
+#: The GPUs users train on, by key (``t4``, ``a10``, ``l4``, ``a100``, ``h100``, ``h200``,
+#: ``b200``, ``b300``, ``gb300``): the one table of GPU numbers. :func:`capability` reads it
+#: for the int8 rule and ``benchmarks.roofline`` for its peaks, so a corrected figure
+#: changes both. Blackwell Ultra (sm_103: B300, GB300) has about 0.15 dense int8 POPS,
+#: under its bf16 rate: ``GPUS["b300"].int8_faster_than_bf16`` is False.
 GPUS: dict[str, GpuSpec] = {spec.key: spec for spec in (
     GpuSpec("t4", "T4", (7, 5), bf16_tflops=0.0, int8_tops=130.0, fp8_tflops=0.0, fp32_tflops=8.1,
             hbm_gbs=320.0, interconnect_gbs=16.0, interconnect="PCIe 3.0 x16"),
@@ -154,14 +130,26 @@ _CPU_FEATURES = (  # (name printed, torch's query)
 
 @dataclasses.dataclass(frozen=True)
 class Capability:
-    """What one kind of device runs fast, and why we think so."""
+    """What one kind of device runs fast, and why we think so (:func:`capability`).
+
+    Attributes:
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        name: The CPU model, or the GPU's name.
+        features: The CPU features torch reports present (``avx2``, ``avx512``, ``vnni``,
+            ``avx512_bf16``, ``amx``), or ``("sm_90",)`` on a GPU.
+        int8_gemm_fast: Whether ``torch._int_mm`` runs fast here.
+        bf16_matmul_fast: Whether a bf16 matmul runs fast here.
+        int8_evidence: What decided, e.g. ``"vnni"``, ``"sm_90: dense int8 above bf16
+            (H100 SXM 1979 TOPS > 989.5 TFLOPS; ...)"``, ``"probe: 18.2x the fp32 matmul"``.
+        bf16_evidence: Likewise for bf16.
+    """
 
     device_type: str
-    name: str  # the CPU model, or the GPU's name
-    features: tuple[str, ...]  # CPU features present, or ("sm_90",)
+    name: str
+    features: tuple[str, ...]
     int8_gemm_fast: bool
     bf16_matmul_fast: bool
-    int8_evidence: str  # e.g. "vnni", "sm_90: dense int8 above bf16 (...)", "probe: 18.2x the fp32 matmul"
+    int8_evidence: str
     bf16_evidence: str
 
 
@@ -186,7 +174,16 @@ def _synchronize(device: torch.device) -> None:
 
 
 def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The best of ``repeats`` timed calls of ``fn`` on ``device`` (synchronized), after one untimed."""
+    """The best of ``repeats`` timed calls of ``fn()`` on ``device``, in seconds.
+
+    One untimed warm-up call first; the device is synchronized around each call. The timer
+    the probe and the benchmarks use.
+
+    Args:
+        fn: The work to time, called ``repeats + 1`` times.
+        device: Where ``fn`` runs (synchronized around each call).
+        repeats: Timed calls (>= 1).
+    """
     fn()  # warm-up: first-call dispatch and allocation
     best = float("inf")
     for _ in range(repeats):
@@ -300,15 +297,41 @@ def _key(device: torch.device | str) -> tuple[str, int | None]:
 
 
 def capability(device: torch.device | str = "cpu") -> Capability:
-    """What ``device`` runs fast; decided once per process and device (see the module doc)."""
+    """What ``device`` runs fast, decided once per process and device and cached.
+
+    - CUDA: bf16 is fast from sm_80. Int8 is fast where :data:`GPUS` lists the compute
+      capability with a dense int8 peak above the bf16 one (sm_75, sm_80, sm_86, sm_89,
+      sm_90 and sm_100 yes; sm_103, Blackwell Ultra, no); below sm_75 never (no int8
+      tensor cores). A capability the table does not list is measured: a 4096^3 int8 GEMM
+      against a bf16 matmul, fast if it takes less time.
+    - CPU: a feature torch reports says fast (VNNI or AMX for int8, AVX-512 BF16 or AMX
+      for bf16).
+    - Otherwise (a CPU without those features, other devices): a timing probe of the
+      kernel against an fp32 matmul of the same 128^3 shape, on one CPU thread, against
+      :data:`FAST_RATIO`.
+
+    Probes run outside any active dispatch mode and autograd.
+
+    Args:
+        device: A device or its name; its type (and CUDA index) is the cache key.
+
+    Example::
+
+        int8_matmul = Int8MatmulConfig() if capability("cuda").int8_gemm_fast else None
+    """
     return _capability(*_key(device))
 
 
 def hardware_line(device: torch.device | str = "cpu") -> str:
     """One line naming the hardware a measurement ran on, for every benchmark result.
 
-    CPU: its model and the features that decide the kernels (present and absent); GPU:
-    its name and compute capability. No probe runs: this only reads what torch reports.
+    CPU: its model and the features that decide the kernels, present and absent
+    (``"CPU AMD EPYC ... (avx2, no avx512, no vnni, no avx512_bf16, no amx), torch
+    2.13.0"``); GPU: its name and compute capability. No probe runs: this only reads what
+    torch reports.
+
+    Args:
+        device: The device measured (a CUDA device names its GPU; any other, the CPU).
     """
     device = torch.device(device)
     if device.type == "cuda":

@@ -67,8 +67,8 @@ def persistent_bytes(
     parameter; int8 data plus scales for an :class:`~fsdp_int8.Int8Weight`), each
     parameter once (tied weights too). Call it between steps, while FSDP2 parameters are
     sharded. Transient buffers (all-gathered weights, activations, the fp32 working
-    copies of a step) are not persistent and not counted. Bytes per parameter element:
-    ``persistent_bytes(...).per_param``.
+    copies of a step) are not persistent and not counted. Numbers per layout:
+    docs/optim.md, "Bytes per parameter".
 
     Args:
         model: The model (sharded or not).
@@ -78,6 +78,14 @@ def persistent_bytes(
             existing gradient's dtype, or the parameter's dtype (the training dtype
             autograd and FSDP2 produce it in) when ``.grad`` is ``None`` (after
             ``zero_grad()``).
+
+    Returns:
+        A :class:`PersistentBytes`; ``.per_param`` is the bytes per local parameter element.
+
+    Example::
+
+        report = fsdp_int8.memory.persistent_bytes(model, optimizer)
+        report.per_param   # bytes per parameter element this rank keeps
     """
     params = list({id(p): p for p in model.parameters()}.values())
     count = weights = grads = states = 0

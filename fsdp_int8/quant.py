@@ -48,10 +48,7 @@ from fsdp_int8._quant.noise import noise_values
 __all__ = ["absmax_quantize", "absmax_dequantize", "dequantize_rows_into", "signed_row_absmax"]
 
 Rounding = Literal["nearest", "stochastic"]
-# "raise": a ValueError naming the count (weights, optimizer states: a NaN scale would
-#   silently corrupt them). "propagate": a block holding NaN or Inf gets a non-finite
-#   scale and in-range values (a collective must not raise on one rank only).
-#   "unchecked": no check and no device sync (activations: NaN in, NaN out anyway).
+# What a NaN or Inf does in :func:`absmax_quantize` (its ``nonfinite`` says each value).
 NonFinite = Literal["raise", "propagate", "unchecked"]
 
 
@@ -151,7 +148,20 @@ def dequantize_rows_into(
 
     The same values as ``absmax_dequantize(q, scale, dtype=out.dtype)`` (fp32 products,
     rounded once to ``out``'s dtype), without a temporary of ``out``'s size where the
-    kernel is compiled (``compiled=True``). ``q`` may be strided (FSDP2's gathered buffer).
+    kernel is compiled.
+
+    Args:
+        q: int8 values; may be strided (FSDP2's gathered buffer).
+        scale: One fp32 scale per row.
+        out: The floating destination, ``q``'s shape; may be a parameter (this runs under
+            ``no_grad``).
+        compiled: Run as one ``torch.compile``d pass (same bits).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: ``q`` and ``out`` differ in shape, or ``scale`` is not one per row.
     """
     if q.shape != out.shape or q.dim() < 2 or tuple(scale.shape) != tuple(q.shape[:-1]):
         raise ValueError(
@@ -175,7 +185,12 @@ def _signed_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def signed_row_absmax(values: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` of each row of a 2-D tensor (fp32 ``[rows]``; 0 for empty rows)."""
+    """``max |x|`` of each row of a 2-D tensor: the absmax :func:`absmax_quantize` scales
+    whole rows by. fp32 ``[rows]``; 0 for rows of length 0; NaN propagates.
+
+    Args:
+        values: A 2-D floating tensor ``[rows, K]``.
+    """
     if values.shape[1] == 0:
         return values.new_zeros(values.shape[0], dtype=torch.float32)
     return _signed_absmax(values.float(), 1)
@@ -197,6 +212,9 @@ def absmax_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D floating tensor with one absmax scale per block.
 
+    Each block keeps ``scale = amax(|block|) / levels`` (127 or 255) and its values become
+    ``round(x / scale)``; an all-zero block has scale 0 and stays 0.
+
     Args:
         values: ``[rows, K]``, any floating dtype (the arithmetic runs in fp32); may be
             strided.
@@ -206,22 +224,35 @@ def absmax_quantize(
             The last block of a row holds ``K % block_size`` elements when that is not 0.
         signed: ``int8`` in ``[-127, 127]``; otherwise ``uint8`` in ``[0, 255]`` (for
             non-negative values).
-        rounding: ``"nearest"`` or ``"stochastic"`` (``floor(x / scale + u)``).
-        generator: Source of the stochastic-rounding noise.
-        nonfinite: What a NaN or Inf does (see :data:`NonFinite`).
+        rounding: ``"nearest"`` or ``"stochastic"``: ``floor(x / scale + u)`` with ``u``
+            uniform on the 2^16 midpoints of ``[0, 1)``, unbiased.
+        generator: Source of the stochastic-rounding noise (default: torch's).
+        nonfinite: What a NaN or Inf does. ``"raise"``: ``ValueError`` naming the count,
+            before anything is written (weights, optimizer states: a NaN scale would
+            silently corrupt them). ``"propagate"``: its block gets a non-finite scale and
+            in-range values (collectives, which must not raise on one rank only).
+            ``"unchecked"``: no check and no device sync (activations).
         out: Optional destination of the 8-bit values (``values``' shape, may be strided).
-        what: How an error message names ``values``.
+        what: How an error message names ``values`` (``"a weight"``, ...).
         compiled: Run the signed whole-row path as one ``torch.compile``d pass (same bits).
         amax: Whole rows only: each row's absmax to scale by, ``[rows]`` fp32, at least the
-            row's own (tensor-parallel peers holding parts of one row share it). The
-            non-finite check is the caller's.
+            row's own (tensor-parallel peers holding parts of one row share the whole
+            row's). The non-finite check is then the caller's; nothing is clipped.
 
     Returns:
         ``(q, scale)``: ``q`` of ``values``' shape; ``scale`` fp32 ``[rows]`` (whole rows),
         ``[K]`` (``dim=0``) or ``[rows, ceil(K / block_size)]`` (blocks).
 
     Raises:
-        ValueError: with ``nonfinite="raise"``, if ``values`` holds NaN or Inf.
+        ValueError: ``values`` is not 2-D; a bad ``dim``, ``rounding``, ``out`` or
+            ``amax``; ``block_size < 1``; blocks with ``dim=0``; with ``nonfinite="raise"``,
+            NaN or Inf in ``values``.
+        TypeError: a non-floating tensor or a non-int ``block_size``.
+
+    Example::
+
+        q, scale = absmax_quantize(x, block_size=64)
+        x_hat = absmax_dequantize(q, scale, block_size=64)   # within half a step of x
     """
     if values.dim() != 2:
         raise ValueError(f"absmax_quantize expects a 2-D tensor, got shape {tuple(values.shape)}")
@@ -299,7 +330,8 @@ def absmax_dequantize(
     dtype: torch.dtype = torch.float32,
     compiled: bool = False,
 ) -> torch.Tensor:
-    """Inverse of :func:`absmax_quantize`: ``q * scale`` per block, in ``dtype``.
+    """Inverse of :func:`absmax_quantize`: ``q * scale`` per block, computed in fp32 and
+    rounded once to ``dtype``.
 
     Args:
         q: ``[rows, K]`` int8 or uint8.
@@ -308,6 +340,12 @@ def absmax_dequantize(
         block_size: As given to :func:`absmax_quantize`.
         dtype: Result dtype.
         compiled: Dequantize whole rows as one ``torch.compile``d pass (same bits).
+
+    Returns:
+        ``[rows, K]`` in ``dtype``.
+
+    Raises:
+        ValueError: ``q`` is not 2-D, or ``scale`` has the wrong shape.
     """
     if q.dim() != 2:
         raise ValueError(f"absmax_dequantize expects a 2-D tensor, got shape {tuple(q.shape)}")

@@ -26,7 +26,8 @@ from fsdp_int8.parallel import int8_tp_plan
 
 __all__ = ["shard_model", "find_blocks", "BlockSpec"]
 
-# Which modules are blocks: module types, or a predicate on the module.
+#: What ``shard_model(blocks=...)`` and :func:`find_blocks` take: one block type, a
+#: sequence of types, or a predicate ``module -> bool``.
 BlockSpec = Union[type, Sequence[type], Callable[[nn.Module], bool]]
 
 
@@ -45,14 +46,20 @@ def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.
 
 
 def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Module]:
-    """The modules that ``shard_model`` wraps one by one, in registration order.
+    """The modules ``shard_model`` wraps one by one: the outermost matches, in registration order.
 
     Args:
         model: The model.
-        blocks: Block types or a predicate. ``None`` looks for Hugging Face's
-            ``_no_split_modules`` class names, then for ``nn.ModuleList``s or
-            ``nn.ModuleDict``s of repeated modules (``model.layers``, ``model.model.layers``,
-            ``transformer.h``, torchtitan's ``layers`` dict, ...).
+        blocks: Block types (matched with ``isinstance``) or a predicate. ``None``: the
+            modules whose class name is in Hugging Face's ``_no_split_modules``, if any
+            match; else the elements of every outermost ``nn.ModuleList`` / ``nn.ModuleDict``
+            of one module type with parameters (``model.layers``, ``transformer.h``, ...).
+
+    Returns:
+        The blocks (never the root; no process group needed); ``[]`` when nothing matches.
+
+    Raises:
+        TypeError: when ``blocks`` is neither module types nor a predicate.
     """
     if blocks is not None:
         if isinstance(blocks, type) or (
@@ -100,12 +107,8 @@ def _tied_outside(group: nn.Module, owners: dict[int, list[str]], names: dict[in
 
 
 def _groups_below_root(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """The modules ``shard_model`` wraps before the root: embeddings outside blocks, then blocks.
-
-    FSDP2 needs a tied parameter in one group: an embedding tied to a module outside it
-    (the output head under ``tie_word_embeddings``) is left to the root group, with the
-    head, as torchtitan groups them. A block tied to a module outside it is refused.
-    """
+    """The groups below the root: embeddings outside blocks (but one tied outside, left to
+    the root with its head), then blocks (one tied outside it is refused)."""
     owners = parameter_owners(model)
     names = {id(m): name for name, m in model.named_modules()}
     in_blocks = {id(m) for block in blocks for m in block.modules()}
@@ -169,8 +172,7 @@ def _check_unsharded(model: nn.Module) -> None:
 
 
 def _check_offload(offload_policy: object) -> None:
-    """Refuse what is no FSDP2 offload policy, and pinned host memory without an accelerator
-    (torch pins only for one: FSDP2 would fail inside ``fully_shard`` without saying why)."""
+    """Refuse what is no FSDP2 offload policy, and pinned memory without an accelerator."""
     if offload_policy is None:
         return
     if not isinstance(offload_policy, OffloadPolicy):
@@ -205,14 +207,8 @@ def _resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
 
 
 def _check_no_idle_dims(mesh: DeviceMesh) -> None:
-    """Refuse a mesh that leaves out ranks which would train unsynchronised copies.
-
-    Ranks outside the mesh but on its root mesh's ``"pp"`` dim hold other pipeline stages
-    (other layers): that is what a stage's mesh is for. Any other left-out dim of the root
-    (Lightning's ``tensor_parallel`` with no tensor parallelism applied, a ``"tp"`` dim
-    without ``tp_plan``) holds ranks that see other data and hold a copy of the same
-    layers that no collective of FSDP2 keeps equal to this one.
-    """
+    """Refuse a mesh that leaves out a dim of its root mesh other than ``"pp"`` (other
+    stages): those ranks would train unsynchronised copies of the same layers."""
     idle = [(name, size) for name, size in idle_mesh_dims(mesh) if name != PIPELINE_DIM]
     if idle:
         dims = ", ".join(f"{name!r} (size {size})" for name, size in idle)
@@ -311,49 +307,53 @@ def shard_model(
     tp_plan: dict[str, ParallelStyle] | None = None,
     offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
-    """Quantize ``model`` and shard it with FSDP2: each embedding, each block, then the root.
+    """Quantize ``model`` (:func:`fsdp_int8.quantize_`) and shard it with FSDP2.
 
-    With ``tp_plan``, each block is first split by tensor parallelism on the mesh's
-    ``"tp"`` dim (torch's ``ColwiseParallel`` / ``RowwiseParallel`` in the plan become
-    their int8-aware equivalents in :mod:`fsdp_int8.parallel`), then FSDP2 shards on the
-    other dims: ``("dp", "tp")`` or ``("dp_replicate", "dp_shard", "tp")`` (HSDP).
-
-    The root group holds what is left (final norm, output head, and an embedding tied to
-    the head: FSDP2 needs both ends of a tie in one group). It is not resharded after
-    forward, and neither is the last block: backward needs their parameters first. Works
-    on a model on the meta device: call ``model.to_empty(device=...)`` afterwards and
-    initialise in place (``reset_parameters`` or the model's own init). Logs how much of
-    the model is int8 on the ``fsdp_int8`` logger (INFO), and warns if nothing was
-    quantized.
+    Groups (torchtitan's policy, docs/design.md): each embedding outside the blocks, each
+    block, then the root with the rest (final norm, head, an embedding tied to it); the
+    root and the last block are not resharded after forward. With ``tp_plan``, blocks are
+    first split on the mesh's ``"tp"`` dim with :mod:`fsdp_int8.parallel`'s styles
+    (docs/parallelism.md). It reseeds the stochastic-rounding generator from ``config.seed``
+    and the rank's shard coordinate (HSDP replicas round alike). Works on the meta device
+    (``model.to_empty(device=...)`` afterwards). Logs how much is int8 (INFO), warns if none.
 
     Args:
-        model: The unsharded model (plain PyTorch).
-        mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP), plus a last dim
-            named ``"tp"`` with ``tp_plan``. It must hold this rank, not necessarily all
-            ranks: a slice of a larger device mesh may leave out its ``"pp"`` dim (a
-            pipeline stage's mesh), and no other dim of more than one rank (those ranks
-            would train unsynchronised copies: ``ValueError``). Default: all ranks on the
-            default device type.
-        config: Quantization config (see :class:`Int8TrainingConfig`).
+        model: The unsharded, plain PyTorch model.
+        mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh with ``mesh_dim_names``
+            (HSDP), plus a last dim ``"tp"`` with ``tp_plan`` (``("dp", "tp")``,
+            ``("dp_replicate", "dp_shard", "tp")``). It must hold this rank; a slice of a
+            larger mesh may leave out only its ``"pp"`` dim. Default: all ranks, on the
+            first parameter's device type (the default accelerator, else CPU, for a meta,
+            parameterless or offloaded model).
+        config: Quantization config; default ``Int8TrainingConfig()``.
         mp_policy: FSDP2 mixed precision; its ``param_dtype`` is the compute dtype of the
-            unsharded weights. The wire format is int8 regardless. Default: ``config``'s
-            ``compute_dtype`` with an fp32 gradient reduction where it is set, else FSDP2's
-            default (the parameters' dtype).
-        reshard_after_forward: ``True`` frees unsharded weights after forward; ``False``
-            keeps them until backward. Integers are refused (see docs/limits.md).
-        blocks: Block types or a predicate; default: discovered (see :func:`find_blocks`).
+            unsharded weights; the all-gather moves int8 regardless. Default: ``config``'s
+            ``compute_dtype`` with an fp32 gradient reduction where set, else FSDP2's own.
+        reshard_after_forward: ``True`` frees unsharded weights after forward (least
+            memory); ``False`` keeps them until backward (no second all-gather).
+        blocks: Block types or a predicate (:data:`BlockSpec`); default: discovered.
         tp_plan: Module names relative to each block (``"self_attn.q_proj"``, ``*``
-            wildcards) to torch ``ParallelStyle``s, as in torchtitan's and Hugging Face's
-            Llama plans. Needs a mesh with a ``"tp"`` dim.
-        offload_policy: FSDP2's ``CPUOffloadPolicy``: the sharded parameters (int8 rows and
-            scales), their gradients and the optimizer step stay in host memory; each
-            all-gather copies the int8 shard to the mesh's device (the compute device;
-            default mesh: the accelerator, also for a model on the CPU). Materialise a meta
-            model on the CPU (``to_empty(device="cpu")``). ``pin_memory=True`` needs an
-            accelerator (``ValueError``). Default: no offload.
+            wildcards) to torch ``ParallelStyle``s, as in torchtitan's Llama plan.
+        offload_policy: FSDP2's ``CPUOffloadPolicy``: shards, gradients and the optimizer
+            step stay in host memory (a meta model: ``to_empty(device="cpu")``); each
+            all-gather copies the int8 shard to the compute device. Default: none.
 
     Returns:
-        ``model``, now an ``FSDPModule``.
+        ``model``, now an ``FSDPModule``. Build the optimizer afterwards (one holding the
+        replaced parameters raises ``RuntimeError`` at its first ``step()``); for int8
+        gradients call :func:`fsdp_int8.gradients.enable_quantized_reduce_scatter` next.
+
+    Raises:
+        TypeError: when ``config``, ``mp_policy``, ``offload_policy``, ``blocks`` or
+            ``reshard_after_forward`` has the wrong type.
+        ValueError: when ``reshard_after_forward`` is an int (docs/limits.md);
+            ``pin_memory=True`` without an accelerator; ``compute_dtype`` differs from
+            ``mp_policy.param_dtype``; the mesh lacks this rank, has a ``"pp"`` dim, leaves
+            out another dim, or has ``"tp"`` missing, misplaced or unasked-for; no blocks
+            are found; a block is tied outside itself; a ``tp_plan`` key names no module,
+            or the tp size does not divide a split weight.
+        NotImplementedError: when the parameters are DTensors without FSDP.
+        RuntimeError: when the model is already sharded, or no process group exists.
     """
     config = training_config(config)
     mp_policy = _mixed_precision(mp_policy, config)

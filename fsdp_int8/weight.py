@@ -1,7 +1,7 @@
 """The int8 weight: :class:`Int8Weight` (defined in the private ``fsdp_int8._weight`` package,
-with its op table and FSDP2 hooks) and its metadata, :class:`Int8WeightMeta`. Pickles and
-``torch.load(weights_only=True)`` allow-lists name the weight here. :class:`Int8LoadError`: what every load path raises for an int8
-weight it refuses (scales not finite or negative, -128, shapes, rows without scales)."""
+with its op table and FSDP2 hooks), its metadata, :class:`Int8WeightMeta`, and
+:class:`Int8LoadError`, what every load path raises for an int8 weight it refuses. Pickles
+and ``torch.load(weights_only=True)`` allow-lists name the weight here."""
 
 from fsdp_int8._weight.load_checks import Int8LoadError
 from fsdp_int8._weight.tensor import Int8Weight, Int8WeightMeta, _rebuild_int8_weight  # noqa: F401  (pickles name the first and last here)

@@ -31,7 +31,8 @@ import launch.model
 from fsdp_int8 import Int8MatmulConfig, Int8TrainingConfig
 from fsdp_int8._quant.kernels import compiler_available
 from fsdp_int8._weight import linear as int8_linear
-from launch.model import Attention, ModelArgs, rope_frequencies
+from launch.model import Attention, ModelArgs
+from launch.rope import rope_frequencies
 
 pytestmark = pytest.mark.skipif(not compiler_available("cpu"), reason="inductor needs a C++ compiler")
 

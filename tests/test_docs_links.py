@@ -1,6 +1,6 @@
-"""Links into the user guides docs/memory.md and docs/performance.md, and into the dated
-logs of benchmarks/results/, from any page, docstring or comment of the repository: each
-names a file that exists and, with ``#anchor``, a heading of it (GitHub's anchors)."""
+"""Links into the pages of docs/ and the dated logs of benchmarks/results/, from any page,
+docstring or comment of the repository: each names a file that exists and, with
+``#anchor``, a heading of it (GitHub's anchors) or an ``<a id>`` in it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = ("docs/memory.md", "docs/performance.md", *(
-    str(p.relative_to(ROOT)) for p in sorted((ROOT / "benchmarks" / "results").glob("*.md"))))
+TARGETS = tuple(
+    str(p.relative_to(ROOT)) for p in [*sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
+)
 LINK = re.compile(r"\]\(([^)\s#]*)(#[^)\s]*)?\)")  # markdown links: (path#anchor)
 CODE = re.compile(r"```.*?```", re.S)
 
@@ -21,7 +22,8 @@ def _anchor(heading: str) -> str:
 
 def _anchors(path: Path) -> set[str]:
     text = CODE.sub("", path.read_text())
-    return {_anchor(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+    headings = {_anchor(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+    return headings | set(re.findall(r'<a id="([^"]+)"></a>', text))
 
 
 def _pages() -> list[Path]:

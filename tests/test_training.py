@@ -158,7 +158,7 @@ def test_stochastic_rounding_lets_sub_step_updates_accumulate():
 def test_launcher_rope_backward_is_autograds_bit_for_bit():
     """The launcher's RoPE writes its backward as the inverse rotation (a form inductor
     vectorizes); its values must be what autograd derives from the forward formula."""
-    from launch.model import apply_rope, rope_frequencies
+    from launch.rope import apply_rope, rope_frequencies
 
     def autograd_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         pairs = x.float().unflatten(-1, (-1, 2))

@@ -39,14 +39,28 @@ __all__ = [
     "add_check_hook", "refusal", "trusted",
 ]
 
-SCALE_SUFFIX = "_scale"  # "<module>.weight" + SCALE_SUFFIX holds that weight's row scales (HF layout)
+#: The fp32 row scales of the int8 weight saved under ``key`` are saved under ``key + SCALE_SUFFIX``
+#: (``<layer>.weight_scale``) in the safetensors layout of :mod:`fsdp_int8.integrations.hf_quantizer`.
+SCALE_SUFFIX = "_scale"
 INT8_MIN_ALLOWED = -127
 _trusted_depth = 0  # > 0 while a caller loads entries it has checked itself
 
 
 class Int8LoadError(ValueError):
-    """An int8 weight a load refuses: the message names the entry, the file when known,
-    what is wrong and what to do."""
+    """An int8 weight arriving from outside, refused before anything is copied into the model.
+
+    Raised by ``from_pretrained`` of an int8 folder, ``load_state_dict`` of a quantized model
+    (Hugging Face ``weight`` + ``weight_scale`` entries or ``Int8Weight`` values:
+    ``torch.load``ed dicts, ``Trainer``'s resume, accelerate's and Lightning's loaders) and
+    :func:`fsdp_int8.integrations.hf_quantizer.state_dict_from_int8_safetensors`;
+    ``load_checkpoint`` raises ``CheckpointError`` with the same text. Refused: row scales
+    that are NaN, infinite or negative; int8 values of -128 (outside the symmetric range
+    -127..127; never clamped silently); shapes that do not fit the layer or each other;
+    int8 rows without their scales, scales without int8 rows. The message names the
+    state-dict key, the file when known, what is wrong (how many values, the first bad row)
+    and what to do. A subclass of ``ValueError``.
+    docs/checkpoints.md, "What is checked on the way in".
+    """
 
 
 @contextlib.contextmanager

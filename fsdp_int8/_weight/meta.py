@@ -22,7 +22,11 @@ NOT_PICKLED = ("tensor_parallel",)  # this process's placement, not the weight's
 
 @dataclasses.dataclass(frozen=True)
 class Int8WeightMeta:
-    """The metadata of an ``Int8Weight``.
+    """The metadata of an ``Int8Weight``: everything it carries besides its dtype and tensors.
+
+    One frozen object; the weight reads each field as an attribute (``w.row_len``). Nothing
+    changes it after construction: a view or a copy with other metadata is
+    ``Int8Weight.with_tensors``, whose ``changes`` are a :meth:`replace`.
 
     Attributes:
         row_len: Elements per row (``in_features`` of the linear layer).
@@ -41,8 +45,10 @@ class Int8WeightMeta:
             activation quantization) run ``torch.compile``d: ``Int8TrainingConfig.compile``
             resolved for this weight's row length.
         tensor_parallel: This rank's part of a weight split by tensor parallelism
-            (``fsdp_int8.parallel``'s styles set it), a window of columns (a slice along
-            dim 1), or ``None``. Never pickled.
+            (``fsdp_int8.parallel``'s styles set it); a window of columns (a slice along
+            dim 1, as DCP takes to reshard), which reads right and takes ``copy_`` from
+            another ``Int8Weight`` but refuses writes that would requantize its rows
+            (``NotImplementedError``); or ``None``. Never pickled.
     """
 
     row_len: int

@@ -1,19 +1,6 @@
-"""``Int8Weight``: an int8 weight with per-row fp32 scales that trains in place.
-
-The outer tensor looks like a floating weight of the training dtype (FSDP2 and autograd
-need a floating parameter; gradients arrive in that dtype). Underneath it holds only
-
-* ``int_data``: ``int8``, ``[rows, K]``, or ``[rows * K]`` for the flat view FSDP2 takes;
-* ``scale``: ``fp32``, ``[rows]``.
-
-Views may also regroup the rows into more leading dims, ``int_data`` ``[*lead, K]`` with
-``scale`` ``[*lead]`` (torchtitan views a fused QKV weight as ``[heads, 3, head_dim, K]``);
-those can be sliced along any leading dim, and report their strides honestly.
-
-Every aten op and ``F.linear`` go through the op table (:mod:`.op_table`, filled by
-:mod:`.ops` and :mod:`.linear`, which this module never imports); the FSDP2 hooks are thin
-methods over :mod:`.all_gather`. An op that is not in the table raises naming itself.
-"""
+"""``Int8Weight`` (its docstring describes it). Every aten op and ``F.linear`` go through
+the op table (:mod:`.op_table`, filled by :mod:`.ops` and :mod:`.linear`, never imported
+here); the FSDP2 hooks are thin methods over :mod:`.all_gather`."""
 
 from __future__ import annotations
 
@@ -45,18 +32,44 @@ def _field(name: str) -> property:
 class Int8Weight(torch.Tensor):
     """A floating-looking weight stored as int8 data plus one fp32 absmax scale per row.
 
+    The outer dtype is floating (autograd and FSDP2 need a floating parameter; gradients
+    arrive in it); underneath are only int8 values in ``[-127, 127]`` and one scale per row,
+    ``scale[r] = amax(|row r|) / 127``: no fp32 copy, no cached dequantized weight.
+    ``F.linear`` with it runs fsdp_int8's int8 linear layer (weight-only, or int8 GEMMs per
+    ``int8_matmul``). Other aten ops go through the op table (:meth:`supported_ops`;
+    docs/design.md): in-place updates dequantize, compute in fp32 and requantize with each
+    row's new scale. Usually built by :func:`fsdp_int8.quantize_` or :meth:`from_float`.
+
+    Refused, so that raw-bytes writers (safetensors, accelerate's ``save_model``) fail at
+    once instead of writing wrong bytes: ``numpy()``, ``tolist()`` (``TypeError``) and
+    ``storage()`` (``RuntimeError``). Give them
+    :func:`fsdp_int8.integrations.hf_quantizer.int8_safetensors_state_dict` or
+    :func:`fsdp_int8.export_full_state_dict`'s result. ``torch.save`` / ``pickle`` and
+    ``copy.deepcopy`` keep the subclass and its metadata (but ``tensor_parallel``);
+    ``torch.load(..., weights_only=True)`` accepts it; a pickled ``nn.Parameter`` comes
+    back as one. ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` are FSDP2's hooks.
+
     Args:
-        int_data: ``int8`` tensor, ``[rows, row_len]`` or flat ``[rows * row_len]`` (or
-            ``[*lead, row_len]``, a view regrouping the rows).
-        scale: ``fp32`` tensor, ``[rows]`` (``[*lead]`` for ``[*lead, row_len]`` data).
-        meta: Everything else it carries (:class:`Int8WeightMeta`: row length, the whole
-            weight's rows, rounding, int8 matmuls, compiled kernels, tensor-parallel
-            part), frozen; its fields read as the weight's attributes (``w.row_len``).
+        int_data: ``int8``, ``[rows, row_len]``, flat ``[rows * row_len]`` (as FSDP2 takes
+            it) or ``[*lead, row_len]`` (a view regrouping the rows: torchtitan's fused QKV).
+        scale: ``fp32``, ``[rows]`` (``[*lead]`` for ``[*lead, row_len]`` data).
+        meta: Everything else it carries, frozen (:class:`Int8WeightMeta`); a view or copy
+            with other metadata is :meth:`with_tensors`.
         dtype: The outer (training) dtype, a floating dtype.
         requires_grad: As for any tensor.
 
-    Use :meth:`from_float` to build one from a plain tensor, :meth:`with_tensors` for another
-    over other inner tensors.
+    Raises:
+        TypeError: when ``meta`` is not an ``Int8WeightMeta``, ``int_data`` is not int8,
+            ``scale`` is not fp32, or ``dtype`` is not floating.
+        ValueError: when ``int_data`` is neither 1-D nor ``[..., row_len]``, or does not
+            hold whole rows of ``row_len`` matching ``scale``'s shape.
+
+    Attributes:
+        int_data: The int8 values, as above.
+        scale: fp32, one absmax scale per row (0 for an all-zero row).
+        meta: Its :class:`Int8WeightMeta`, whose fields read as read-only attributes:
+            ``row_len``, ``unsharded_rows``, ``stochastic_rounding``, ``int8_matmul``,
+            ``int8_gathered_weights``, ``compiled``, ``tensor_parallel``.
     """
 
     int_data: torch.Tensor
@@ -113,7 +126,11 @@ class Int8Weight(torch.Tensor):
 
     @staticmethod
     def supported_ops() -> list[str]:
-        """Names of the aten ops and torch functions ``Int8Weight`` implements, sorted."""
+        """Names of the aten ops and torch functions ``Int8Weight`` implements, sorted.
+
+        The table is complete once ``fsdp_int8`` is imported, and internal: it cannot be
+        extended from outside. A missing op raises ``NotImplementedError`` naming it.
+        """
         return _op_table.supported_ops()
 
     # ------------------------------------------------------------------ construction
@@ -128,17 +145,29 @@ class Int8Weight(torch.Tensor):
         compiled: bool = False,
         dtype: torch.dtype | None = None,
     ) -> "Int8Weight":
-        """Quantize a 2-D or 3-D floating tensor with round-to-nearest.
+        """Quantize a 2-D or 3-D floating tensor row by row, rounding to nearest.
 
         Args:
             weight: ``[out_features, in_features]`` floating tensor (meta allowed), or a
                 mixture-of-experts weight ``[experts, out_features, in_features]`` (one
-                scale per expert and output feature: scales ``[experts, out_features]``).
-            stochastic_rounding: Rounding used by later in-place updates.
-            int8_matmul: Which matmuls run as int8 GEMMs (``None``: weight-only).
+                scale per expert and output feature: scales ``[experts, out_features]``;
+                docs/moe.md).
+            stochastic_rounding: How later in-place updates round (this quantization
+                always rounds to nearest).
+            int8_matmul: Which matmuls of ``F.linear`` run as int8 GEMMs (``None``:
+                weight-only).
             int8_gathered_weights: FSDP2's gathered weight stays int8 (:class:`Int8WeightMeta`).
-            compiled: Run its quantization kernels ``torch.compile``d (same bits).
+            compiled: Quantize, now and in later updates, with the ``torch.compile``d
+                kernels (same bits).
             dtype: Outer dtype; defaults to ``weight.dtype``.
+
+        Returns:
+            A new ``Int8Weight`` (``requires_grad=False``) carrying these settings.
+
+        Raises:
+            TypeError: when ``weight`` is already an ``Int8Weight`` or is not floating.
+            ValueError: when ``weight`` is not 2-D or 3-D, has 0 columns, or holds NaN
+                or Inf.
         """
         if isinstance(weight, Int8Weight):
             raise TypeError("from_float got an Int8Weight; it is already quantized")
@@ -169,44 +198,55 @@ class Int8Weight(torch.Tensor):
         dtype: torch.dtype | None = None,
         **changes: Any,
     ) -> "Int8Weight":
-        """A new ``Int8Weight`` over other inner tensors, with this one's metadata but for
-        ``dtype`` and ``changes`` (fields of :class:`Int8WeightMeta`: ``unsharded_rows=0``, ...)."""
+        """A new ``Int8Weight`` over other inner tensors with this one's metadata, but for
+        ``dtype`` and ``changes`` (fields of :class:`Int8WeightMeta`: ``unsharded_rows=0``,
+        ...). Raises as the constructor does, and ``TypeError`` for an unknown field."""
         return Int8Weight(int_data, scale, self.meta.replace(**changes), dtype=dtype or self.dtype)
 
     # ------------------------------------------------------------------ reading
     @property
     def rows(self) -> int:
-        """Number of rows held (``out_features`` of this shard)."""
+        """Rows held by this tensor (``scale.numel()``: ``out_features`` of this shard)."""
         return self.scale.numel()
 
     def int_rows(self) -> torch.Tensor:
-        """The int8 data as ``[rows, row_len]`` (a view; a strided regrouped view has none)."""
+        """The int8 data as ``[rows, row_len]``: ``int_data`` itself or a view of it (a
+        strided regrouped view has none: use :meth:`read_rows`)."""
         return self.int_data if self.int_data.dim() == 2 else self.int_data.view(self.rows, self.row_len)
 
     def read_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(int8 [rows, row_len], fp32 [rows])`` of any layout, to read (a copy if strided)."""
+        """``(int8 [rows, row_len], fp32 [rows])`` of any layout, to read: views where the
+        layout allows, copies of a strided regrouped view."""
         end_of_step.flush_if_holding((self,))
         return self.int_data.reshape(self.rows, self.row_len), self.scale.reshape(self.rows)
 
     def write_rows_(
         self, int_rows: torch.Tensor, scale: torch.Tensor, non_blocking: bool = False
     ) -> "Int8Weight":
-        """Copy ``int8 [rows, row_len]`` values and ``[rows]`` scales into this tensor's storage."""
+        """Copy ``int8 [rows, row_len]`` values and fp32 ``[rows]`` scales into this tensor's
+        own storage as they are (no rounding, no check); returns ``self``."""
         self.int_data.copy_(int_rows.reshape(self.int_data.shape), non_blocking=non_blocking)
         self.scale.copy_(scale.reshape(self.scale.shape), non_blocking=non_blocking)
         return self
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A plain tensor of this shape: ``int_data * scale`` in ``dtype`` (default: outer)."""
+        """A new plain tensor of this shape: ``int_data * scale`` computed in fp32, cast to
+        ``dtype`` (default: the outer dtype)."""
         values = absmax_dequantize(*self.read_rows(), dtype=dtype or self.dtype, compiled=self.compiled)
         return values.view(self.shape)
 
     def assign_(self, values: torch.Tensor, *, stochastic: bool, optimizer_update: bool = False) -> "Int8Weight":
         """Requantize ``values`` (this shape, any float dtype) into this tensor's storage.
 
-        Non-finite ``values`` raise ``ValueError`` and leave the weight unchanged. An
-        optimizer's update (``optimizer_update=True``) on an accelerator is checked once per
-        optimizer step instead, with every other update of the step (``_update_checks``).
+        New scales from each row's absmax, then rounding stochastically (``stochastic=True``:
+        the process's stochastic-rounding generator) or to nearest; returns ``self``. An
+        optimizer's update (``optimizer_update=True``) on an accelerator joins the step's one
+        deferred NaN / Inf check instead of syncing here (it raises when ``step()`` returns;
+        docs/limits.md).
+
+        Raises:
+            ValueError: when ``values`` holds NaN or Inf (the weight is left unchanged).
+            NotImplementedError: when this weight is a window of columns (a dim-1 slice).
         """
         _tensor_parallel.check_requantizable(self, "requantizing")
         generator = _tensor_parallel.rounding_generator(self, values.device) if stochastic else None
@@ -238,21 +278,13 @@ class Int8Weight(torch.Tensor):
         raise TypeError("Int8Weight holds int8 values with per-row fp32 scales: call w.dequantize().tolist()")
 
     def data_ptr(self) -> int:
-        """The address of the int8 data (one byte per element, not ``itemsize``).
-
-        Frameworks key parameters by it (accelerate's FSDP2 optimizer re-mapping): a wrapper
-        tensor's default, 0, would make every int8 weight collide. It identifies the
-        weight; it is not ``numel * itemsize`` readable bytes of the outer dtype, which is
-        why :meth:`storage` refuses raw-bytes writers.
-        """
+        """The address of the int8 data, unique per weight (frameworks key parameters by it:
+        accelerate's FSDP2 optimizer re-mapping); not ``numel * itemsize`` readable bytes."""
         return self.int_data.data_ptr()
 
     def storage(self):
-        """Refused: there is no storage of the outer dtype to read bytes from.
-
-        Raw-bytes writers (safetensors, hence Hugging Face ``save_pretrained`` and
-        ``accelerator.save_model``) end up here; they would otherwise write garbage.
-        """
+        """Refused (``RuntimeError``): there is no storage of the outer dtype to read bytes
+        from, and raw-bytes writers would otherwise write garbage."""
         raise RuntimeError(
             "Int8Weight has no storage of its floating dtype (it holds int8 rows with fp32 "
             "scales), so raw-bytes writers such as safetensors cannot save it. A transformers "
@@ -268,11 +300,8 @@ class Int8Weight(torch.Tensor):
         )
 
     def __deepcopy__(self, memo: dict) -> "Int8Weight":
-        """A copy with its own int8 data and scales, ``requires_grad`` and attributes kept.
-
-        Needed because this weight's :meth:`data_ptr` is not 0: ``Tensor.__deepcopy__``
-        would take it for a storage-backed tensor and copy a storage it does not have.
-        """
+        """A copy with its own int8 data and scales, ``requires_grad`` and attributes kept
+        (``Tensor.__deepcopy__`` would copy a storage it does not have: :meth:`data_ptr` is not 0)."""
         if id(self) in memo:
             return memo[id(self)]
         copied = self.with_tensors(copy.deepcopy(self.int_data, memo), copy.deepcopy(self.scale, memo))
@@ -287,7 +316,7 @@ class Int8Weight(torch.Tensor):
         return copied
 
     def storage_bytes(self) -> int:
-        """Bytes of int8 data plus scales held by this tensor's own elements."""
+        """Bytes of this tensor's own data: one per int8 value plus 4 per scale."""
         return self.int_data.numel() * self.int_data.element_size() + self.scale.numel() * 4
 
     def __repr__(self) -> str:  # never dispatches: safe inside error messages
@@ -334,17 +363,10 @@ class Int8Weight(torch.Tensor):
         *,
         out: "torch.Tensor | None" = None,
     ) -> "tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None":
-        """FSDP2 hook: the unsharded weight, built from the gathered int8 rows and scales.
-
-        Weight-only (no ``int8_matmul``): a plain ``param_dtype`` tensor, the rows
-        dequantized once per unshard (the gathered bytes stay int8). Int8 matmuls or
-        ``int8_gathered_weights``: an ``Int8Weight`` over the gathered buffer (its GEMMs read
-        the int8 rows; without GEMMs each matmul dequantizes a transient copy).
-
-        Raises:
-            NotImplementedError: on every rank, at the first unshard, if a rank flagged its
-                shard as not FSDP2's dim-0 chunk of the weight (tensor parallelism, say).
-        """
+        """FSDP2 hook: the unsharded weight from the gathered int8 rows and scales: a plain
+        ``param_dtype`` tensor (weight-only), or an ``Int8Weight`` over the gathered buffer
+        (``int8_matmul`` or ``int8_gathered_weights``). Raises ``NotImplementedError`` on
+        every rank if one flagged its shard as not FSDP2's dim-0 chunk of the weight."""
         return _all_gather.post_all_gather(self, outputs, metadata, param_dtype, out)
 
     # ------------------------------------------------------------------ dispatch

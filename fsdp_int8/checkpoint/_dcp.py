@@ -122,13 +122,25 @@ def cpu_copy(state: Any) -> Any:
 
 
 class CpuCopyStager(AsyncStager):
-    """A stager for ``dcp.async_save`` that works on int8 weights: :func:`cpu_copy`.
+    """A ``torch.distributed.checkpoint`` ``AsyncStager`` for state dicts with int8 weights.
 
-    dcp's default stager copies a tensor whose ``data_ptr()`` is not 0 as a storage of its
-    dtype (``new_empty([])``, then ``set_`` to a copy of ``untyped_storage()``), which an
-    int8 weight (int8 rows and fp32 scales, no storage of its floating dtype) cannot follow.
-    ``as_future``: ``stage`` returns a finished ``Future`` (so ``async_save`` returns its
-    ``AsyncSaveResponse``, as with an asynchronously staging stager)."""
+    :meth:`stage` copies every tensor into CPU memory with ``.to("cpu", copy=True)``, so
+    int8 weights stay ``Int8Weight`` s (int8 rows and scales), DTensors stay DTensors, and
+    the write reloads bit-exactly. The copies are not pinned. dcp's default stager cannot
+    copy an int8 weight: it copies a storage of the tensor's dtype (``new_empty([])``, then
+    ``set_`` to a copy of ``untyped_storage()``), which an int8 weight does not have
+    (docs/limits.md). torchtitan's ``Int8CheckpointManager`` stages its ``async`` and
+    ``async_with_pinned_mem`` checkpoints with it.
+
+    Args:
+        as_future: :meth:`stage` returns a finished ``Future``, so that ``async_save``
+            returns its ``AsyncSaveResponse`` (torchtitan's ``async_with_pinned_mem`` mode
+            expects one).
+
+    Example::
+
+        dcp.async_save(state_dict, checkpoint_id=path, async_stager=CpuCopyStager())
+    """
 
     _synchronize_after_execute = False
 
@@ -136,6 +148,7 @@ class CpuCopyStager(AsyncStager):
         self.as_future = as_future
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
+        """A CPU copy of ``state_dict`` (in a finished ``Future`` with ``as_future``)."""
         copied = cpu_copy(state_dict)
         if not self.as_future:
             return copied

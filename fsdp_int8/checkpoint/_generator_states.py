@@ -72,11 +72,24 @@ def layout_name(layout: dict[str, Any]) -> str:
 
 
 def capture_generators(model: nn.Module) -> dict[str, Any]:
-    """This rank's generator states and the layout they belong to.
+    """This rank's noise-generator states and the layout they belong to, for a checkpoint
+    format of your own.
 
-    The rounding generator of each device ``model`` is on is created first (a new one is
-    seeded as a later one would be: nothing observable changes), so that a restore
-    rewinds it even if it was first used after the capture.
+    The states: the stochastic-rounding streams of ``model``'s int8 weights (the rank's
+    and, under tensor parallelism, its tp shard's), torch's CPU (and CUDA) generators, and
+    the int8 gradient reduce-scatter's. :func:`save_checkpoint`, the Hugging Face
+    ``Int8SaveMixin``, Lightning's ``Int8RoundingCheckpoint`` and torchtitan's
+    ``Int8CheckpointManager`` all save this. Every rank calls it for itself; save each
+    rank's result. The rounding generator of each device ``model`` is on is created first
+    (seeded as a later one would be), so that a restore rewinds it even if it was first
+    used after the capture.
+
+    Args:
+        model: The model whose streams to capture.
+
+    Returns:
+        The states, with ``"layout"``: world size, data-parallel mesh shape and
+        tensor-parallel size, e.g. ``"world4_dp2x2_tp1"``.
     """
     for device in {param.device for param in model.parameters()}:  # a DTensor's: its shard's
         WEIGHT_ROUNDING.generator(device)
@@ -98,13 +111,20 @@ def capture_generators(model: nn.Module) -> dict[str, Any]:
 
 
 def restore_generators(state: dict[str, Any], model: nn.Module, *, saved_layout: str | None = None) -> bool:
-    """Restore a :func:`capture_generators` state if ``model`` runs in its layout.
+    """Restore this rank's :func:`capture_generators` state, only if ``model`` runs in the
+    layout it was captured in.
+
+    A stream continues only there: at one world size FSDP's 4 shards and HSDP's 2 x 2 give
+    a rank other rows (and HSDP replicas must draw alike), and (dp, tp) = (2, 2) and (4, 1)
+    hold other parts of each weight, so restored per-rank streams would make replicas
+    drift apart. Otherwise nothing changes and the run keeps the streams it was seeded
+    with (``shard_model`` seeds them for its layout).
 
     Args:
         state: This rank's captured states.
         model: The model whose streams they are.
-        saved_layout: The layout for a state that does not record one (a checkpoint's
-            manifest records it beside the states); without either, nothing is restored.
+        saved_layout: The layout of a state that records none (:func:`load_checkpoint`
+            passes its manifest's); without either, nothing is restored.
 
     Returns:
         Whether the states were restored (``False``: another layout, or none known; nothing

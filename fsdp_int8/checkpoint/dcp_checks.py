@@ -27,6 +27,11 @@ def check_int8_entries(checkpoint_id: str | os.PathLike, state_dict: dict[str, A
     Call on every rank with the same keys: it is collective, and every rank raises when
     any rank's shard is refused. Entries the folder does not hold are left to the load.
 
+    Args:
+        checkpoint_id: The dcp folder, as given to ``dcp.load``.
+        state_dict: The state dict the load will write into; the entries of its int8
+            weights are checked.
+
     Raises:
         Int8LoadError: naming each refused entry (with its rank), the folder and the fix.
     """

@@ -23,15 +23,26 @@ def export_full_state_dict(
     """A plain, full, dequantized state dict on rank 0 (``{}`` on other ranks), on CPU.
 
     Its keys and shapes are those of the unquantized model, so it loads into it with
-    ``load_state_dict`` (or a Hugging Face model's ``save_pretrained``): the weights of
-    GPT-2 ``Conv1D`` layers (int8 as ``[out, in]``) are written in GPT-2's ``[in, out]``;
-    a model whose state-dict hooks rename keys (torchtitan's fused ``wqkv``, saved as
-    ``wq`` / ``wk`` / ``wv``) is exported through its own ``state_dict()``, in those keys.
-    Call on every rank.
+    ``load_state_dict`` (or a Hugging Face model's ``save_pretrained`` writes it): the
+    weights of GPT-2 ``Conv1D`` layers (int8 as ``[out, in]``) are written in GPT-2's
+    ``[in, out]``, contiguous. A model whose state-dict hooks rename keys (torchtitan's
+    fused ``wqkv``, saved as ``wq`` / ``wk`` / ``wv``), which torch's
+    ``get_model_state_dict`` cannot map, is exported through its own ``state_dict()``,
+    gathered whole onto rank 0 one entry at a time: in those keys, which the unconverted
+    model loads with ``strict=True``. Call on every rank.
 
     Args:
         model: A quantized model, sharded or not.
         dtype: Floating dtype of every floating entry.
+
+    Returns:
+        The state dict on rank 0, ``{}`` on the others.
+
+    Example::
+
+        state = fsdp_int8.export_full_state_dict(model, torch.bfloat16)   # every rank
+        if dist.get_rank() == 0:
+            model.save_pretrained("out", state_dict=state)                # full precision
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     try:
@@ -68,8 +79,13 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
 
     Int8 weights round the values to nearest (never stochastically). Under FSDP2, rank 0
     passes the state dict and the other ranks pass ``{}``: rank 0 broadcasts it. The
-    weights of GPT-2 ``Conv1D`` layers are in GPT-2's ``[in, out]`` layout, as the
+    weights of GPT-2 ``Conv1D`` layers are expected in GPT-2's ``[in, out]`` layout, as the
     unquantized model's state dict (and :func:`export_full_state_dict`) holds them.
+
+    Args:
+        model: A quantized model, sharded or not.
+        state_dict: The unquantized model's keys and shapes, any floating dtype; ``{}``
+            on ranks other than 0 under FSDP2.
 
     Raises:
         ValueError: (on every rank) a Conv1D weight in the int8 layout ``[out, in]``.

@@ -1,12 +1,7 @@
 """``load_checkpoint`` and ``latest_checkpoint``: find a checkpoint, check that it is whole
-and fits the model and optimizer, read it into copies, and only then load it into them
-(resharding) and restore or reseed the generators.
-
-A load that fails changes nothing: everything that can fail (the manifest, the files'
-checksums, the fit, reading every shard and generator state, the values of the int8
-weights read, the optimizer's own checks of its hyperparameters) happens before the model,
-optimizer or generators are touched.
-"""
+and fits, read it into copies (everything that can fail: the manifest, checksums, the fit,
+every shard and generator state, the int8 values, the optimizer's own checks), and only
+then load it (resharding) and restore or reseed the generators."""
 
 from __future__ import annotations
 
@@ -23,9 +18,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
+    StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
 )
 
 from fsdp_int8 import _dist
@@ -33,11 +26,7 @@ from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.load_checks import trusted
 from fsdp_int8.checkpoint import _dcp, _files, _fit
 from fsdp_int8.checkpoint._generator_states import (
-    capture_generators,
-    data_parallel_mesh,
-    layout_name,
-    read_generators,
-    restore_generators,
+    capture_generators, data_parallel_mesh, layout_name, read_generators, restore_generators,
     restored_everywhere,
 )
 from fsdp_int8.checkpoint._optimizers import innermost_optimizer
@@ -48,24 +37,39 @@ __all__ = ["CheckpointInfo", "latest_checkpoint", "load_checkpoint"]
 
 @dataclass
 class CheckpointInfo:
-    """What :func:`load_checkpoint` loaded."""
+    """What :func:`load_checkpoint` loaded.
+
+    Attributes:
+        path: The checkpoint's directory.
+        step: Its step; ``None`` for a folder without a manifest (``allow_unverified``).
+        world_size: The saving run's world size; ``None`` likewise.
+        extra: The ``extra`` given to :func:`save_checkpoint`.
+        rng_restored: Whether the generators were restored (False at another layout).
+        converted: Float entries rounded to nearest into int8 weights.
+        missing_keys: ``strict=False``: our entries the checkpoint lacks, left as they were.
+        unexpected_keys: ``strict=False``: the checkpoint's entries nothing took.
+    """
 
     path: Path
-    step: int | None  # None: a folder without a manifest (allow_unverified=True)
-    world_size: int | None  # of the run that saved it; None likewise
+    step: int | None
+    world_size: int | None
     extra: dict = field(default_factory=dict)
-    rng_restored: bool = False  # False when resuming at another world size or mesh shape
-    converted: list[str] = field(default_factory=list)  # float entries rounded into int8
-    missing_keys: list[str] = field(default_factory=list)  # strict=False: ours, left as they were
-    unexpected_keys: list[str] = field(default_factory=list)  # strict=False: the checkpoint's, skipped
+    rng_restored: bool = False
+    converted: list[str] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``directory``, or ``None`` if there is none.
 
     The one ``latest`` names (or, if a re-save of its step was interrupted between its
-    renames, the complete old copy set aside); without a valid pointer, the most recently
-    written one.
+    renames, the complete old copy set aside, ``.old-step_<step>-<id>/``, which the next
+    save puts back); without a valid pointer, the most recently written ``step_*`` with a
+    manifest.
+
+    Args:
+        directory: The checkpoint root :func:`save_checkpoint` writes into.
     """
     root = Path(directory)
     name = _files.latest_name(root)
@@ -104,8 +108,8 @@ def _manifest(path: Path, allow_unverified: bool) -> dict | None:
 
 @contextlib.contextmanager
 def _as_checkpoint_error(path: Path, doing: str) -> Iterator[None]:
-    """Turn any failure into a :class:`CheckpointError` naming ``path``: dcp's own
-    ``CheckpointException`` is a ``BaseException`` and buries the cause in a traceback."""
+    """Any failure as a :class:`CheckpointError` naming ``path`` (dcp's ``CheckpointException``
+    is a ``BaseException`` that buries the cause)."""
     try:
         yield
     except CheckpointError:
@@ -130,12 +134,8 @@ def _refuse(path: Path, fit: _fit.Fit, strict: bool, what: str) -> None:
 
 
 def _optimizer_copy(model: nn.Module, optimizer: torch.optim.Optimizer, model_copy: dict) -> dict:
-    """A copy of the optimizer's state dict, to read into.
-
-    A fresh optimizer has no state yet: torch creates it with one step at lr=0, which can
-    requantize int8 weights (recomputed scales) and draw rounding noise. That step is
-    undone here: state emptied, weights set back from ``model_copy``, generators rewound.
-    """
+    """A copy of the optimizer's state dict, to read into. For a fresh optimizer torch
+    makes the state with a step at lr=0 (which may requantize and draw noise): undone."""
     if optimizer.state:
         return _dcp.copy_tensors(get_optimizer_state_dict(model, optimizer))
     generators = capture_generators(model)
@@ -168,8 +168,7 @@ def _merged_groups(ours: list[dict], theirs: list[dict], strict: bool, path: Pat
 
 
 def _check_groups(optimizer: torch.optim.Optimizer, groups: list[dict], path: Path) -> None:
-    """Let the optimizer's own ``load_state_dict`` judge ``groups`` (hyperparameters it
-    does not implement, sizes), on a stand-in that shares nothing it could change."""
+    """Let the optimizer's own ``load_state_dict`` judge ``groups``, on a stand-in."""
     stand_in = object.__new__(type(optimizer))
     stand_in.__setstate__({
         "defaults": dict(optimizer.defaults),
@@ -218,9 +217,8 @@ def _read(path: Path, state: dict, verified: bool) -> dict | None:
 def _copies_and_fit(
     stored: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None, has_manifest: bool
 ) -> tuple[dict[str, Any], str, _fit.Fit, set[str]]:
-    """Copies of the model's (and optimizer's) state dicts to read into, the checkpoint's
-    model-key prefix, how the checkpoint fits them, and the model keys whose entries are
-    read. Changes nothing."""
+    """Copies of the model's (and optimizer's) state dicts to read into, the model-key
+    prefix, the fit, and the model keys read. Changes nothing."""
     model_copy = _dcp.copy_tensors(_dcp.model_state_dict(model))
     prefix = _fit.model_prefix(stored, list(model_copy), has_manifest)
     fit = _fit.model_fit(stored, model_copy, prefix)
@@ -234,8 +232,8 @@ def _copies_and_fit(
 
 
 def _to_read(copies: dict[str, Any], prefix: str, fit: _fit.Fit, stored: dict[str, Any]) -> dict[str, Any]:
-    """The nested state dict dcp reads into: the entries ``fit`` selected (the copies'
-    own tensors) and, for an optimizer, every hyperparameter the checkpoint holds."""
+    """The nested state dict dcp reads into: the copies' entries ``fit`` selected and the
+    checkpoint's optimizer hyperparameters."""
     flat, paths = _dcp.flatten(copies if prefix else copies["model"])
     to_read = {key: flat[key] for key in fit.read}
     if "optimizer" in copies:
@@ -261,8 +259,7 @@ def _optimizer_state(
 
 
 def _converted(model_copy: dict, loaded: set[str], manifest: dict | None, path: Path) -> list[str]:
-    """The int8 weights read from entries not saved as int8 (rounded to nearest), warned
-    about. Without a manifest, every int8 weight read: which were int8 is unknown."""
+    """The int8 weights read from entries not saved as int8 (without a manifest: all), warned about."""
     stored_int8 = set(manifest["int8_keys"]) if manifest is not None else set()
     converted = [k for k in _dcp.int8_keys(model_copy) if k in loaded and k not in stored_int8]
     keys = ", ".join(converted[:3]) + (", ..." if len(converted) > 3 else "")
@@ -311,46 +308,50 @@ def load_checkpoint(
 ) -> CheckpointInfo:
     """Load a checkpoint saved by :func:`save_checkpoint`, at this or another world size.
 
-    Call on every rank, with the model sharded (or not) as it will train. Int8 weights
-    and optimizer states load bit-exactly, also across tensor-parallel layouts (a
-    ``(dp, tp)`` mesh of ``shard_model(tp_plan=...)`` to and from plain FSDP or another
-    ``tp``). At the world size, mesh shape and tp size that saved it, the
-    stochastic-rounding and torch generators are restored too, so training continues
-    exactly as if never interrupted; otherwise they are reseeded from the step and each
-    rank's dp shard coordinate (HSDP replicas alike; see docs/checkpoints.md).
+    Call on every rank, with the model sharded (or not) as it will train. Int8 weights and
+    optimizer states load bit-exactly, across tensor-parallel layouts too. In the layout
+    that saved it (world size, mesh shape, tp size) the generators are restored (exact
+    resume); otherwise reseeded from the step and shard coordinate (docs/checkpoints.md).
 
-    Everything is checked and read into copies first: a load that fails (on any rank)
-    raises the same :class:`CheckpointError` on every rank and leaves the model, the
-    optimizer and the generators exactly as they were. While it reads, the model's and
-    optimizer's local state are held twice.
-
-    A float checkpoint entry loaded into an int8 weight (a checkpoint of the unquantized
-    model, or one written by plain ``torch.distributed.checkpoint``) is rounded to
-    nearest, warned about, and listed in ``CheckpointInfo.converted``.
+    Everything is checked and read into copies first (the local state is held twice
+    meanwhile): a load that fails on any rank raises the same :class:`CheckpointError` on
+    every rank and leaves model, optimizer and generators exactly as they were. A float
+    entry loaded into an int8 weight (a checkpoint of the unquantized model, or of plain
+    ``torch.distributed.checkpoint``) is rounded to nearest, warned about, and listed in
+    ``CheckpointInfo.converted``.
 
     Args:
         directory: A checkpoint root (loads ``latest``) or one checkpoint's directory.
         model: The model to load into.
-        optimizer: Its optimizer, to restore its state too (it may be fresh); or a wrapper
-            that forwards to it in ``.optimizer`` (accelerate's ``AcceleratedOptimizer``,
-            Lightning's ``LightningOptimizer``): the optimizer inside is loaded.
+        optimizer: Its optimizer, to restore its state too (it may be fresh); or a
+            forwarding wrapper, as for :func:`save_checkpoint`: the optimizer inside.
         step: Load ``step_<step>`` instead of the latest.
         verify: Check every file's size and sha256 against the manifest first.
-        strict: Every entry of the model and optimizer must be in the checkpoint and every
-            entry of the checkpoint must be taken. ``False`` loads the entries both have
-            (shapes must still match) and lists the others in ``CheckpointInfo.missing_keys``
-            (left as they were) and ``unexpected_keys`` (skipped).
+        strict: The checkpoint and the model (and optimizer) must hold the same entries.
+            ``False`` loads the entries both hold (shapes must match) and lists the others
+            in ``CheckpointInfo.missing_keys`` and ``unexpected_keys``.
         allow_unverified: Load a folder without a manifest (plain dcp): nothing to verify,
             ``CheckpointInfo.step`` and ``world_size`` are ``None``.
+
+    Returns:
+        A :class:`CheckpointInfo`.
 
     Raises:
         CheckpointError: missing, incomplete (a rank's files not in the manifest or not on
             disk), truncated or corrupted checkpoints, folders without a manifest (unless
             ``allow_unverified``), checkpoints whose entries or shapes do not fit the model
             or optimizer or (``strict``) whose model split its tensors into other heads or
-            top-k, int8 weights with NaN, infinite or
-            negative scales or values of -128, and any failure while reading.
-        TypeError: ``optimizer`` is no optimizer and forwards to none.
+            top-k, int8 weights with NaN, infinite or negative scales or values of -128,
+            and any failure while reading (dcp's ``CheckpointException`` with each rank's
+            cause).
+        TypeError: ``optimizer`` is no optimizer and forwards to none, or is a wrapper with
+            a state of its own (before anything changes).
+
+    Example::
+
+        start = 0
+        if fsdp_int8.checkpoint.latest_checkpoint("ckpt") is not None:
+            start = fsdp_int8.load_checkpoint("ckpt", model, optimizer).step + 1
     """
     optimizer = innermost_optimizer(optimizer) if optimizer is not None else None
     path = _resolve(directory, step)

@@ -46,6 +46,10 @@ def save_checkpoint(
 ) -> Path | Future[Path]:
     """Save model, optimizer and generator states as ``directory/step_<step>``, atomically.
 
+    The generators saved include the int8 weights' stochastic-rounding streams, so a load
+    at the same world size resumes exactly (layout on disk and resume rules:
+    docs/checkpoints.md).
+
     Call on every rank. Works for FSDP2-sharded models (each rank writes its shards) and
     for unsharded ones. ``directory`` must be visible to all ranks (a shared filesystem
     across nodes).
@@ -65,7 +69,9 @@ def save_checkpoint(
         directory: The checkpoint root.
         model: The model (sharded or not).
         optimizer: Its optimizer, if its state should be saved; or a wrapper that forwards
-            to it in ``.optimizer`` (accelerate, Lightning): the optimizer inside is saved.
+            ``param_groups`` and ``state`` to the optimizer in ``.optimizer`` (accelerate's
+            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, your own): the
+            optimizer inside is saved.
         step: The training step (an ``int`` >= 0); names the checkpoint.
         extra: JSON-serialisable data saved in the manifest (e.g. the run's arguments).
         keep: Keep only the ``keep`` (an ``int`` >= 1) most recently *written* complete
@@ -89,7 +95,9 @@ def save_checkpoint(
 
     Raises:
         TypeError: ``step`` or ``keep`` is not an ``int`` (``bool`` included);
-            ``optimizer`` is no optimizer and forwards to none.
+            ``optimizer`` is no optimizer and forwards to none, or is a wrapper with a state
+            of its own (Lookahead: its ``param_groups`` and ``state`` are not its
+            ``.optimizer``'s).
         ValueError: ``step < 0`` or ``keep < 1``.
         CheckpointError: NaN or Inf in the state (naming the first entries); a failure
             at any stage on any rank.

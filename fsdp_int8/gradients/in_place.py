@@ -1,20 +1,7 @@
-"""``InPlaceReduceScatter``: FSDP2's gradient reduce-scatter without a copy of its input on gloo.
-
-gloo implements ``reduce_scatter_tensor`` by all-reducing a copy of the whole input and
-copying this rank's chunk out: one more buffer the size of a whole group's unsharded
-gradients in the reduce dtype, at the moment a group's gradients are largest (NCCL writes
-each rank's chunk and makes none). On a process group whose backend is gloo this
-reduce-scatter instead runs one ``dist.reduce`` per rank's chunk, in place in FSDP2's
-input, copies this rank's chunk out, and then releases the input's storage: FSDP2 keeps
-the input referenced until a later group's reduce-scatter (``ReduceScatterState``), to
-order streams on accelerators, which a synchronous CPU collective does not need. On any
-other backend it is FSDP2's own ``reduce_scatter_tensor``.
-
-The sums are fp32 (the reduce dtype's) sums of the same values; on 2 ranks they equal
-gloo's ``reduce_scatter_tensor`` bit for bit (tested). :func:`enable_in_place_reduce_scatter`
-installs it on a sharded model; ``Int8TrainingConfig(in_place_reduce_scatter=True)``
-(part of :meth:`~fsdp_int8.Int8TrainingConfig.lean`) makes ``shard_model`` install it.
-"""
+"""``InPlaceReduceScatter``: FSDP2's gradient reduce-scatter without a copy of its input on
+gloo (the class says how); :func:`enable_in_place_reduce_scatter` installs it, and
+``Int8TrainingConfig(in_place_reduce_scatter=True)`` (part of
+:meth:`~fsdp_int8.Int8TrainingConfig.lean`) makes ``shard_model`` install it."""
 
 from __future__ import annotations
 
@@ -33,7 +20,16 @@ def _copies_its_input(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
 
 
 class InPlaceReduceScatter(DefaultReduceScatter):
-    """An FSDP2 ``ReduceScatter`` that makes no copy of its input on gloo (see the module).
+    """An FSDP2 ``ReduceScatter`` that makes no copy of its input on gloo.
+
+    gloo's ``reduce_scatter_tensor`` all-reduces a copy of the whole input: one more buffer
+    the size of a parameter group's unsharded gradients in the reduce dtype (NCCL makes
+    none). On a gloo group this one runs one ``dist.reduce`` per rank's chunk in place in
+    FSDP2's input, copies this rank's chunk out, applies FSDP2's ``op`` and releases the
+    input's storage (FSDP2 holds it only to order streams, which a synchronous CPU
+    collective does not need). The same fp32 sums (bit for bit against gloo's on 2 ranks);
+    on other backends, or with ``async_op=True``, FSDP2's own ``reduce_scatter_tensor``.
+    What it saves: docs/memory.md, "Gloo's reduce-scatter copy".
 
     Install with ``fsdp_module.set_custom_reduce_scatter(InPlaceReduceScatter())`` or, for
     every module of a model, :func:`~fsdp_int8.gradients.enable_in_place_reduce_scatter`.

@@ -27,9 +27,11 @@ def enable_quantized_reduce_scatter(
     """Install a :class:`QuantizedReduceScatter` on every ``FSDPModule`` of ``model``.
 
     Call it after ``fully_shard`` / :func:`fsdp_int8.shard_model` and before the first
-    backward. Only the reduce-scatter over the shard dimension changes: with HSDP, FSDP2's
-    all-reduce over the replicate dimension still runs in full precision (reduce dtype),
-    and a shard dimension of size 1 calls no reduce-scatter at all.
+    backward: FSDP2's gradient reduce-scatter then sends int8 blocks. Only the
+    reduce-scatter over the shard dimension changes: with HSDP, FSDP2's all-reduce over
+    the replicate dimension still runs in full precision (reduce dtype), and a shard
+    dimension of size 1 calls no reduce-scatter at all. Calling it again, or after
+    :func:`enable_in_place_reduce_scatter`, replaces the installed one.
 
     Args:
         model: A model sharded with ``fully_shard`` (the root or any module containing
@@ -44,6 +46,11 @@ def enable_quantized_reduce_scatter(
         ValueError: ``model`` holds no FSDP module; or a module has several parameter
             groups (per-parameter meshes from ``shard_placement_fn``), which FSDP2's
             hook cannot serve; or a module already uses another custom reduce-scatter.
+
+    Example::
+
+        fsdp_int8.shard_model(model)
+        fsdp_int8.gradients.enable_quantized_reduce_scatter(model, seed=0)
     """
     return _install(model, QuantizedReduceScatter(block_size, seed=seed), "the quantized reduce-scatter")
 
@@ -54,7 +61,13 @@ def enable_in_place_reduce_scatter(model: nn.Module) -> int:
     reduced; on other backends FSDP2's own reduce-scatter. The same fp32 sums.
 
     Call it after ``fully_shard`` / :func:`fsdp_int8.shard_model` (which calls it for
-    ``Int8TrainingConfig(in_place_reduce_scatter=True)``) and before the first backward.
+    ``Int8TrainingConfig(in_place_reduce_scatter=True)``, set by
+    :meth:`~fsdp_int8.Int8TrainingConfig.lean`) and before the first backward. It replaces
+    a :class:`QuantizedReduceScatter` installed before, and the other way round.
+
+    Args:
+        model: A model sharded with ``fully_shard`` (the root or any module containing
+            FSDP modules).
 
     Returns:
         How many FSDP modules (with parameters) now use it.

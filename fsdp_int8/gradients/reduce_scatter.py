@@ -1,7 +1,7 @@
 """``QuantizedReduceScatter``: FSDP2's gradient reduce-scatter as an int8 all-to-all.
 
-See :mod:`fsdp_int8.gradients` for the algorithm and :mod:`fsdp_int8.gradients._wire` for
-the bytes on the wire.
+The algorithm: docs/design.md, "Quantized gradient reduce-scatter"; the bytes on the wire:
+:mod:`fsdp_int8.gradients._wire`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,16 @@ def _require_int(name: str, value: object) -> None:
 class QuantizedReduceScatter(ReduceScatter):
     """FSDP2 ``ReduceScatter`` that sends int8 blocks (stochastic rounding) with fp32 scales.
 
+    Quantizes each peer's slice to int8 blocks of ``block_size`` values with stochastic
+    rounding and one fp32 scale each, exchanges them with one ``all_to_all_single``, sums
+    in fp32 on the receiving rank (its own slice exactly), then applies FSDP2's ``op``
+    (``SUM``, ``AVG``, ``PREMUL_SUM``). A block holding NaN or Inf arrives non-finite
+    (nothing raises inside the collective, so checks such as ``GradScaler``'s still see
+    it). The noise comes from generators of its own, seeded from ``seed`` and the global
+    rank: every rank, HSDP replicas included, draws independent noise, and the weights'
+    rounding stream is untouched. :meth:`rng_state` / :meth:`set_rng_state` save and
+    restore them (checkpoints do it). How it works: docs/design.md.
+
     Install with ``fsdp_module.set_custom_reduce_scatter(QuantizedReduceScatter())`` or,
     for every module of a model, :func:`~fsdp_int8.gradients.enable_quantized_reduce_scatter`.
     One instance can serve many modules: the process group arrives with each call.
@@ -41,6 +51,10 @@ class QuantizedReduceScatter(ReduceScatter):
             int8, 1.6% overhead). Smaller blocks follow the gradient's magnitude more
             closely (less noise) and cost more scale bytes.
         seed: Seed of the rounding noise; each process mixes in its global rank.
+
+    Raises:
+        TypeError: ``block_size`` or ``seed`` is not an ``int``.
+        ValueError: ``block_size < 1``.
     """
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, *, seed: int = 0) -> None:
@@ -76,7 +90,7 @@ class QuantizedReduceScatter(ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> None:
-        """Reduce-scatter ``input_tensor`` into ``output_tensor`` (see :mod:`fsdp_int8.gradients`).
+        """Reduce-scatter ``input_tensor`` into ``output_tensor`` (see the class).
 
         Args:
             output_tensor: ``[S]`` in the reduce dtype; receives this rank's reduced slice.
@@ -88,6 +102,10 @@ class QuantizedReduceScatter(ReduceScatter):
 
         Returns:
             ``None``: the work is complete (queued on the current stream on GPUs).
+
+        Raises:
+            ValueError: ``async_op=True``, or buffers whose sizes do not fit ``group``.
+            TypeError: a non-floating ``input_tensor``.
         """
         if async_op:
             raise ValueError(

@@ -1,10 +1,13 @@
 """Optional adapters for training frameworks.
 
-Each submodule imports its framework, so none is imported from here (nor by
-``import fsdp_int8``): import the one you need, e.g.
+The package exports nothing: each adapter is a submodule that imports its framework, so
+none is imported from here (nor by ``import fsdp_int8``): import the one you need, e.g.
 ``from fsdp_int8.integrations.hf import Int8Trainer``,
 ``from fsdp_int8.integrations.torchtitan import Int8LinearConverter`` or
-``from fsdp_int8.integrations.lightning import Int8RoundingCheckpoint``.
+``from fsdp_int8.integrations.lightning import Int8RoundingCheckpoint``. Install the
+pinned framework versions with ``pip install "fsdp_int8[hf]"`` (or ``[lightning]``,
+``[torchtitan]``). What works with each framework, and why: docs/integrations.md; one
+runnable script each in ``examples/``.
 
 One adapter acts without being imported: a transformers model that
 :func:`fsdp_int8.quantize_` (or ``shard_model``) quantizes gets fsdp_int8's Hugging Face

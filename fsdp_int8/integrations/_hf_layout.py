@@ -40,7 +40,8 @@ __all__ = [
     "without_tied_copies",
 ]
 
-QUANT_METHOD = "fsdp_int8"  # config.json's quantization_config.quant_method of these folders
+#: The ``quant_method`` that ``config.json``'s ``quantization_config`` records for fsdp_int8 folders.
+QUANT_METHOD = "fsdp_int8"
 
 
 def int8_parameter_names(module: nn.Module) -> tuple[str, ...]:
@@ -65,14 +66,24 @@ def flat_rows(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_safetensors_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with each ``Int8Weight`` entry ``key`` split into ``key`` (its int8
-    rows ``[out, in]``, flattened to ``[out * in]``; experts ``[E, out, in]`` flattened per
-    expert to ``[E, out * in]``) and ``key + "_scale"`` (fp32, ``[out]`` / ``[E, out]``):
-    what safetensors can write.
+    """``state_dict`` with each ``Int8Weight`` entry split into what safetensors can write.
 
-    Other entries are kept as they are. The int8 rows and scales are views of the weight's
-    own storage (no copy). Raises ``RuntimeError`` for a sharded (DTensor) int8 weight: a
-    sharded model's full state dict has to be gathered on every rank first.
+    Entry ``key`` becomes ``key`` (its int8 rows ``[out, in]`` flattened to ``[out * in]``;
+    experts ``[E, out, in]`` to ``[E, out * in]``) and ``key + SCALE_SUFFIX`` (fp32,
+    ``[out]`` / ``[E, out]``), with ``weight = int8.view(out, in) * scale[:, None]``. Other
+    entries are kept as they are. The int8 rows and scales are views of the weight's own
+    storage (no copy).
+
+    Args:
+        state_dict: A state dict of a quantized model (``model.state_dict()``), unsharded.
+
+    Raises:
+        RuntimeError: a sharded (DTensor) int8 entry: gather the full state dict on every
+            rank first.
+
+    Example::
+
+        safetensors.torch.save_file(int8_safetensors_state_dict(model.state_dict()), file)
     """
     out: dict[str, Any] = {}
     sharded = []
@@ -107,16 +118,26 @@ def _is_scale_key(key: str, tensors: Mapping[str, Any]) -> bool:
 def state_dict_from_int8_safetensors(
     tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float32, source: str | None = None
 ) -> dict[str, Any]:
-    """The inverse of :func:`int8_safetensors_state_dict`: each ``key`` (int8 rows) +
-    ``key + "_scale"`` (fp32 row scales) pair of ``tensors`` becomes one ``Int8Weight``
-    entry ``key`` (outer dtype ``dtype``), which ``load_state_dict`` of a quantized model
-    copies byte for byte. Other entries are kept as they are.
+    """The inverse of :func:`int8_safetensors_state_dict`, for models that are not
+    transformers models (those load the pair themselves).
 
-    Every pair is checked first (scales finite and non-negative, int8 values in
-    -127..127, shapes): ``source`` (the file's name) is named in the error.
+    Each ``key`` (int8 rows) + ``key + SCALE_SUFFIX`` (fp32 row scales) pair of ``tensors``
+    becomes one ``Int8Weight`` entry ``key``, which ``load_state_dict`` of a quantized model
+    copies byte for byte. Other entries are kept as they are. Every pair is checked first
+    (scales finite and non-negative, int8 values in -127..127, shapes).
+
+    Args:
+        tensors: What the file holds (``safetensors.torch.load_file``).
+        dtype: Outer (compute) dtype of the ``Int8Weight`` entries.
+        source: The file's name, for the errors.
 
     Raises:
-        Int8LoadError: an invalid pair, int8 rows without scales, or scales without int8 rows.
+        Int8LoadError: naming the entry and ``source``: an invalid pair, int8 rows without
+            scales, or scales without int8 rows.
+
+    Example::
+
+        model.load_state_dict(state_dict_from_int8_safetensors(load_file(file), source=file))
     """
     rewrite = "Write the file again with int8_safetensors_state_dict"
     out: dict[str, Any] = {}

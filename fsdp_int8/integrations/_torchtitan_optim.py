@@ -28,16 +28,26 @@ def _lean_adamw(params: Any, **kwargs: Any) -> Int8AdamW:
 
 
 class Int8OptimizersContainer(OptimizersContainer):
-    """torchtitan's ``OptimizersContainer`` (its ``Config`` fields, checkpoints and steps)
-    whose parameter groups may also name ``"Int8AdamW"`` (:class:`fsdp_int8.Int8AdamW`,
-    ``optimizer_kwargs`` its parameter-group keywords such as ``lr`` or ``state_bits``) or
-    ``"Int8AdamW.lean"`` (:meth:`fsdp_int8.Int8AdamW.lean` stepping after backward: 8-bit
-    states and updates of at most ``LEAN_STEP_ELEMENTS``); optimizer-wide keywords
-    (``step_elements``) go in ``optimizer_factory_kwargs_by_name``."""
+    """torchtitan's ``OptimizersContainer`` whose parameter groups may also name fsdp_int8's optimizers.
+
+    Its ``Config`` fields, flat FQN-keyed state dict and steps are torchtitan's. A group's
+    ``optimizer_name`` may also be ``"Int8AdamW"`` (:class:`fsdp_int8.Int8AdamW`, the
+    group's ``optimizer_kwargs`` its per-group keywords: ``lr``, ``betas``, ``eps``,
+    ``weight_decay``, ``state_bits``, ``block_size``, ``fused``) or ``"Int8AdamW.lean"``
+    (:meth:`fsdp_int8.Int8AdamW.lean` stepping after backward: 8-bit states and
+    ``step_elements=LEAN_STEP_ELEMENTS``); optimizer-wide keywords (``step_elements``) go in
+    ``optimizer_factory_kwargs_by_name``. :func:`enable_int8_training` makes torchtitan's
+    ``OptimizersContainer.Config`` this one, with the same fields.
+
+    Example::
+
+        config.optimizer.param_groups = [ParamGroupConfig(pattern=".*", optimizer_name="Int8AdamW",
+                                                          optimizer_kwargs={"lr": 3e-4, "state_bits": 8})]
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
-        pass
+        """torchtitan's ``OptimizersContainer.Config``, with the same fields."""
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:

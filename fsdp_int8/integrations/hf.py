@@ -5,38 +5,11 @@ carries fsdp_int8's quantizer (:mod:`fsdp_int8.integrations.hf_quantizer`), whic
 ``fsdp_int8.quantize_`` (and ``shard_model``) gives every transformers model, as does
 ``from_pretrained(..., quantization_config=Int8TrainingHfConfig())``: ``save_model`` and every checkpoint write the
 int8 rows with their fp32 scales, and ``resume_from_checkpoint`` restores them exactly.
-
-What transformers cannot know about is the stochastic-rounding generators of the int8
-weights (and of the int8 gradient reduce-scatter). The mixin adds their states to every
-checkpoint (``int8_rounding_<rank>.pth``, beside transformers' ``rng_state_<rank>.pth``;
-:func:`fsdp_int8.checkpoint.capture_generators`), so that a resume in the same layout
-(world size, data-parallel mesh and tensor-parallel size) rounds exactly as the
-uninterrupted run would have, and repeats its losses bit for bit. In another layout, or
-from a file that records none, the rounding keeps the stream seeded at start-up: unbiased
-all the same.
-A ``TrainerCallback`` cannot do this: callbacks are not told which checkpoint a run
-resumes from; ``Trainer._load_rng_state`` is, on every rank.
-
-With an optimizer that steps inside backward (``Int8AdamW(step_in_backward=True)``,
-``Int8AdamW.lean``) the gradients are applied before the Trainer would clip them or log
-their norm, and any read of them raises. The mixin then leaves clipping to the
-optimizer's ``max_grad_norm`` (``TrainingArguments.max_grad_norm > 0`` with an optimizer
-that does not clip is refused when the optimizer is created) and logs the optimizer's
-measured norm, ``optimizer.grad_norm``, as ``grad_norm``. A model sharded before the
-Trainer sees it (``shard_model``) takes its optimizer in ``optimizers=`` under FSDP too.
-
-Usage::
-
-    from fsdp_int8.integrations.hf import Int8Trainer
-
-    model = fsdp_int8.quantize_(model)          # before the Trainer wraps it
-    trainer = Int8Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()                             # checkpoints: int8 weights + rounding state
-    trainer.save_model(path)                    # FSDP2: needs state_dict_type FULL_STATE_DICT
-
-``Int8Trainer`` attaches the quantizer to a model that ``quantize_`` quantized without it.
-A Trainer subclass of your own (TRL's ``SFTTrainer``, ...) takes the mixin first:
-``class MyTrainer(Int8SaveMixin, SFTTrainer): ...``.
+What it cannot checkpoint is the stochastic-rounding generators of the int8 weights (and
+of the int8 gradient reduce-scatter): :class:`Int8SaveMixin` adds them, for a resume that
+repeats the uninterrupted run's losses. A ``TrainerCallback`` cannot do this: callbacks
+are not told which checkpoint a run resumes from; ``Trainer._load_rng_state`` is, on
+every rank. What works with the Trainer: docs/integrations.md.
 
 This module imports transformers; ``import fsdp_int8`` does not import it.
 """
@@ -62,16 +35,27 @@ logger = logging.getLogger("fsdp_int8")
 
 
 class Int8SaveMixin:
-    """Mix into a ``transformers.Trainer`` (first): its checkpoints hold the rounding state,
-    and an optimizer stepping inside backward trains under it.
+    """Mix into a ``transformers.Trainer`` subclass, first: its checkpoints hold the rounding
+    state, and an optimizer stepping inside backward trains under it.
 
-    Overrides ``Trainer._save_rng_state`` and ``Trainer._load_rng_state``, which every rank
-    runs for every checkpoint and every resume. At construction it attaches fsdp_int8's
-    quantizer (:func:`~fsdp_int8.integrations.hf_quantizer.attach_hf_quantizer`) to a
-    transformers model with int8 weights that has none, so that its saves write int8.
-    With an optimizer whose ``step_in_backward`` is true, ``Trainer._clip_grad_norm`` and
-    ``Trainer._get_grad_norm`` read no gradient (the optimizer clipped and applied them)
-    and the logged ``grad_norm`` is ``optimizer.grad_norm``, the step's norm it measured.
+    ``class MyTrainer(Int8SaveMixin, SFTTrainer): ...``. Every checkpoint also holds each
+    rank's generator states (``int8_rounding_<rank>.pth``, beside transformers'
+    ``rng_state_<rank>.pth``; :func:`fsdp_int8.checkpoint.capture_generators`): it overrides
+    ``Trainer._save_rng_state`` and ``_load_rng_state``, which every rank runs. A resume in
+    the same layout (world size, data-parallel mesh and tensor-parallel size) rounds as the
+    uninterrupted run would have and repeats its losses bit for bit; in another layout, or
+    from a checkpoint without the file, the rounding keeps the stream seeded at start-up
+    (unbiased all the same). At construction it attaches fsdp_int8's quantizer
+    (:func:`~fsdp_int8.integrations.hf_quantizer.attach_hf_quantizer`) to a transformers
+    model with int8 weights that has none, so that its saves write int8.
+
+    With an optimizer that steps inside backward (``Int8AdamW.lean``, or any
+    ``step_in_backward=True``) the gradients are applied before the Trainer would clip
+    them or log their norm, and any read of them raises: ``Trainer._clip_grad_norm`` and
+    ``_get_grad_norm`` then read none (the optimizer clips by its ``max_grad_norm``), and
+    the logged ``grad_norm`` is the optimizer's ``grad_norm`` once its step completes. A
+    model sharded before the Trainer sees it (``shard_model``) takes its optimizer in
+    ``optimizers=`` under FSDP too.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -102,7 +86,15 @@ class Int8SaveMixin:
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         """``Trainer.create_optimizer`` (which keeps an optimizer passed in ``optimizers``),
-        then: an optimizer stepping inside backward must do the clipping asked for."""
+        then checks an optimizer that steps inside backward.
+
+        Raises:
+            ValueError: ``TrainingArguments.max_grad_norm > 0`` and the optimizer's
+                ``max_grad_norm`` is ``None`` (set one of them; where both are set the
+                optimizer's clips, with a warning if they differ); or FSDP is on and the
+                model is not sharded yet (accelerate would shard it after the optimizer
+                hooked its parameters: ``shard_model`` first, then ``optimizers=(optimizer, None)``).
+        """
         optimizer = super().create_optimizer(*args, **kwargs)
         _check_clipping(optimizer, self.args.max_grad_norm)
         if self.is_fsdp_enabled and not isinstance(self.model, FSDPModule) and _stepping_in_backward(optimizer):
@@ -180,4 +172,15 @@ def _rounding_file(rank: int) -> str:
 
 
 class Int8Trainer(Int8SaveMixin, Trainer):
-    """``transformers.Trainer`` whose checkpoints also hold the int8 rounding state (see the module)."""
+    """``transformers.Trainer`` with :class:`Int8SaveMixin`: the same constructor and
+    behaviour, and checkpoints that resume bit for bit.
+
+    Example::
+
+        from fsdp_int8.integrations.hf import Int8Trainer
+
+        model = fsdp_int8.quantize_(model)          # before the Trainer wraps it
+        trainer = Int8Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()                             # checkpoints: int8 weights + rounding state
+        trainer.save_model("out")                   # from_pretrained("out"); FSDP2: FULL_STATE_DICT
+    """

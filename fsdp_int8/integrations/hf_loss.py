@@ -1,15 +1,11 @@
-"""A causal-LM loss that never holds fp32 logits of the whole batch.
+"""A causal-LM loss that never holds fp32 logits of the whole batch; it imports no framework.
 
 transformers' causal-LM loss upcasts the logits to fp32 and keeps their log-softmax for
 backward, then makes its fp32 gradient: three fp32 copies of ``tokens x vocabulary``,
 the largest part of the lean recipe's peak (docs/memory.md) and, at a real vocabulary,
 of any recipe's. :func:`chunked_causal_lm_loss` computes the same loss a chunk of tokens
-at a time and recomputes each chunk's fp32 values in backward, so only the logits in their
-own dtype, their gradient in that dtype, and one chunk in fp32 exist at once. It takes the
-arguments of transformers' ``ForCausalLMLoss``: a Hugging Face model uses it with
-``model.loss_function = chunked_causal_lm_loss``, or through
-``Int8TrainingConfig(loss_chunk_tokens=N)`` (part of ``Int8TrainingConfig.lean()``), for
-which ``quantize_`` calls :func:`use_chunked_loss`.
+at a time, so only the logits in their own dtype, their gradient in that dtype, and one
+chunk in fp32 exist at once; :func:`use_chunked_loss` gives it to a model.
 """
 
 from __future__ import annotations
@@ -44,8 +40,10 @@ def chunked_causal_lm_loss(
     The value of transformers' ``ForCausalLMLoss`` (up to fp32 summation order): labels
     shifted left by one (or ``shift_labels`` as given), tokens labelled ``ignore_index``
     left out, the mean over the others, or the sum over ``num_items_in_batch`` when given
-    (gradient accumulation). Each chunk's fp32 logits and log-softmax are recomputed in
-    backward (``torch.utils.checkpoint``) instead of kept.
+    (gradient accumulation); the gradient is the same bit for bit. Each chunk's fp32 logits
+    and log-softmax are recomputed in backward (``torch.utils.checkpoint``) instead of kept.
+    A Hugging Face model uses it with ``model.loss_function = chunked_causal_lm_loss``
+    (also after ``fully_shard``); what it saves: docs/memory.md.
 
     Args:
         logits: ``[..., vocabulary]`` in any floating dtype (bf16 under mixed precision).
@@ -62,8 +60,14 @@ def chunked_causal_lm_loss(
         A 0-dim fp32 tensor.
 
     Raises:
-        ValueError: ``chunk_tokens < 1``, neither ``labels`` nor ``shift_labels``, or a
-            ``vocab_size`` that is not the logits' last dim.
+        ValueError: ``chunk_tokens < 1``, neither ``labels`` nor ``shift_labels``, a
+            ``vocab_size`` that is not the logits' last dim, or labels that do not match
+            the logits' tokens.
+
+    Example::
+
+        model.loss_function = chunked_causal_lm_loss
+        loss = model(input_ids=ids, labels=ids).loss
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
@@ -93,11 +97,19 @@ def chunked_causal_lm_loss(
 
 
 def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> bool:
-    """Make a transformers causal LM compute its loss with :func:`chunked_causal_lm_loss`,
-    ``chunk_tokens`` tokens at a time (``model.loss_function``); return whether it does.
+    """Make a transformers causal LM compute its loss with :func:`chunked_causal_lm_loss`.
 
     Only a model whose loss is transformers' causal-LM loss (``loss_type`` ``"ForCausalLM"``)
     and that has no ``loss_function`` of its own set: any other keeps its loss.
+    :func:`fsdp_int8.quantize_` calls it for ``Int8TrainingConfig(loss_chunk_tokens=N)``
+    (which ``Int8TrainingConfig.lean()`` sets).
+
+    Args:
+        model: The model; its ``loss_function`` is set.
+        chunk_tokens: Tokens per chunk of :func:`chunked_causal_lm_loss`.
+
+    Returns:
+        Whether the model now uses the chunked loss.
     """
     if getattr(model, "loss_type", None) != "ForCausalLM" or "_loss_function" in vars(model):
         return False

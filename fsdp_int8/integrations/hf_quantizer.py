@@ -1,28 +1,16 @@
 """fsdp_int8 as a transformers quantization method: int8 weights in safetensors.
 
-Importing this module registers the quantization method ``"fsdp_int8"`` with transformers
-(``register_quantization_config`` / ``register_quantizer``). From then on:
-
-* ``AutoModelForCausalLM.from_pretrained(path, quantization_config=Int8TrainingHfConfig())``
-  builds the model on the meta device, swaps its linear weights for (meta) ``Int8Weight``
-  parameters, and quantizes each checkpoint weight as it is read (round to nearest): no
-  full-precision copy of the model is ever held, one weight at a time is;
-* ``model.save_pretrained(path)`` writes each int8 weight as two safetensors entries,
-  ``<module>.weight`` (``int8``, the ``[out, in]`` rows flat) and ``<module>.weight_scale``
-  (``float32``, ``[out]``; ``weight = int8 * scale[:, None]``), and records the method in
-  ``config.json`` (``"quantization_config": {"quant_method": "fsdp_int8", ...}``).
-  Experts weights get one such pair per expert and projection, in the model family's
-  checkpoint entries (``mlp.experts.{e}.gate_proj.weight``; :mod:`._hf_conversions`);
-* ``from_pretrained`` of such a folder restores every int8 byte and scale exactly. The
-  checkpoint decides which layers are int8 (those with scale entries); one without any
-  loads as the plain model it holds.
-
-A model quantized by :func:`fsdp_int8.quantize_` gets the same behaviour from
-:func:`attach_hf_quantizer`. Every layer it makes int8 also loads the two entries back in
-``load_state_dict`` (what ``Trainer`` does on ``resume_from_checkpoint``), next to the
-``Int8Weight`` entries of ``torch.save`` state dicts. ``model.state_dict()`` itself is
-unchanged (``Int8Weight`` values): DCP, ``fsdp_int8.save_checkpoint`` and accelerate's
-FSDP2 loading read it as before.
+Importing this module registers the method ``"fsdp_int8"`` with transformers (in a new
+process ``import fsdp_int8`` suffices for transformers to find it):
+``from_pretrained(path, quantization_config=Int8TrainingHfConfig())`` quantizes while
+loading, ``save_pretrained`` writes int8 rows with fp32 scales
+(:func:`int8_safetensors_state_dict`; experts one pair per expert and projection, in the
+model family's keys) and records the method in ``config.json``, and ``from_pretrained`` of
+the folder restores them exactly. :func:`fsdp_int8.quantize_` and
+``shard_model`` give every transformers model they quantize this quantizer
+(:func:`attach_hf_quantizer`), so it saves int8 with no call of its own;
+``model.state_dict()`` keeps ``Int8Weight`` values. Verified with transformers 5.23.0 (its
+``HfQuantizer`` protocol changed within 5.x); the layout and what works: docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -64,21 +52,29 @@ _loading = False  # True while the quantizer runs quantize_ on a model transform
 class Int8TrainingHfConfig(QuantizationConfigMixin):
     """The ``quantization_config`` of fsdp_int8 for transformers: what ``config.json`` records.
 
+    Every field is JSON (``quant_method`` is ``"fsdp_int8"``). Loading an int8 folder needs no
+    config; ``from_pretrained(name, quantization_config=Int8TrainingHfConfig(seed=1))`` quantizes.
+
     Args:
-        stochastic_rounding, seed, skip_names, min_features, compile,
-            quantize_embeddings: as in :class:`fsdp_int8.Int8TrainingConfig`.
+        stochastic_rounding: As in :class:`fsdp_int8.Int8TrainingConfig`.
+        seed: As in :class:`fsdp_int8.Int8TrainingConfig`.
+        skip_names: As in :class:`fsdp_int8.Int8TrainingConfig`.
+        min_features: As in :class:`fsdp_int8.Int8TrainingConfig`.
         modules_to_not_convert: More linear layers to keep in full precision, matched as
-            transformers' quantizers match them (a module name, a prefix up to a ``.``, a
-            suffix such as ``"lm_head"``, or a regex). ``Int8TrainingConfig.module_filter``
-            has no JSON form: :meth:`from_training_config` lists here the layers it left out.
+            transformers' quantizers match them (a name, a prefix up to a ``.``, a suffix such
+            as ``"lm_head"``, or a regex); :meth:`from_training_config` lists a ``module_filter``'s here.
         int8_matmul: The fields of :class:`fsdp_int8.Int8MatmulConfig` as a dict
             (``{"output": True, ...}``), or ``None`` for weight-only int8.
-        format_version: Version of the safetensors layout (``2``, written: ``weight`` int8
-            ``[out * in]``, the rows flattened so that loaders without this method refuse
-            them, and ``weight_scale`` fp32 ``[out]``; ``1``, still read: ``weight`` int8
-            ``[out, in]``).
+        int8_gathered_weights: As in :class:`fsdp_int8.Int8TrainingConfig`.
+        compile: As in :class:`fsdp_int8.Int8TrainingConfig`.
+        quantize_embeddings: As in :class:`fsdp_int8.Int8TrainingConfig`.
+        format_version: The file layout: ``2`` (written) has ``weight`` int8 ``[out * in]``, the
+            rows flat so that loaders without this method refuse them; ``1`` (read) has
+            ``[out, in]``; both have ``weight_scale`` fp32 ``[out]``.
 
-    Loading a folder saved with int8 weights needs no config: ``config.json`` has it.
+    Raises:
+        TypeError: an unknown field.
+        ValueError: another ``format_version``, or a value ``Int8TrainingConfig`` refuses.
     """
 
     def __init__(
@@ -119,7 +115,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any) -> Any:
-        """A ``config.json``'s config (0.1.0's bool ``compile`` reads as ``"on"`` / ``"off"``)."""
+        """transformers' reader of ``config.json`` (0.1.0's bool ``compile`` reads as ``"on"`` / ``"off"``)."""
         compile = recorded_compile(config_dict.get("compile", Int8TrainingConfig.compile))
         return super().from_dict({**config_dict, "compile": compile}, return_unused_kwargs, **kwargs)
 
@@ -127,8 +123,9 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
     def from_training_config(
         cls, config: Int8TrainingConfig | None = None, model: nn.Module | None = None
     ) -> "Int8TrainingHfConfig":
-        """The JSON form of ``config``; with a custom ``module_filter``, ``model`` (already
-        quantized) names the layers (linear, experts) it left in full precision."""
+        """The JSON form of ``config`` (default ``Int8TrainingConfig()``). A ``module_filter``
+        has none: ``model`` (already quantized) must then be given (else ``ValueError``), and
+        the layers it left in full precision are listed in ``modules_to_not_convert``."""
         config = training_config(config)
         kept = None
         if config.module_filter is not None:
@@ -146,7 +143,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
         )
 
     def to_training_config(self, more_to_not_convert: list[str] | tuple[str, ...] = ()) -> Int8TrainingConfig:
-        """The :class:`fsdp_int8.Int8TrainingConfig` these fields describe."""
+        """The :class:`fsdp_int8.Int8TrainingConfig` of these fields; ``more_to_not_convert`` adds modules to keep."""
         excluded = [*(self.modules_to_not_convert or ()), *more_to_not_convert]
         return Int8TrainingConfig(
             stochastic_rounding=self.stochastic_rounding, seed=self.seed,
@@ -162,8 +159,7 @@ class Int8TrainingHfConfig(QuantizationConfigMixin):
 
 
 class _NotConverted:
-    """``module_filter``: the default rule, minus the modules ``patterns`` name (a picklable
-    object, as ``quantize_``'s config may be copied with the model)."""
+    """``module_filter``: the default rule minus the modules ``patterns`` name (picklable)."""
 
     def __init__(self, patterns: list[str], skip_names: tuple[str, ...], min_features: int,
                  quantize_embeddings: bool = False) -> None:
@@ -176,8 +172,7 @@ class _NotConverted:
 
 
 class _OnlyThese:
-    """``module_filter`` of an int8 checkpoint: exactly the layers it holds scales for
-    (``quantize_`` offers a filter only the layers it can quantize)."""
+    """``module_filter`` of an int8 checkpoint: exactly the layers it holds scales for."""
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
@@ -187,8 +182,7 @@ class _OnlyThese:
 
 
 class _QuantizeOnLoad(ConversionOps):
-    """Each full-precision checkpoint weight of an int8 parameter (an experts weight whole,
-    ``[E, out, in]``), rounded to nearest into its meta ``Int8Weight``'s metadata when read."""
+    """Rounds each full-precision weight of an int8 parameter to nearest as it is read."""
 
     def __init__(self, hf_quantizer: "Int8TrainingHfQuantizer") -> None:
         self.hf_quantizer = hf_quantizer
@@ -207,9 +201,18 @@ class _QuantizeOnLoad(ConversionOps):
 
 
 class Int8TrainingHfQuantizer(HfQuantizer):
-    """transformers' side of fsdp_int8 (see the module): loads, quantizes and saves int8
-    weights. Trainable (``Trainer`` accepts the model as it is: the weights are the
-    training weights, not a frozen base for adapters)."""
+    """The ``HfQuantizer`` of ``"fsdp_int8"``: loads, quantizes and saves int8 weights.
+
+    Not built by hand: it is ``model.hf_quantizer`` after loading, ``quantize_`` or
+    :func:`attach_hf_quantizer`. Before the weights load it runs ``quantize_`` on the meta
+    model (the config's rule, or exactly the layers the files hold scales for; none: the
+    plain model). It rounds a full-precision checkpoint to nearest one weight at a time as
+    read, and puts an int8 one's rows and scales into ``Int8Weight`` parameters. ``Trainer``
+    trains the model as it is (no adapters needed).
+
+    Args:
+        quantization_config: The model's :class:`Int8TrainingHfConfig`.
+    """
 
     requires_calibration = False
     # a model's own weight converters (fused projections) carry the scales along
@@ -241,6 +244,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
         return _QuantizeOnLoad(self)
 
     def param_needs_quantization(self, model: PreTrainedModel, param_name: str, **kwargs: Any) -> bool:
+        """Whether ``param_name`` is int8 and read from a full-precision checkpoint."""
         module, name = get_module_from_name(model, param_name)
         return not self.pre_quantized and name in int8_parameter_names(module)
 
@@ -272,8 +276,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
             self._add_placeholders(model)
 
     def _add_placeholders(self, model: PreTrainedModel) -> None:
-        """Each int8 parameter ``<p>`` gets an int8 tensor of the checkpoint's shape, and a
-        ``<p>_scale`` (which makes transformers convert scales as it converts rows)."""
+        """Each int8 parameter ``<p>``: an int8 tensor of the checkpoint's shape, and ``<p>_scale``."""
         for name, module in model.named_modules():
             for param_name in int8_parameter_names(module):
                 weight = module._parameters[param_name]
@@ -285,6 +288,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
                     setattr(module, param_name, nn.Parameter(rows, requires_grad=False))
 
     def postprocess_model(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
+        """transformers' step after loading; a folder without int8 entries gives the plain model."""
         if self._plain_checkpoint:
             self.remove_quantization_config(model)
             return model
@@ -318,11 +322,7 @@ class Int8TrainingHfQuantizer(HfQuantizer):
         return model
 
     def get_state_dict_and_metadata(self, model: PreTrainedModel) -> tuple[dict[str, Any], dict[str, str]]:
-        """The state dict ``save_pretrained`` writes: ``int8_safetensors_state_dict`` of the
-        one it was given (less the copies of tied weights a gathered state dict holds:
-        :func:`without_tied_copies`), or of ``model.state_dict()``. When ``save_pretrained``
-        reverts the model's weight conversions (its default), the model gets the
-        conversions of the scales of converted int8 weights (:func:`add_scale_conversions`)."""
+        """What ``save_pretrained`` writes: :func:`int8_safetensors_state_dict` of its state dict."""
         given = save_pretrained_argument("state_dict")
         if save_pretrained_argument("save_original_format", True):
             add_scale_conversions(model)
@@ -331,13 +331,15 @@ class Int8TrainingHfQuantizer(HfQuantizer):
 
 
 def attach_hf_quantizer(model: PreTrainedModel, config: Int8TrainingConfig | None = None) -> PreTrainedModel:
-    """Give a model quantized by :func:`fsdp_int8.quantize_` the fsdp_int8 quantizer.
+    """Give a transformers model with int8 weights the fsdp_int8 quantizer.
 
     Afterwards the model behaves as one loaded with ``quantization_config=Int8TrainingHfConfig()``:
     ``save_pretrained`` (so ``Trainer.save_model`` and every Trainer checkpoint) writes int8
-    rows with scales, ``config.json`` records the method, and ``load_state_dict`` accepts those
-    entries (``Trainer``'s ``resume_from_checkpoint``). Call it after ``quantize_`` (or
-    ``shard_model``); a repeated call only adds the load hooks of newly quantized layers.
+    rows with scales, ``config.json`` records the method, and each int8 layer's
+    ``load_state_dict`` takes those entries (``Trainer``'s ``resume_from_checkpoint``).
+    ``quantize_`` and ``shard_model`` call it for every transformers model they quantize:
+    call it only for a model made int8 otherwise (by hand, or unpickled from an earlier
+    fsdp_int8). A repeated call only adds the load hooks of newly quantized layers.
 
     Args:
         model: A transformers model with int8 weights.
@@ -372,16 +374,14 @@ def attach_hf_quantizer(model: PreTrainedModel, config: Int8TrainingConfig | Non
 
 
 def attach_after_quantize(model: nn.Module, config: Int8TrainingConfig) -> None:
-    """What ``quantize_`` calls (through ``fsdp_int8.integrations``) for a transformers
-    model: it gets this quantizer, so that ``save_pretrained`` writes int8. Not while
-    transformers itself is loading the model with this quantizer (it attaches it then)."""
+    """``quantize_``'s hook: :func:`attach_hf_quantizer`, unless transformers is loading the
+    model with this quantizer (it attaches it then)."""
     if isinstance(model, PreTrainedModel) and not _loading:
         attach_hf_quantizer(model, config)
 
 
 def _register() -> None:
-    """Register the method with transformers once per process (a re-imported copy of this
-    module replaces its own earlier classes, never another method's)."""
+    """Register the method once per process (a re-import replaces only its own classes)."""
     for mapping, cls, register in (
         (AUTO_QUANTIZATION_CONFIG_MAPPING, Int8TrainingHfConfig, register_quantization_config),
         (AUTO_QUANTIZER_MAPPING, Int8TrainingHfQuantizer, register_quantizer),

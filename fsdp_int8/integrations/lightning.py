@@ -35,13 +35,14 @@ class Int8RoundingCheckpoint(pl.Callback):
     ``fit(ckpt_path=...)`` in the same layout (world size, data-parallel mesh and
     tensor-parallel size) then rounds exactly as the uninterrupted run would have. In
     another layout the rows moved between ranks, so no stream can continue: the entry is
-    skipped and the rounding keeps the stream seeded at start-up.
+    skipped (logged) and the rounding keeps the stream seeded at start-up.
     """
 
     def __init__(self) -> None:
         self._module: pl.LightningModule | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Lightning's hook: remembers the module whose generators are checkpointed."""
         self._module = pl_module
 
     def _trained_module(self, method: str) -> pl.LightningModule:
@@ -50,11 +51,21 @@ class Int8RoundingCheckpoint(pl.Callback):
         return self._module
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's generator states, in rank order (a collective: every rank calls it)."""
+        """Every rank's generator states, in rank order, for the checkpoint rank 0 writes.
+
+        A collective: Lightning calls it on every rank.
+
+        Raises:
+            RuntimeError: outside a Trainer (before :meth:`setup`).
+        """
         return {"ranks": _dist.all_gather(capture_generators(self._trained_module("state_dict")))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """This rank's states from :meth:`state_dict`'s, if saved in this run's layout."""
+        """Restore this rank's states from :meth:`state_dict`'s, if saved in this run's layout.
+
+        Raises:
+            RuntimeError: outside a Trainer (before :meth:`setup`).
+        """
         ranks, rank = state_dict.get("ranks", []), _dist.rank()
         mine = ranks[rank] if rank < len(ranks) else {}
         if not restore_generators(mine, self._trained_module("load_state_dict")):

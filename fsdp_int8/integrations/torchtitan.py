@@ -2,33 +2,9 @@
 
 Install with ``pip install "fsdp_int8[torchtitan]"``; this module imports torchtitan, so
 ``import fsdp_int8`` never imports it. Verified against torchtitan 0.3.0.
-
-torchtitan plugs quantization in as a converter of the model *config*, applied before the
-model is built (``model_registry(flavor, converters=[...])``), and lets a model spec run a
-function once the optimizers exist (``ModelSpec.post_optimizer_build_fn``). Here:
-
-* :class:`Int8LinearConverter` replaces each selected ``Linear.Config`` by the config of an
-  int8 subclass of the same module class, whose weight is an :class:`~fsdp_int8.Int8Weight`
-  from construction on (torchtitan builds on the meta device). torchtitan's
-  ``parallelize_fn`` (``apply_fsdp_to_decoder``) then shards int8 weights, so FSDP2
-  all-gathers int8 rows and scales; ``to_empty`` and torchtitan's ``init_states`` fill them.
-* :func:`int8_post_optimizer_build` (the ``post_optimizer_build_fn``) seeds stochastic
-  rounding from each rank's shard coordinate once the model is sharded, installs the int8
-  gradient reduce-scatter if asked for, and logs how much of the model is int8.
-* :class:`Int8CheckpointManager` is torchtitan's ``CheckpointManager`` whose model wrapper
-  tells weights apart by their int8 storage: torchtitan's ``ModelWrapper`` compares
-  ``untyped_storage().data_ptr()``, which ``Int8Weight`` does not have (it refuses storage
-  access so that raw-bytes writers such as safetensors cannot write wrong bytes). It also
-  saves each rank's stochastic-rounding generators, so a resumed run repeats the
-  uninterrupted one bit for bit.
-* :class:`Int8OptimizersContainer` is torchtitan's ``OptimizersContainer`` whose parameter
-  groups may also name ``"Int8AdamW"`` and ``"Int8AdamW.lean"``.
-* :func:`enable_int8_training` applies them all to a ``Trainer.Config`` in one call
-  (``Int8LinearConverter.Config(lean=True)``: the lean-memory recipe, as far as
-  torchtitan's Trainer takes it).
-* :func:`fsdp_int8.export_full_state_dict` exports the trained model in full precision in
-  torchtitan's own keys (its fused-QKV hooks split ``wqkv``); :func:`export_hf_state_dict`
-  does it through torchtitan's state-dict adapter, in Hugging Face's keys.
+:func:`enable_int8_training` switches a ``Trainer.Config`` to int8 with all the pieces
+here; :func:`export_hf_state_dict` exports the trained model in Hugging Face's keys. What
+works, and how: docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -77,43 +53,55 @@ logger = logging.getLogger("fsdp_int8")
 
 
 class Int8LinearConverter(QuantizationConverter):
-    """torchtitan model-config converter: selected linear layers, MoE experts
-    (``GroupedExperts``: 3-D weights, one scale per expert and output feature) and, with
-    ``quantize_embeddings``, embeddings get int8 weights; MoE routers stay in full precision.
+    """torchtitan model-config converter: selected layers get int8 weights.
 
-    Use it as torchtitan uses its float8 converter::
+    Each selected ``Linear.Config`` (MoE ``GroupedExperts.Config``: 3-D weights, one scale
+    per expert and output feature; with ``quantize_embeddings``, ``Embedding.Config``)
+    becomes the config of an int8 subclass of the same module class, whose weight is an
+    :class:`~fsdp_int8.Int8Weight` from construction on. torchtitan's ``parallelize_fn``
+    then shards the int8 weights (FSDP2 all-gathers int8 rows and scales), and ``to_empty``
+    plus torchtitan's ``init_states`` fill them. Layers are selected as
+    :func:`fsdp_int8.quantize_` selects them (``training``'s ``module_filter``,
+    ``skip_names`` and ``min_features``, given each layer's FQN), minus those whose FQN
+    contains one of ``filter_fqns``; MoE routers and another converter's layers (float8)
+    are left alone. Converting twice changes nothing; selecting nothing warns.
 
-        model_registry("debugmodel", converters=[Int8LinearConverter.Config()])
+    Use it as torchtitan uses its float8 converter, with :func:`int8_post_optimizer_build`
+    as the model spec's ``post_optimizer_build_fn`` (or call :func:`enable_int8_training`,
+    which does both)::
 
-    and set :func:`int8_post_optimizer_build` as the model spec's
-    ``post_optimizer_build_fn`` (or call :func:`enable_int8_training`, which does both).
-    Layers are selected as :func:`fsdp_int8.quantize_` selects them (the config's
-    ``module_filter``, ``skip_names`` and ``min_features``, given each layer's FQN), minus
-    those whose FQN contains one of ``filter_fqns``. Converting twice changes nothing.
+        model_registry("debugmodel", converters=[Int8LinearConverter.Config(quantize_gradients=True)])
+
+    Args:
+        config: The converter's :class:`Int8LinearConverter.Config`.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(QuantizationConverter.Config):
+        """The converter's settings; ``build()`` gives the converter.
+
+        Attributes:
+            training: The :class:`fsdp_int8.Int8TrainingConfig` of the int8 layers: which
+                layers, rounding, seed, matmuls, ``compile``.
+            filter_fqns: Layers whose FQN contains any of these stay in full precision (as float8's).
+            quantize_gradients: Replace FSDP2's gradient reduce-scatter with the int8 one
+                (:func:`fsdp_int8.gradients.enable_quantized_reduce_scatter`), installed by
+                :func:`int8_post_optimizer_build` once the model is sharded.
+            lean: The lean-memory recipe as far as torchtitan's Trainer takes it: ``training``
+                gets ``Int8TrainingConfig.lean()``'s int8 embeddings and int8 gathered
+                weights (its other fields kept), and :func:`enable_int8_training` makes the
+                optimizer's ``AdamW`` groups ``"Int8AdamW.lean"`` ones (8-bit states;
+                :class:`Int8OptimizersContainer`). Not applied: the compute dtype
+                (torchtitan's ``training.mixed_precision_param``, bf16 by default, decides)
+                and ``Int8AdamW.lean``'s step inside backward with its ``max_grad_norm``
+                (torchtitan's Trainer clips every gradient after backward: ``training.max_norm``).
+            model_compile_enabled: torchtitan's own field, set by torchtitan.
+        """
+
         training: Int8TrainingConfig = field(default_factory=Int8TrainingConfig)
-        """Which layers and how they train (see ``fsdp_int8.Int8TrainingConfig``)."""
-
         filter_fqns: list[str] = field(default_factory=list)
-        """Layers whose FQN contains any of these stay in full precision (as float8's)."""
-
         quantize_gradients: bool = False
-        """Replace FSDP2's gradient reduce-scatter with the int8 one
-        (:func:`fsdp_int8.gradients.enable_quantized_reduce_scatter`, called by
-        :func:`int8_post_optimizer_build` once the model is sharded)."""
-
         lean: bool = False
-        """The lean-memory recipe as far as torchtitan's Trainer takes it: ``training``
-        gets ``Int8TrainingConfig.lean()``'s int8 embeddings and int8 gathered weights, and
-        :func:`enable_int8_training` makes the optimizer's ``AdamW`` groups
-        ``"Int8AdamW.lean"`` ones (8-bit states; :class:`Int8OptimizersContainer`). Not
-        applied: its compute dtype (torchtitan's ``training.mixed_precision_param``, bf16 by
-        default, decides) and ``Int8AdamW.lean``'s step inside backward with its
-        ``max_grad_norm`` (torchtitan's Trainer clips every gradient after backward:
-        ``training.max_norm``)."""
 
     def _training(self) -> Int8TrainingConfig:
         """``training``, with the lean recipe's embeddings and gathered weights under ``lean``."""
@@ -137,8 +125,7 @@ class Int8LinearConverter(QuantizationConverter):
         return self._training().should_quantize(probe, fqn, router=counts_experts(parent))
 
     def convert(self, model_config: Any) -> Any:
-        """Return ``model_config`` with every selected ``Linear.Config`` (MoE
-        ``GroupedExperts.Config``, ``Embedding.Config``) made int8."""
+        """Return ``model_config`` with every selected layer config made int8."""
         converted = []
         found = [found for kind in (Linear.Config, GroupedExperts.Config, Embedding.Config)
                  for found in model_config.traverse(kind)]
@@ -176,13 +163,20 @@ def _trainings(model: nn.Module) -> list[Int8TrainingConfig]:
 def int8_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], parallel_dims: Any) -> None:
     """torchtitan ``post_optimizer_build_fn``: finish what needs the sharded model.
 
-    Seeds the weights' stochastic rounding from the converter's seed and this rank's shard
-    coordinate (shards must draw different noise, replicas the same), installs the int8
-    gradient reduce-scatter when the converter's ``quantize_gradients`` is set, and logs
-    how much of each model part is int8.
+    Set it on the model spec, or let :func:`enable_int8_training` do it. Seeds the weights'
+    stochastic rounding from the converter's seed and this rank's shard coordinate (shards
+    must draw different noise, replicas the same), installs the int8 gradient
+    reduce-scatter when the converter's ``quantize_gradients`` is set, and logs how much of
+    each model part is int8.
+
+    Args:
+        optimizers: torchtitan's optimizers (unused).
+        model_parts: The sharded model parts.
+        parallel_dims: torchtitan's ``ParallelDims`` (unused).
 
     Raises:
         RuntimeError: no model part has a layer built by :class:`Int8LinearConverter`.
+        ValueError: the int8 layers were converted with different seeds.
     """
     trainings = [t for model in model_parts for t in _trainings(model)]
     if not trainings:
@@ -209,8 +203,7 @@ def _storage_address(tensor: torch.Tensor) -> int:
 
 
 class _Int8ModelWrapper(ModelWrapper):
-    """torchtitan's ``ModelWrapper`` (a cached state dict whose tensors keep their storage
-    from one save to the next), recognising an int8 weight by its int8 data's storage."""
+    """torchtitan's ``ModelWrapper`` (a cached state dict), recognising an int8 weight by its int8 storage."""
 
     def state_dict(self) -> dict[str, Any]:
         for key, value in self._get_state_dict().items():
@@ -227,10 +220,8 @@ ROUNDING_STATES = "fsdp_int8_rounding"  # the checkpoint's key of the rounding g
 
 
 class _RoundingStreams(Stateful):
-    """This rank's generator states (:func:`fsdp_int8.checkpoint.capture_generators`), under
-    a key naming the layout and the rank: dcp keeps every rank's (the keys differ), and a
-    run in another layout (world size, data-parallel mesh, tensor-parallel size) finds none
-    of its own, since its rows moved between ranks and no stream continues."""
+    """This rank's generator states under a key naming the layout and the rank: dcp keeps every
+    rank's, and a run in another layout (its rows moved between ranks) finds none of its own."""
 
     def __init__(self, model_parts: list[nn.Module]) -> None:
         self._model = model_parts[0] if len(model_parts) == 1 else nn.ModuleList(model_parts)
@@ -251,18 +242,23 @@ class Int8CheckpointManager(CheckpointManager):
     """torchtitan's ``CheckpointManager`` for models with int8 weights.
 
     Select it as the trainer's checkpoint component (``Trainer.Config.checkpoint =
-    Int8CheckpointManager.Config(...)``, with ``CheckpointManager.Config``'s fields);
-    :func:`enable_int8_training` does it for you. Saves and loads through dcp exactly as
-    ``CheckpointManager`` does, int8 bytes and scales included, plus each rank's
-    stochastic-rounding generators (key ``fsdp_int8_rounding``): a run resumed in the same
-    layout rounds exactly as the uninterrupted run. A checkpoint without them for this
-    run's layout (another world size or mesh, or written by ``CheckpointManager``) loads
-    the rest, and the rounding keeps the stream seeded at start-up (see docs/integrations.md).
+    Int8CheckpointManager.Config(...)``); :func:`enable_int8_training` does it for you.
+    Saves and loads through dcp as ``CheckpointManager`` does, int8 bytes and scales
+    included, with a model wrapper that tells weights apart by their int8 storage
+    (torchtitan's compares ``untyped_storage()``, which an ``Int8Weight`` refuses), plus
+    each rank's stochastic-rounding generators (key ``fsdp_int8_rounding``): a run resumed
+    in the same layout rounds exactly as the uninterrupted run. A checkpoint without them
+    for this run's layout (another world size or mesh, or written by ``CheckpointManager``)
+    loads the rest, and the rounding keeps the stream seeded at start-up.
+
+    Args:
+        config: Its :class:`Int8CheckpointManager.Config`.
+        model_parts: The model parts; torchtitan's other keywords pass through.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        pass
+        """torchtitan's ``CheckpointManager.Config``, with the same fields."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module], **kwargs: Any) -> None:
         super().__init__(config, model_parts=model_parts, **kwargs)
@@ -272,10 +268,9 @@ class Int8CheckpointManager(CheckpointManager):
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
-        """torchtitan's save. Its ``async`` and ``async_with_pinned_mem`` modes stage with
+        """torchtitan's save; its ``async`` and ``async_with_pinned_mem`` modes stage with
         :class:`fsdp_int8.checkpoint.CpuCopyStager` (dcp's default stager cannot copy an int8
-        weight), as torchtitan would: a thread writes, or a checkpoint process (then the
-        staging is returned as a finished future)."""
+        weight), then a thread or a checkpoint process writes, as torchtitan's would."""
         if async_mode == AsyncMode.DISABLED or to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         in_process = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
@@ -345,13 +340,22 @@ def enable_int8_training(trainer_config: Any, converter: Int8LinearConverter.Con
     :func:`int8_post_optimizer_build` to the model spec's ``post_optimizer_build_fn``
     (after any it had), makes the checkpoint component an :class:`Int8CheckpointManager`
     and torchtitan's optimizer component an :class:`Int8OptimizersContainer` with the same
-    settings (with the converter's ``lean``, its ``AdamW`` groups ``"Int8AdamW.lean"``).
+    settings (with the converter's ``lean``, its ``AdamW`` groups ``"Int8AdamW.lean"``,
+    their ``lr``, ``betas``, ``eps`` and ``weight_decay`` kept).
+
+    Args:
+        trainer_config: torchtitan's ``Trainer.Config``, with its ``model_spec`` set.
+        converter: The converter's settings; default ``Int8LinearConverter.Config()``.
 
     Raises:
         ValueError: the config has no ``model_spec`` yet.
         TypeError: its checkpoint component is neither torchtitan's ``CheckpointManager``
             nor :class:`Int8CheckpointManager`, or ``lean`` meets an optimizer component
-            other than torchtitan's ``OptimizersContainer``.
+            other than torchtitan's ``OptimizersContainer`` (checked before anything changes).
+
+    Example::
+
+        enable_int8_training(config, Int8LinearConverter.Config(training=Int8TrainingConfig(seed=1)))
     """
     spec = trainer_config.model_spec
     if spec is None:
@@ -370,8 +374,7 @@ def enable_int8_training(trainer_config: Any, converter: Int8LinearConverter.Con
 
 def export_hf_state_dict(model: nn.Module, sd_adapter: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """A torchtitan model's plain, full, dequantized state dict in Hugging Face's keys and
-    layout, for ``save_pretrained`` or safetensors: on rank 0 (``{}`` on the others), on
-    CPU. Call on every rank.
+    layout, for ``save_pretrained`` or safetensors. Call on every rank.
 
     It is ``sd_adapter.to_hf`` of :func:`fsdp_int8.export_full_state_dict` (which gives
     torchtitan's own keys, the fused ``wqkv`` split into ``wq`` / ``wk`` / ``wv`` by
@@ -383,6 +386,15 @@ def export_hf_state_dict(model: nn.Module, sd_adapter: Any, dtype: torch.dtype =
         sd_adapter: torchtitan's state-dict adapter (``to_hf(state_dict)``), e.g.
             ``Llama3StateDictAdapter(model_config, None)`` or the trainer's ``sd_adapter``.
         dtype: Floating dtype of every floating entry.
+
+    Returns:
+        The state dict, on CPU, on rank 0; ``{}`` on the others.
+
+    Example::
+
+        state = export_hf_state_dict(model, Llama3StateDictAdapter(model_config, None))  # every rank
+        if dist.get_rank() == 0:
+            hf_model.load_state_dict(state)  # LlamaForCausalLM; or safetensors.torch.save_file
     """
     plain = export_full_state_dict(model, dtype)
     return sd_adapter.to_hf(plain) if _dist.rank() == 0 else {}

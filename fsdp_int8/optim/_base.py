@@ -357,12 +357,15 @@ class FusedInt8Optimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict` (or from ``set_optimizer_state_dict``).
 
-        ``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor to its
-        parameter's dtype: that would turn 8-bit moments into floats and round fp32
-        scales (and fp32 moments) of a bf16 model to bf16. Here every state keeps its own
-        dtype and is only moved to the parameter's device; 32-bit moments are fp32 (so a
-        ``torch.optim`` checkpoint of a bf16 model loads too). Load-state-dict pre-hooks
-        see the state tensors wrapped in an internal holder.
+        Each state keeps its own dtype and is only moved to the parameter's device
+        (``torch.optim`` would cast 8-bit moments to floats and fp32 scales of a bf16 model
+        to bf16); 32-bit moments are made fp32. A ``torch.optim.AdamW`` state dict (the
+        32-bit layout) loads into :class:`~fsdp_int8.Int8AdamW`, a bf16 model's too.
+        Load-state-dict pre-hooks see the state tensors wrapped in an internal holder.
+
+        Raises:
+            ValueError: a group with ``amsgrad``, ``maximize`` or ``differentiable`` on, or
+                a hyperparameter out of range.
         """
         state_dict = dict(state_dict)
         state_dict["state"] = {

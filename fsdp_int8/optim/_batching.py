@@ -23,7 +23,17 @@ __all__ = ["batch_int8_updates", "BatchedUpdates"]
 
 
 class BatchedUpdates:
-    """The handle :func:`batch_int8_updates` returns; :meth:`remove` undoes it."""
+    """The handle :func:`batch_int8_updates` returns (not built by hand); :meth:`remove`
+    undoes it.
+
+    Args:
+        optimizer: The optimizer whose steps hold the work.
+        original_step: The ``step`` attribute of the instance that the wrapper replaced,
+            ``None`` where ``step`` came from the class.
+
+    Attributes:
+        active: Whether the optimizer's steps hold the work (False after :meth:`remove`).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, original_step: Any) -> None:
         self._optimizer = optimizer
@@ -50,15 +60,28 @@ def batch_int8_updates(optimizer: torch.optim.Optimizer) -> BatchedUpdates:
     updates of tensor-parallel weights that share row scales wait; when ``step()`` returns
     they are flushed: one device sync and one ``all_reduce`` per process group per step,
     not one per weight. If ``step()`` raises, the held work is dropped (a tensor-parallel
-    weight whose update waited keeps its values from before the step). Calling it again
-    on the same optimizer returns the same handle. ``Int8AdamW`` and ``Int8SGD`` do this
-    on their own and are refused here.
+    weight whose update waited keeps its values from before the step). Without it each
+    update does that work at once: correct, but on an accelerator one sync per weight, and
+    a ``RuntimeWarning`` (once) names this function. Calling it again on the same
+    optimizer returns the same handle; an LR scheduler made before or after wraps the
+    batched ``step`` as usual.
 
     Args:
         optimizer: A ``torch.optim.Optimizer`` whose parameters include ``Int8Weight`` s.
 
     Returns:
-        A handle whose ``remove()`` gives the optimizer its own ``step`` back.
+        A :class:`BatchedUpdates` handle whose ``remove()`` gives the optimizer its own
+        ``step`` back.
+
+    Raises:
+        TypeError: ``optimizer`` is no ``torch.optim.Optimizer``, or is an
+            :class:`~fsdp_int8.Int8AdamW` / :class:`~fsdp_int8.Int8SGD` (they hold this
+            work themselves).
+
+    Example::
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fsdp_int8.optim.batch_int8_updates(optimizer)
     """
     from fsdp_int8.optim._base import FusedInt8Optimizer
 

@@ -65,71 +65,39 @@ LEAN_STEP_ELEMENTS = 1 << 18
 class Int8AdamW(FusedInt8Optimizer):
     r"""AdamW for int8 weights: one dequantization and one requantization per step.
 
-    The same update as ``torch.optim.AdamW`` (decoupled weight decay, bias correction),
-    with the same fp32 operations as one of its kernels: torch's fused AdamW kernel
-    (``fused``, the default where torch has one) or its ``torch._foreach_*`` operations in
-    their order (``fused=False``)::
+    The update of ``torch.optim.AdamW`` (decoupled weight decay, bias correction), with the
+    fp32 operations of one of its kernels (formulas: docs/optim.md). Each
+    :class:`~fsdp_int8.Int8Weight` (plain, or the local tensor of an FSDP2 DTensor) is
+    dequantized once to fp32 and requantized once with its own rounding
+    (``weight.assign_(w, stochastic=weight.stochastic_rounding)``); from the same state the
+    values before requantization are bit-identical to ``torch.optim.AdamW``'s (see ``fused``).
+    Other parameters are updated in place with the same math (in fp32 for bf16 / fp16
+    ones, then cast back). Any mix of int8 weights, plain tensors and FSDP2 DTensors works;
+    DTensor parameters are updated through their local tensors, so the only collective is
+    the finite-gradient verdict: a NaN or Inf gradient on any rank raises
+    :class:`~fsdp_int8.guard.NonFiniteGradientError` on every rank before anything changes.
+    A step with ``lr == 0`` leaves int8 weights untouched.
 
-        step += 1
-        w  = w * (1 - lr * weight_decay)
-        m  = m.lerp(g, 1 - beta1)
-        v  = v * beta2 + (1 - beta2) * g * g
-        w  = w - lr / (1 - beta1**step) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
+    **8-bit states** (``state_bits=8``) go to every parameter with at least 2 dims whose
+    rows (``numel // shape[0]`` elements, global shape) hold at least ``block_size``
+    elements (:meth:`uses_8bit_state`); others (biases, norms, short rows) keep fp32
+    ``exp_avg`` / ``exp_avg_sq``. Each row is cut into blocks of ``block_size`` (the last
+    may be shorter) with one fp32 scale each: ``exp_avg_int8`` (int8 ``[rows, K]``) with
+    ``exp_avg_scale`` (fp32 ``[rows, ceil(K / block_size)]``), and the second moment's
+    square root as ``exp_avg_sq_sqrt_uint8`` (uint8) with ``exp_avg_sq_sqrt_scale``. Each
+    step dequantizes them, updates in fp32 and requantizes with round to nearest
+    (deterministic: resume is exact). A block never spans two rows, so checkpoints reshard
+    bit-exactly at any world size. A weight split by columns (tensor parallelism's
+    ``RowwiseParallel``) keeps 8-bit states when each rank's part of a row is whole blocks
+    (``in_features / tp`` divisible by ``block_size``). Why the square root and round to
+    nearest, and the bytes per parameter: docs/optim.md.
 
-    For an :class:`~fsdp_int8.Int8Weight` (plain, or the local tensor of an FSDP2 DTensor)
-    ``w`` is the weight dequantized once to fp32, and the result is requantized once with
-    the weight's own rounding (``weight.assign_(w, stochastic=weight.stochastic_rounding)``).
-    So with round-to-nearest weights the values before requantization are bit-identical to
-    ``torch.optim.AdamW``'s on the dequantized weight (tested). Other parameters are
-    updated in place with the same math (in fp32 for bf16 / fp16 parameters, then cast
-    back). DTensor parameters are updated through their local tensors (the only collective is the
-    finite-gradient verdict). A NaN or Inf gradient raises
-    :class:`~fsdp_int8.guard.NonFiniteGradientError` before anything changes.
-    A step with ``lr == 0`` leaves int8 weights untouched (their values cannot change).
-
-    **8-bit states** (``state_bits=8``) are used for every parameter with at least 2
-    dims whose rows (``numel // shape[0]`` elements) are at least ``block_size`` long;
-    1-D parameters (biases, norms) and short rows keep fp32 states. Each row is cut into
-    blocks of ``block_size`` elements (the last one may be shorter): a block never spans
-    two rows, so a checkpoint reshards bit-exactly at any world size (rows move between
-    ranks whole). A weight split by columns (tensor parallelism's ``RowwiseParallel``,
-    ``Shard(1)``) gets 8-bit states if each rank's part of a row is whole blocks
-    (``in_features / tp`` divisible by ``block_size``; else the first step raises
-    ``ValueError`` saying so): its blocks are then the whole rows' blocks, its states are
-    split like it, and checkpoints reshard them bit-exactly across layouts too. Per block:
-
-    - ``m`` (``exp_avg_int8``: int8 ``[rows, K]``, ``exp_avg_scale``: fp32
-      ``[rows, ceil(K / block_size)]``): symmetric absmax, ``m ~ q * absmax / 127``.
-    - ``v`` is stored as its square root ``r = sqrt(v)`` (``exp_avg_sq_sqrt_uint8``:
-      uint8 ``[rows, K]``, ``exp_avg_sq_sqrt_scale``: fp32 per block), ``r ~ q * max / 255``,
-      ``v = r**2``. Why the square root: the update divides by ``sqrt(v)``, so linear
-      steps in ``r`` give every element of a block the same absolute error on the
-      denominator (at most ``max(r) / 510``, half a level), and ``r`` spans the square root of ``v``'s
-      dynamic range; linear steps in ``v`` itself would zero every element below
-      ``max(v) / 510``, i.e. with ``r`` below 4.4% of the block's largest.
-      A positive ``r`` is never rounded to level 0 (it rounds up to level 1): a zero
-      would make the denominator ``eps`` and the step ``m / eps``, huge. Small
-      second moments are thus overestimated, which only shortens their steps.
-
-    Each step dequantizes the states to fp32, updates them with the formulas above, uses
-    the fp32 values for this step's update, and requantizes them with **round to nearest**.
-    Stochastic rounding, unbiased per step, would make a slow moving average a random
-    walk: each step adds rounding noise (standard deviation ~0.4 level) that ``v``
-    forgets only at rate ``1 - beta2``, so it accumulates to ~``0.4 / sqrt(1 - beta2)``,
-    about 13 levels for ``beta2 = 0.999``. Round to nearest errs by at most half a level
-    per step, is deterministic (exact resume; no draws from the weights' rounding
-    generator), and the absmax scale, recomputed every step, follows a block's common
-    decay; its cost is that an element drifting relative to its block's largest by less
-    than half a level per step keeps its level.
-
-    Checkpoints: state tensors of DTensor parameters are DTensors placed like the
-    parameter (the scales ``[rows, nblocks]`` sharded on rows like it), so
-    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and
-    :func:`fsdp_int8.save_checkpoint` / :func:`~fsdp_int8.load_checkpoint` save and
-    reshard them; ``step`` is a 0-d fp32 tensor as in ``torch.optim``. With
-    ``state_bits=32`` the state (``step``, ``exp_avg``, ``exp_avg_sq``) has the layout of
-    ``torch.optim.AdamW``'s, in fp32. A checkpoint loads only into an optimizer with the
-    same ``state_bits`` and ``block_size``.
+    State dicts: state tensors of DTensor parameters are DTensors placed like the parameter,
+    so ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and
+    :func:`~fsdp_int8.save_checkpoint` / :func:`~fsdp_int8.load_checkpoint` save and reshard
+    them; ``step`` is a 0-d fp32 tensor. With ``state_bits=32`` the state is
+    ``torch.optim.AdamW``'s layout in fp32 (its state dicts load here). A checkpoint loads
+    only into an optimizer with the same ``state_bits`` and ``block_size``.
 
     Args:
         params: Parameters or parameter groups (as for any ``torch.optim`` optimizer).
@@ -137,61 +105,74 @@ class Int8AdamW(FusedInt8Optimizer):
         betas: ``(beta1, beta2)``, each in ``[0, 1)``.
         eps: Added to the denominator, >= 0.
         weight_decay: Decoupled weight decay, >= 0.
-        state_bits: ``32`` (fp32 moments) or ``8`` (block-wise 8-bit moments, see above).
-        block_size: Elements per 8-bit block (>= 1). Also the minimum row length for
-            8-bit states.
-        fused: Run the update as torch's fused AdamW kernel (``torch._fused_adamw_``,
-            one pass over each tensor) instead of ``torch._foreach_*`` ops (eight passes).
-            ``None`` (default): fused on the devices torch has the kernel for (CPU,
-            CUDA). The values before requantization are then bit-identical to
-            ``torch.optim.AdamW(fused=True)``'s; with ``fused=False``, to its for-loop and
-            foreach forms'. The two kernels round a few values differently (their
-            operations differ in order), so pick the one to match.
-        step_in_backward: Update each parameter inside backward, as soon as its
-            gradient is final (FSDP2 hands it over right after its reduce-scatter), and
-            free the gradient at once: gradients never all live together. The loop stays
-            ``loss.backward(); opt.step(); opt.zero_grad()`` (``step()`` completes the
-            step); weights and states equal stepping after backward bit for bit.
-            Gradient clipping is impossible (no global norm exists before the updates):
-            until ``step()`` each ``.grad`` is a storage-free stand-in on which any op
-            (``clip_grad_norm_``'s too) raises, naming the parameter;
-            accumulation needs FSDP2's ``set_requires_gradient_sync(False)``; a
-            non-finite gradient leaves its parameter unchanged and ``step()`` raises.
-            docs/memory.md says what it saves and what it refuses.
+        state_bits: ``32`` (fp32 moments) or ``8`` (block-wise 8-bit moments, above).
+        block_size: Elements per 8-bit block (>= 1); also the shortest row that gets 8-bit
+            states.
+        fused: ``True``: torch's fused AdamW kernel (``torch._fused_adamw_``, one pass over
+            each tensor); ``False``: its ``torch._foreach_*`` operations in their order.
+            ``None`` (default): fused on the devices torch has the kernel for (CPU, CUDA).
+            The values before requantization are bit-identical to
+            ``torch.optim.AdamW(fused=True)``'s with the fused kernel, to its for-loop and
+            foreach forms' with ``fused=False``; the two round a few values differently.
+        step_in_backward: Update each parameter inside backward as soon as its gradient is
+            final (FSDP2: right after its reduce-scatter) and free the gradient at once, so
+            gradients never all live together. The loop stays ``loss.backward();
+            opt.step(); opt.zero_grad()`` (``step()`` completes the step); weights and
+            states equal stepping after backward bit for bit (each int8 weight rounds from
+            a seed of its own, drawn per step in parameter order). Until ``step()`` each
+            ``.grad`` is a storage-free ``AppliedGradient`` on which any op
+            (``clip_grad_norm_``'s too) raises ``RuntimeError`` naming the parameter: clip
+            with ``max_grad_norm``. Accumulate with FSDP2's
+            ``set_requires_gradient_sync(False)``. A non-finite gradient leaves its
+            parameter unchanged and ``step()`` raises. What it saves: docs/memory.md.
         max_grad_norm: With ``step_in_backward=True`` only: clip by the step's global
-            gradient norm as estimated when each gradient arrives (the step's own norm
-            does not exist before the first updates): each gradient is scaled by
-            ``min(1, max_grad_norm / norm)``, ``norm`` this step's norm so far (its own
-            gradient included) scaled up by the previous step's proportions, exact when
-            they hold (one scalar all-reduce per parameter). ``grad_norm`` reads the
-            last step's norm.
+            gradient norm as estimated when each gradient arrives. Each gradient is scaled
+            by ``min(1, max_grad_norm / norm)``: ``norm²`` is this step's squared norms so
+            far (its own included) scaled up by the previous step's proportions (its squared
+            norm over the part the parameters seen so far carried); exact when they hold,
+            and at the last parameter. One scalar all-reduce per parameter. The step's norm
+            is kept in each group's ``"previous_grad_norm"`` (read as :attr:`grad_norm`),
+            each parameter's squared norm in its state's ``"previous_grad_norm_sq"``
+            (checkpoints resume both). ``None`` (default): no clipping (after backward, use
+            ``torch.nn.utils.clip_grad_norm_``).
         step_elements: The most parameter elements one update works on at once (whole
-            rows, one row at least): its fp32 temporaries, about 21 bytes per element with
-            8-bit states, never exceed that many elements' worth. ``None`` (default): 2^24
-            on accelerators (about 350 MB with 8-bit states), one parameter at a time in
-            pieces of 2^20 on the CPU. Smaller bounds cost more, smaller kernels. The
-            rounding noise is drawn per row in row order (the same stream for any bound
-            when rows hold a multiple of 4 values), but a piece too small to fill the
-            fused kernel's vectors may round its last bit differently.
-        grad_dtype: Keep each gradient in this dtype from the moment it is final
-            (FSDP2: right after its reduce-scatter) until ``step()``: ``torch.bfloat16``
-            halves the gradients' memory, the largest part of the peak when stepping after
-            backward (docs/memory.md). ``None`` (default) keeps the parameter's dtype. The
-            update reads the gradient into fp32, so it equals the update from the fp32
-            gradient rounded to ``grad_dtype``; gradient accumulation across backwards
-            with gradient sync adds in ``grad_dtype`` (FSDP2's
-            ``set_requires_gradient_sync(False)`` accumulates in its reduce dtype and rounds
-            once). Sets each parameter's ``grad_dtype`` attribute to ``None``. Not with
-            ``step_in_backward`` (it keeps no gradient), nor with plain parameters in a
-            multi-process run (DDP: refused at the first backward).
+            dim-0 rows, one row at least): its fp32 temporaries, about 21 bytes per element
+            with 8-bit states, never exceed that many elements' worth. ``None`` (default):
+            chunks of 2^24 on accelerators (about 350 MB with 8-bit states); on the CPU one
+            parameter at a time, in pieces of 2^20. Smaller bounds cost more, smaller
+            kernels. The rounding noise is drawn per row in row order (the same stream for
+            any bound when rows hold a multiple of 4 values), but a piece too small to fill
+            the fused kernel's vectors may round its last bit differently.
+        grad_dtype: Keep each gradient in this dtype (``torch.bfloat16``,
+            ``torch.float16`` or ``torch.float32``) from the moment it is final until
+            ``step()``: a post-accumulate-grad hook casts it right after FSDP2's
+            reduce-scatter (or autograd's accumulation). bf16 halves the gradients' memory,
+            the largest part of the peak when stepping after backward (docs/memory.md). ``None`` (default):
+            the parameter's dtype. The update equals the update from the fp32 gradient
+            rounded to ``grad_dtype``, bit for bit; ``clip_grad_norm_`` works as usual.
+            Accumulation across synchronised backwards adds in ``grad_dtype``; FSDP2's
+            ``set_requires_gradient_sync(False)`` accumulates in its reduce dtype and
+            rounds once. Sets each parameter's ``grad_dtype`` attribute to ``None``.
 
     Raises:
         ValueError: a hyperparameter out of range, ``state_bits`` not 8 or 32,
             ``block_size < 1``, ``step_elements < 1``, ``grad_dtype`` not a floating dtype of
             at most 32 bits or given with ``step_in_backward``, ``max_grad_norm`` not
             positive or given without ``step_in_backward``, or a complex or non-floating
-            parameter.
+            parameter. At a step: 8-bit states for a parameter split other than by dim-0
+            rows or by whole blocks of columns (use ``state_bits=32`` for it, in a group of
+            its own), or NaN or Inf produced in an int8 weight or an 8-bit state (some
+            parameters may be updated: restore a checkpoint).
         TypeError: a hyperparameter of the wrong type.
+        RuntimeError: at a step, a sparse gradient or one placed unlike its parameter; with
+            ``step_in_backward`` or ``grad_dtype``, a plain parameter in a multi-process run
+            (DDP), at the first backward; with ``step_in_backward``, a second gradient
+            for a parameter before ``step()``.
+        NonFiniteGradientError: from ``step()``, a gradient holds NaN or Inf on some rank.
+
+    Example::
+
+        optimizer = fsdp_int8.Int8AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, state_bits=8)
     """
 
     def __init__(
@@ -221,11 +202,12 @@ class Int8AdamW(FusedInt8Optimizer):
     @classmethod
     def lean(cls, params: ParamsT, lr: float | torch.Tensor = 1e-3, **changes: Any) -> "Int8AdamW":
         """The lean-memory recipe's optimizer (docs/memory.md), for a model configured with
-        :meth:`fsdp_int8.Int8TrainingConfig.lean`: 8-bit states, each parameter stepped
-        inside backward as soon as FSDP2 hands it its reduced gradient (no gradient kept),
-        clipped with ``max_grad_norm=1.0`` by the norm estimated as gradients arrive, and
-        updates in blocks of at most ``LEAN_STEP_ELEMENTS`` elements. ``changes`` replace
-        any of these or other keywords (``weight_decay``, ``betas``, ...)."""
+        :meth:`fsdp_int8.Int8TrainingConfig.lean`.
+
+        ``state_bits=8``, ``step_in_backward=True``, ``max_grad_norm=1.0`` and
+        ``step_elements=2**18`` (an update's fp32 temporaries stay under about 5 MB).
+        ``changes`` replace any of these or set other keywords (``weight_decay``,
+        ``betas``, ...)."""
         recipe = dict(state_bits=8, step_in_backward=True, max_grad_norm=1.0, step_elements=LEAN_STEP_ELEMENTS)
         return cls(params, lr, **{**recipe, **changes})
 

@@ -18,37 +18,46 @@ __all__ = ["Int8SGD"]
 class Int8SGD(FusedInt8Optimizer):
     """SGD (momentum, Nesterov, L2 weight decay) for int8 weights, one requantization per step.
 
-    The update of ``torch.optim.SGD`` with ``dampening=0``, in fp32::
+    The update of ``torch.optim.SGD`` with ``dampening=0``, in fp32, bit-identical to it
+    before requantization::
 
         g = g + weight_decay * w
         b = g                      (first step)     b = momentum * b + g   (later steps)
         g = g + momentum * b       (nesterov)       g = b                  (otherwise)
         w = w - lr * g
 
-    As in :class:`~fsdp_int8.Int8AdamW`, an int8 weight is dequantized once, updated in fp32 and
-    requantized once with its own rounding; DTensor parameters are updated through their
-    local tensors (no collective but the finite-gradient verdict); ``lr == 0`` leaves int8 weights untouched. The
-    momentum buffer (``momentum_buffer``, only when ``momentum != 0``) is fp32, placed
-    like its parameter, with ``torch.optim.SGD``'s layout.
+    As in :class:`~fsdp_int8.Int8AdamW`: each int8 weight is dequantized once, updated in
+    fp32 and requantized once with its own rounding; any mix of int8 weights, plain tensors
+    and FSDP2 DTensors works, DTensors through their local tensors (no collective but the
+    finite-gradient verdict); a NaN or Inf gradient raises
+    :class:`~fsdp_int8.guard.NonFiniteGradientError` before anything changes; ``lr == 0``
+    leaves int8 weights untouched; :attr:`grad_norm` and :attr:`max_grad_norm` read the
+    clipping inside backward. State: ``momentum_buffer`` (fp32, placed like its parameter,
+    ``torch.optim.SGD``'s layout) when ``momentum != 0``, none otherwise.
 
     Args:
         params: Parameters or parameter groups.
         lr: Learning rate, >= 0.
-        momentum: Momentum factor, >= 0.
+        momentum: Momentum factor, >= 0; 0 keeps no state.
         weight_decay: L2 penalty added to the gradient, >= 0.
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         step_in_backward: Update each parameter inside backward and free its gradient
-            at once (see :class:`~fsdp_int8.Int8AdamW`).
-        step_elements: The most parameter elements one update works on at once (see
+            at once (as for :class:`~fsdp_int8.Int8AdamW`).
+        step_elements: The most parameter elements one update works on at once (as for
             :class:`~fsdp_int8.Int8AdamW`).
-        grad_dtype: Keep gradients in this dtype until ``step()`` (see
+        grad_dtype: Keep gradients in this dtype until ``step()`` (as for
             :class:`~fsdp_int8.Int8AdamW`).
+        max_grad_norm: Clip inside backward by the estimated global gradient norm (with
+            ``step_in_backward=True`` only; as for :class:`~fsdp_int8.Int8AdamW`).
 
     Raises:
         ValueError: a hyperparameter out of range, ``nesterov`` without momentum,
-            ``step_elements < 1``, an invalid ``grad_dtype`` (see
+            ``step_elements < 1``, an invalid ``grad_dtype`` or ``max_grad_norm`` (as for
             :class:`~fsdp_int8.Int8AdamW`), or a complex or non-floating parameter.
         TypeError: a hyperparameter of the wrong type (``nesterov`` not a bool).
+        RuntimeError: as for :class:`~fsdp_int8.Int8AdamW` (sparse or misplaced gradients,
+            plain parameters under DDP with ``step_in_backward`` or ``grad_dtype``).
+        NonFiniteGradientError: from ``step()``, a gradient holds NaN or Inf on some rank.
     """
 
     def __init__(

@@ -127,36 +127,61 @@ def _rowwise_forward(module: nn.Linear, x: DTensor) -> DTensor:
     return out
 
 
-class Int8ColwiseParallel(ColwiseParallel):
-    """``ColwiseParallel`` for int8 linear layers: whole rows and their scales per rank.
+class _Int8Split:
+    """What both int8 styles change in torch's: an int8 linear layer is split by
+    :func:`_split` (rows, or columns with whole-row scales) and runs its local matmul;
+    any other layer is left to the stock style."""
 
-    Same keyword arguments as :class:`torch.distributed.tensor.parallel.ColwiseParallel`.
-    A layer whose weight is not an ``Int8Weight`` is parallelized exactly as the stock
-    style does.
-    """
+    _by_columns: bool
+    _int8_forward: staticmethod
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if not _int8_linear(module):
             return super()._partition_linear_fn(name, module, device_mesh)
-        _split(module, device_mesh, self.src_data_rank, by_columns=False)
-        module.forward = types.MethodType(_colwise_forward, module)
+        _split(module, device_mesh, self.src_data_rank, by_columns=self._by_columns)
+        module.forward = types.MethodType(self._int8_forward, module)
 
 
-class Int8RowwiseParallel(RowwiseParallel):
+class Int8ColwiseParallel(_Int8Split, ColwiseParallel):
+    """``ColwiseParallel`` for int8 linear layers: whole rows and their scales per rank.
+
+    Same keyword arguments as :class:`torch.distributed.tensor.parallel.ColwiseParallel`
+    (``input_layouts``, ``output_layouts``, ``use_local_output``). Each tp rank holds
+    ``out_features / tp`` whole rows with their scales, taken from tp rank
+    ``src_data_rank`` (a broadcast, as the stock style scatters from it). The matmul runs
+    on local tensors, so int8 GEMMs and per-token activation scales stay per rank; the
+    output is sharded on its last dim. A layer whose weight is not an ``Int8Weight`` is
+    parallelized exactly as the stock style does. docs/parallelism.md.
+
+    Raises:
+        ValueError: when the tp size does not divide ``out_features`` (at
+            ``parallelize_module``).
+    """
+
+    _by_columns = False
+    _int8_forward = staticmethod(_colwise_forward)
+
+
+class Int8RowwiseParallel(_Int8Split, RowwiseParallel):
     """``RowwiseParallel`` for int8 linear layers: every row's columns split, its scale shared.
 
     Same keyword arguments as :class:`torch.distributed.tensor.parallel.RowwiseParallel`.
-    Each rank holds ``in_features / tp`` elements of every row and the whole row's
-    absmax scale; optimizer updates and loads keep the peers' scales equal (one
-    ``all_reduce(MAX)`` per step). A layer whose weight is not an ``Int8Weight`` is
-    parallelized exactly as the stock style does.
+    Each tp rank holds ``in_features / tp`` elements of every row and the whole row's
+    absmax scale, the same on every peer. Every write keeps the peers' scales equal:
+    optimizer updates (torch optimizers, ``Int8AdamW``, ``Int8SGD``) are rounded after the
+    step with one ``all_reduce(MAX)`` per tp group; loads, initialisers and ``copy_``
+    reduce at once. The matmul runs on local tensors; the output layout reduces the
+    partial sums (after dequantization, in the compute dtype), then the bias is added. A
+    layer whose weight is not an ``Int8Weight`` is parallelized exactly as the stock style
+    does. docs/parallelism.md.
+
+    Raises:
+        ValueError: when the tp size does not divide ``in_features`` (at
+            ``parallelize_module``).
     """
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        if not _int8_linear(module):
-            return super()._partition_linear_fn(name, module, device_mesh)
-        _split(module, device_mesh, self.src_data_rank, by_columns=True)
-        module.forward = types.MethodType(_rowwise_forward, module)
+    _by_columns = True
+    _int8_forward = staticmethod(_rowwise_forward)
 
 
 def _converted(style: ParallelStyle) -> ParallelStyle:
@@ -170,13 +195,29 @@ def _converted(style: ParallelStyle) -> ParallelStyle:
 
 
 def int8_tp_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-    """``plan`` with torch's ``ColwiseParallel`` / ``RowwiseParallel`` replaced by their
-    int8-aware equivalents (same settings); other styles (``SequenceParallel``,
-    ``PrepareModuleInput``, ...) and subclasses are kept as given.
+    """A copy of ``plan`` with torch's ``ColwiseParallel`` / ``RowwiseParallel`` replaced by
+    their int8-aware equivalents (same settings); other styles (``SequenceParallel``,
+    ``PrepareModuleInput``, ...) and subclasses are kept as given. For tensor parallelism by
+    hand; ``shard_model(tp_plan=...)`` calls it.
 
     Args:
         plan: A ``parallelize_module`` plan: module names (relative to the module it is
             applied to, ``*`` wildcards allowed) to ``ParallelStyle`` objects.
+
+    Returns:
+        The converted plan (a new dict).
+
+    Raises:
+        TypeError: when ``plan`` is not a dict of ``ParallelStyle``s.
+
+    Example:
+        Tensor parallelism inside each block, then FSDP2 on the dp mesh::
+
+            fsdp_int8.quantize_(model)
+            for block in model.layers:
+                parallelize_module(block, mesh["tp"], int8_tp_plan(plan))
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
     """
     if not isinstance(plan, dict):
         raise TypeError(f"a tensor-parallel plan is a dict of module names to ParallelStyles, got {type(plan).__name__}")

@@ -1,9 +1,11 @@
-"""Testing helpers that downstream projects reuse.
+"""Testing helpers that downstream projects reuse; how to use them: docs/testing.md.
 
-* :mod:`~fsdp_int8.testing.processes`: run a test body in N real processes (CPU + gloo, or
-  one GPU per rank + NCCL): :func:`run_distributed`, :class:`DistributedTestCase`.
-* :mod:`~fsdp_int8.testing.conformance`: the FSDP2 conformance suite for any tensor-subclass
-  weight: :func:`check_fsdp2_conformance` / :func:`assert_fsdp2_conformance`.
+* Run a test body in N real processes (CPU + gloo, or one GPU per rank + NCCL where there
+  are enough GPUs): :func:`run_distributed`, :class:`DistributedTestCase`.
+* The FSDP2 conformance suite for any tensor-subclass weight under ``fully_shard``
+  (training parity, uneven shards, world size 1, HSDP, meta-device init, bf16 mixed
+  precision, all-gather bytes, DCP resharding, the ops FSDP2 and DCP send):
+  :class:`SubclassSpec`, :func:`check_fsdp2_conformance` / :func:`assert_fsdp2_conformance`.
 * :func:`count_host_syncs`: the host reads of tensor values (device syncs on a GPU) a block
   of code makes, counted on any device.
 """

@@ -1,27 +1,11 @@
 """Count the host reads of tensor values a piece of code makes: each a device sync on a GPU.
 
-``.item()``, ``bool(t)``, ``float(t)``, ``int(t)`` and a tensor used as an index reach
-``aten::_local_scalar_dense``; ``.tolist()`` reads the values straight from memory on the
-CPU and after a device-to-host copy on a GPU. On an accelerator each of these waits for
-the device's queue to drain, so a training step that makes one per parameter stalls once
-per parameter. A CPU cannot feel that cost, so tests count the reads instead.
-
-While counting, ``aten::_local_scalar_dense`` runs a kernel of this module's (registered
-with ``torch.library`` for the CPU, and CUDA where there is one): it sees every call,
-including those made inside a tensor subclass's ``__torch_dispatch__`` and inside other
-aten kernels, which a ``TorchDispatchMode`` does not. ``Tensor.tolist`` is wrapped too.
-
-Left out of the count are reads of values that live on the host by design on every
-device: ``torch.optim``'s and fsdp_int8's optimizers' CPU ``step`` counters, and the reads
-the fused optimizer kernels (``torch._fused_adamw_`` and kin) make of their step and
-learning rate, which their CPU kernels make on the host and their CUDA kernels on the
-device.
-
-Example::
-
-    with count_host_syncs() as reads:
-        loss.backward(); optimizer.step()
-    assert reads.count <= 2, reads.summary()
+On an accelerator each read waits for the device's queue to drain, so a training step
+that makes one per parameter stalls once per parameter. A CPU cannot feel that cost, so
+tests count the reads instead (:func:`count_host_syncs`). Counting goes through a kernel
+of ``aten::_local_scalar_dense`` of this module's, not a ``TorchDispatchMode``, because a
+mode does not see the reads made inside a tensor subclass's ``__torch_dispatch__`` or
+inside other aten kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +31,7 @@ _LOCK = threading.Lock()  # one counting region at a time: the kernel registrati
 
 @dataclasses.dataclass
 class HostSyncs:
-    """The value reads of one counted region.
+    """What :func:`count_host_syncs` found: the value reads of one counted region.
 
     Attributes:
         sites: For each read, the innermost Python frame outside torch that made it
@@ -96,9 +80,26 @@ def _value(tensor: torch.Tensor) -> Any:
 
 @contextlib.contextmanager
 def count_host_syncs() -> Iterator[HostSyncs]:
-    """Count the value reads (device syncs on an accelerator) made inside the block.
+    """Count the host reads of tensor values (device syncs on an accelerator) made inside the block.
 
-    The result fills in as the block runs. One counting region at a time per process."""
+    Counted: every ``aten::_local_scalar_dense`` (``.item()``, ``bool(t)``, ``float(t)``,
+    ``int(t)``, a tensor as an index), also inside tensor subclasses and other kernels, and
+    every ``Tensor.tolist()``. Left out: reads of values that live on the host by design on
+    every device, the CPU ``step`` counters of ``torch.optim``'s and fsdp_int8's optimizers
+    and the fused optimizer kernels' (``torch._fused_adamw_`` and kin) reads of their step
+    and learning rate (host-side on the CPU only). While it runs ``_local_scalar_dense`` has
+    a kernel of its own for the CPU (and CUDA), registered with ``torch.library``: count,
+    do not time, under it. One counting region at a time per process.
+
+    Yields:
+        A :class:`HostSyncs`, which fills in as the block runs.
+
+    Example::
+
+        with count_host_syncs() as reads:
+            loss.backward(); optimizer.step()
+        assert reads.count <= 2, reads.summary()
+    """
     result = HostSyncs()
     inside_fused = [0]
 

@@ -33,6 +33,12 @@ OP_SCENARIOS = {
     "op:broadcast": "dist.broadcast of a subclass tensor (full state dicts broadcast from rank 0)",
 }
 
+#: Every scenario the suite knows, by report key, with what it checks, in report order:
+#: ``parity_reshard``, ``parity_no_reshard``, ``world_size_1``, ``uneven_shards``,
+#: ``empty_shards``, ``hsdp``, ``meta_init``, ``bf16_mixed_precision``, ``wire_bytes``,
+#: ``dcp_reshard``, ``op:view(-1)``, ``op:as_strided``, ``op:split/chunk``, ``op:new_zeros``,
+#: ``op:copy_``, ``op:pin_memory``, ``op:slice``, ``op:cat``, ``op:broadcast``,
+#: ``asymmetric_failure``. Which world sizes run each: docs/testing.md.
 SCENARIOS: dict[str, str] = {
     "parity_reshard": "training parity, reshard_after_forward=True: losses, sharded gradients "
                       "and weights before and after each optimizer step against an unsharded "
@@ -52,7 +58,6 @@ SCENARIOS: dict[str, str] = {
     "asymmetric_failure": "a failure injected on one rank only (its fsdp_pre_all_gather raises) "
                           "ends the run within a bounded time instead of hanging",
 }
-"""Every scenario the suite knows, by report key, with what it checks (in report order)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +72,9 @@ class SubclassSpec:
         from_float: ``from_float(t) -> weight``: the subclass holding the float tensor
             ``t`` (2-D, fp32, possibly on the meta device). The suite wraps the result in
             ``nn.Parameter``.
-        to_float: ``to_float(weight) -> tensor``: the values a weight (or a shard, a
-            slice, a flat view of one) stands for, as a plain floating tensor of its shape.
+        to_float: ``to_float(weight) -> tensor``: the values a weight (or a shard, empty
+            ones too, a slice, a flat view of one) stands for, as a plain floating tensor
+            of its shape.
         wire_bytes_per_element: Bytes per weight element that FSDP2's all-gather moves
             (all ranks' shares together, no mixed precision, rows divisible by the world
             size): a number, or ``f(full_shape) -> float`` when it depends on the shape
@@ -95,19 +101,29 @@ class SubclassSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ScenarioResult:
-    """The outcome of one scenario: ``status`` is ``"passed"``, ``"failed"`` or ``"not applicable"``."""
+    """The outcome of one scenario.
+
+    Attributes:
+        status: ``"passed"``, ``"failed"`` or ``"not applicable"``.
+        detail: Why (the failure, or why it does not apply).
+    """
 
     status: str
     detail: str = ""
 
     @property
     def failed(self) -> bool:
+        """``status == "failed"``."""
         return self.status == FAILED
 
 
 @dataclasses.dataclass
 class ConformanceReport:
     """What :func:`~fsdp_int8.testing.check_fsdp2_conformance` found, scenario by scenario.
+
+    A scenario run at several world sizes is merged: failed if it failed at any, passed if
+    it passed at any (and failed at none), else not applicable; the detail names the world
+    sizes. ``str(report)`` is :meth:`table`.
 
     Attributes:
         spec_name: ``SubclassSpec.name``.
@@ -139,7 +155,8 @@ class ConformanceReport:
         return self.results[key].status
 
     def table(self) -> str:
-        """A markdown table: scenario | result | detail."""
+        """The report as a markdown table (scenario | result | detail), under a line with
+        :meth:`summary`, the world sizes and the wall time."""
         lines = [f"{self.spec_name}: {self.summary()} (world sizes {self.world_sizes}, "
                  f"{self.seconds:.0f} s)", "", "| scenario | result | detail |", "|---|---|---|"]
         for key, result in self.results.items():

@@ -102,13 +102,17 @@ def check_fsdp2_conformance(
         world_sizes: World sizes to run; 1 (the single-rank path), 2 and 4 (HSDP) cover
             every scenario.
         scenarios: Report keys to run (see :data:`SCENARIOS`); ``None``: all.
-        scenario_timeout: Seconds one scenario may take on a rank before the rank is ended.
+        scenario_timeout: Seconds one scenario may take on a rank before the rank is ended
+            and the scenario failed.
         peer_failure_grace: Seconds a rank may stay in a scenario that another rank has
-            already failed (then it is presumed blocked and ended).
+            already failed (then it is presumed blocked in a collective and ended).
 
     Returns:
         A :class:`ConformanceReport`: every selected key, ``passed``, ``failed`` (with the
-        reason) or ``not applicable`` (with why).
+        reason) or ``not applicable`` (with why). A failing subclass never raises.
+
+    Raises:
+        ValueError: an unknown scenario key, or a world size below 1.
     """
     selected = set(SCENARIOS) if scenarios is None else set(scenarios)
     unknown = selected - set(SCENARIOS)
@@ -155,15 +159,23 @@ def assert_fsdp2_conformance(
     allowed_failures: Collection[str] = (),
     **options: Any,
 ) -> ConformanceReport:
-    """:func:`check_fsdp2_conformance`, raising ``AssertionError`` that lists every failure.
+    """:func:`check_fsdp2_conformance` for pytest: raises ``AssertionError`` listing every failure.
+
+    ``**options`` are :func:`check_fsdp2_conformance`'s keyword arguments.
 
     Args:
-        spec, world_sizes, options: As for :func:`check_fsdp2_conformance`.
+        spec: The weight under test.
+        world_sizes: World sizes to run, as for :func:`check_fsdp2_conformance`.
         allowed_failures: Report keys whose failure is known and accepted (they are
             still run and reported).
 
     Returns:
         The report, when nothing but ``allowed_failures`` failed.
+
+    Raises:
+        AssertionError: ``"<name>: k FSDP2 conformance scenario(s) failed:"``, a line
+            ``- key: reason`` for each failure not in ``allowed_failures``, then
+            :meth:`ConformanceReport.table`.
     """
     report = check_fsdp2_conformance(spec, world_sizes, **options)
     failures = {k: r for k, r in report.failures.items() if k not in set(allowed_failures)}

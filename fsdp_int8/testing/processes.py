@@ -1,26 +1,11 @@
 """Run a test body in N processes: CPU + gloo here, one GPU per rank + NCCL where there are enough.
 
-Two front ends over one worker:
-
-* :func:`run_distributed` for pytest-style tests::
-
-      def _body(rank: int, world_size: int) -> float:   # module-level: it is pickled
-          model = fsdp_int8.shard_model(MyModel())
-          ...
-          return loss
-
-      def test_my_model():
-          losses = run_distributed(_body, world_size=2)   # one result per rank
-
-* :class:`DistributedTestCase`, a ``MultiProcessTestCase`` (the base of torch's own
-  ``FSDPTest``) that initialises the process group on CPU too, for unittest-style suites.
-
-The ranks are fresh processes, forked from a server that imported torch and fsdp_int8
-once (``multiprocessing``'s forkserver, where the platform has it; spawned elsewhere):
-each takes the caller's environment, working directory and ``sys.path`` as they are at
-the call. Starting the ranks still costs a second or more: put many cases in one body.
-Teardown follows what avoids gloo's exit-time abort: collect garbage, then destroy the
-process group before the interpreter shuts down.
+Two front ends over one worker: :func:`run_distributed` for pytest-style tests, and
+:class:`DistributedTestCase`, a ``MultiProcessTestCase`` that initialises the process
+group on CPU too, for unittest-style suites (how to use them: docs/testing.md). The ranks
+are forked from a server that imported torch and fsdp_int8 once, which saves seconds per
+rank. Teardown follows what avoids gloo's exit-time abort: collect garbage, then destroy
+the process group before the interpreter shuts down.
 """
 
 from __future__ import annotations
@@ -126,21 +111,50 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``body(rank, world_size, *args)`` in ``world_size`` fresh processes.
 
-    The process group is initialised before ``body`` runs and destroyed after it returns.
-    Each rank's stderr is collected and copied to this process's stderr when the ranks end;
-    a rank that dies without reporting (a native crash: SIGABRT, SIGSEGV) has the end of
-    it, with Python's stacks at the crash (``faulthandler``), quoted in the error, and
-    ranks that overstay ``timeout`` are asked for their stacks (SIGUSR1) before they are
-    ended, which the ``TimeoutError`` quotes.
+    The ranks are forked from a server that imported torch and fsdp_int8 once
+    (``multiprocessing``'s forkserver; spawned where the platform has none); each takes the
+    caller's environment, working directory and ``sys.path`` as they are at the call, with
+    ``RANK`` and ``WORLD_SIZE`` set. Before ``body`` runs each initialises the default
+    process group (file rendezvous in a temporary directory; device and backend from
+    :func:`device_type_for`; on an accelerator ``torch.accelerator.set_device_index(rank)``,
+    on the CPU ``os.cpu_count() // world_size`` threads per rank); after it returns each
+    collects garbage, runs a barrier and destroys the group. ``body`` and ``args`` must be
+    picklable (module-level functions). Starting the ranks costs a second or more: put
+    many cases in one body.
 
-    ``pg_timeout`` is ``init_process_group``'s ``timeout`` (``None``: torch's default).
+    Each rank's stderr is copied to this process's stderr when the ranks end. A rank that
+    dies without reporting (a native crash: SIGABRT, SIGSEGV) has the end of it, with
+    Python's stacks at the crash (``faulthandler``), quoted in the error; ranks that
+    overstay ``timeout`` are asked for their stacks (SIGUSR1) before they are ended, which
+    the ``TimeoutError`` quotes.
+
+    Args:
+        body: The test body.
+        world_size: Number of processes.
+        *args: More positional arguments for ``body``.
+        timeout: Seconds the ranks have to finish, together.
+        pg_timeout: ``init_process_group``'s ``timeout`` in each rank (``None``: torch's default).
 
     Returns:
-        Each rank's return value (they must be picklable), indexed by rank.
+        Each rank's return value, indexed by rank (pickled in the rank: it must be picklable).
 
     Raises:
-        AssertionError: with every failing rank's traceback if any rank raised.
-        TimeoutError: if a rank did not finish in ``timeout`` seconds (a hang).
+        AssertionError: a rank raised (a failed ``assert`` or an unpicklable return value
+            included) or died: ``"k of N ranks failed:"`` and each failed rank's traceback
+            under ``--- rank r ---``. It stops waiting at the first failure (the others may
+            be blocked in a collective) and ends the rest, so usually one rank is listed.
+        TimeoutError: the ranks did not all finish within ``timeout`` seconds (a hang); the
+            message names the missing ranks.
+
+    Example::
+
+        def _body(rank: int, world_size: int) -> float:   # module-level: it is pickled
+            model = fsdp_int8.shard_model(MyModel().to(device_type_for(world_size)))
+            ...
+            return loss
+
+        def test_my_model():
+            losses = run_distributed(_body, world_size=2)   # one result per rank
     """
     ctx = _context()
     results = ctx.Queue()
@@ -257,9 +271,16 @@ def _make_distributed_test_case() -> type:
     class DistributedTestCase(MultiProcessTestCase):
         """A ``MultiProcessTestCase`` whose ranks run on CPU + gloo when GPUs are missing.
 
-        Unlike torch's ``FSDPTest`` it does not skip on CPU. Override ``world_size``;
-        each test method runs in every rank with ``self.rank`` and ``self.device_type``
-        set and the default process group initialised.
+        Unlike torch's ``FSDPTest`` it does not skip on CPU. ``setUp`` spawns
+        ``world_size`` processes (2 unless a subclass overrides the property) for each test
+        method, which runs in every rank with ``self.rank`` and ``self.device_type`` set
+        and the default process group initialised (as for :func:`run_distributed`);
+        torch's ``run_test`` destroys the group afterwards, then the rank collects garbage.
+        A failing rank fails the test in the parent with torch's ``RuntimeError("Process r
+        exited with error code 10 and exception: ...")``.
+
+        Built on first use, and only where torch's test utilities import (they need
+        ``expecttest``): otherwise importing the name raises ``ImportError``.
         """
 
         @property
