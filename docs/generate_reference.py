@@ -302,10 +302,32 @@ def _is_documented_member(value: object) -> bool:
     return (inspect.isfunction(target) or inspect.isclass(target)) and bool(inspect.getdoc(target))
 
 
+def _defined_in(value: object, klass: type) -> bool:
+    """Whether ``value`` was written in ``klass``'s body (not set on it at run time: torch's
+    optimizers put a profiling wrapper of the base's ``step`` on each subclass they build)."""
+    target = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    target = target.fget if isinstance(target, property) else target
+    return getattr(target, "__qualname__", "").rsplit(".", 1)[0] == klass.__qualname__
+
+
+def _own_members(cls: type) -> dict[str, object]:
+    """The members ``cls`` defines, and those it inherits from this package's private
+    classes (which the reference does not show): what a user of ``cls`` can call."""
+    members: dict[str, object] = {}
+    for klass in cls.__mro__:
+        private = klass.__name__.startswith("_") or any(p.startswith("_") for p in klass.__module__.split("."))
+        if klass is not cls and not (klass.__module__.startswith("fsdp_int8") and private):
+            continue
+        for attr, value in vars(klass).items():
+            if attr not in members and _defined_in(value, klass):
+                members[attr] = value
+    return members
+
+
 def _members(cls: type, qualified: str) -> list[str]:
     """Sections of the public methods, properties and nested classes ``cls`` defines."""
     out: list[str] = []
-    for attr, value in vars(cls).items():
+    for attr, value in _own_members(cls).items():
         if attr.startswith("_") or attr in PROTOCOL or not _is_documented_member(value):
             continue
         name = f"{qualified}.{attr}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from benchmarks import memory, what_fits
@@ -62,6 +63,7 @@ def test_tracker_measures_bf16_fsdp2_and_the_lean_recipe_and_what_fits_scales_th
     assert "lean + offload: device 0.00 B/param, host" in shown
 
 
+@pytest.mark.exhaustive  # a variant: the rows measured above, on a mixture-of-experts shape
 def test_a_mixture_of_experts_shape_is_measured_and_what_fits_scales_it_to_moe_models(capsys, tmp_path):
     figures = tmp_path / "memory-moe.json"
     results = memory.main(["--rows", "bf16", "lean", "--checkpointing", "on", "--shape", "tiny-moe",

@@ -136,11 +136,11 @@ def _compiled_like_eager(rank: int, world: int) -> None:
         ("int8 matmuls with compiled kernels, compiled after shard_model", INT8_MM_KERNELS, "after", {}),
         ("int8 matmuls, Module.compile before shard_model, full activation checkpointing inside, "
          "int8 gradient reduce-scatter", INT8_MM, "before", {"checkpoint": "inside", "int8_gradients": True}),
-        ("weight-only, compiled after shard_model", WEIGHT_ONLY, "after", {}),
         ("mixture of experts, int8 matmuls, compiled after shard_model", INT8_MM, "after", {"moe": True}),
     ]
     if FULL_MATRIX:  # each option alone, FSDP2 keeping the weights gathered, other meshes
         cases += [
+            ("weight-only, compiled after shard_model", WEIGHT_ONLY, "after", {}),
             ("int8 matmuls, compiled after shard_model", INT8_MM, "after", {}),
             ("mixture of experts, weight-only, Module.compile before shard_model", WEIGHT_ONLY, "before",
              {"moe": True}),
