@@ -3,6 +3,7 @@ sharded (``Int8TrainingConfig``), and which matmuls run as int8 GEMMs (``Int8Mat
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Literal
 
@@ -14,8 +15,7 @@ from fsdp_int8._quant.kernels import compiler_available
 
 AUTO, ON, OFF = "auto", "on", "off"
 COMPILE_CHOICES = (AUTO, ON, OFF)  # also the launcher's --compile and the benchmark rows' compile=
-# compile="auto" compiles from this row length (input features): narrower kernels do not
-# repay torch.compile's start-up (about 15 s per process, docs/performance.md)
+# compile="auto" compiles from this row length: narrower kernels do not repay the start-up
 COMPILE_FROM_WIDTH = 512
 
 __all__ = ["Int8TrainingConfig", "Int8MatmulConfig", "ModuleFilter"]
@@ -40,21 +40,16 @@ class Int8MatmulConfig:
         output: ``y = x W^T`` (forward).
         grad_input: ``grad_x = grad_y W`` (backward).
         grad_weight: ``grad_W = grad_y^T x`` (backward), both operands quantized per
-            channel over the tokens. On by default, as in torchao's int8 mixed-precision
-            training: a third of the GEMM work, and the launcher's small preset trains
-            to within 1% of bf16's validation loss with it (docs/performance.md). Turn it
-            off to keep the weight gradient, which sums over every token, in the compute
-            dtype.
+            channel over the tokens. On by default, as in torchao (its quality:
+            docs/performance.md); off keeps the weight gradient, a sum over every token, in
+            the compute dtype.
         save_int8_input: Keep the forward's int8 input (its int8 rows and one fp32 scale
             per token) for the weight gradient, instead of the input in the compute
-            dtype: about half the saved bytes of a bf16 input, a quarter of an fp32 one.
-            Layers that read the same input (q / k / v, gate / up) share one copy (under
-            ``torch.compile``, inductor merges their identical quantizations). The
-            weight gradient folds the per-token scales into grad_y, quantizes that per
-            output channel and runs its int8 GEMM on the saved rows, so the input carries
-            no rounding beyond the forward's own; the output and ``grad_input`` are the
-            same bit for bit. Needs ``output`` and ``grad_weight``. Off by default
-            (docs/memory.md: what it saves and its quality).
+            dtype: about half the saved bytes of a bf16 input. Layers that read the same
+            input (q / k / v, gate / up) share one copy. The weight gradient folds the
+            per-token scales into grad_y, so the input carries no rounding beyond the
+            forward's; the output and ``grad_input`` are the same bit for bit. Needs
+            ``output`` and ``grad_weight``. Off by default (docs/memory.md).
 
     On CUDA, an int8 GEMM needs in and out features divisible by 8 (``ValueError`` at the
     layer's first forward otherwise). On a device without a fast int8 GEMM
@@ -94,31 +89,15 @@ class Int8MatmulConfig:
 torch.serialization.add_safe_globals([Int8MatmulConfig])
 
 
-def recorded_int8_matmul(value: Any) -> tuple[Int8MatmulConfig | None, bool]:
-    """A recorded int8 matmul choice (``Int8MatmulConfig``, its fields as a dict, or ``None``)
-    as ``(int8_matmul, int8_gathered_weights)``; files' all-GEMMs-off config reads as
-    ``(None, True)``. Only files go through this: such a config given in code is refused."""
-    if value is None:
-        return None, False
-    if isinstance(value, Int8MatmulConfig):  # unpickled: its fields as the file held them
-        value = {field.name: getattr(value, field.name) for field in fields(value) if hasattr(value, field.name)}
-    flags = {name: bool(flag) for name, flag in dict(value).items()}
-    if not (flags.get("output") or flags.get("grad_input") or flags.get("grad_weight")):
-        return None, True
-    return Int8MatmulConfig(**flags), False
-
-
 def __getattr__(name: str) -> Any:
     if name == "INT8_GATHERED_WEIGHTS":  # the earlier spelling of int8_gathered_weights
-        raise AttributeError(
-            "fsdp_int8.config.INT8_GATHERED_WEIGHTS is no longer a matmul config: keeping FSDP2's "
-            "gathered weights int8 is its own option, Int8TrainingConfig(int8_gathered_weights=True)")
+        raise AttributeError("fsdp_int8.config.INT8_GATHERED_WEIGHTS is no longer a matmul config: keeping "
+                             "FSDP2's gathered weights int8 is Int8TrainingConfig(int8_gathered_weights=True)")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# The lean recipe's loss chunks: their fp32 logits, log-softmax and gradient take about
-# 12 x 128 x vocabulary bytes (200 MB at Llama 3's 128,256), against 12 x tokens x
-# vocabulary for transformers' loss (6.3 GB for 4,096 tokens).
+# The lean recipe's loss chunks: about 12 x 128 x vocabulary bytes of fp32 logits and their
+# gradient (200 MB at Llama 3's vocabulary; 6.3 GB for 4,096 tokens in transformers' loss).
 LEAN_LOSS_CHUNK_TOKENS = 128
 
 
@@ -163,20 +142,17 @@ class Int8TrainingConfig:
         compile: Run the quantization kernels of this model's int8 weights (optimizer
             updates, dequantization, the int8 matmuls' activation quantization) as
             ``torch.compile``d passes, one fused pass instead of five to ten, with the same
-            results bit for bit. Each kernel compiles once per process and input dtype
-            (seconds; cached on disk by inductor; docs/performance.md). ``"auto"``
+            results bit for bit; each compiles once per process and dtype
+            (docs/performance.md). ``"auto"``
             (default): on for a layer whose rows hold at least 512 inputs, on a machine
             with a compiler for its device (a C++ compiler for the CPU, Triton for GPUs),
             off elsewhere (:meth:`compiles`); if compiling then fails, the kernels run
             eagerly from then on, logged (INFO), with no warning. ``"on"``: on for every
             layer, and a failure warns once (``RuntimeWarning``) before going eager.
             ``"off"``: eager kernels. Each weight carries the resolved choice
-            (``w.compiled``) through copies, pickles and checkpoints. Meta and empty
-            tensors always run eagerly.
+            (``w.compiled``); meta and empty tensors run eagerly.
         quantize_embeddings: Also make ``nn.Embedding`` weights int8 (one scale per
-            token row, stochastic-rounding updates, the int8 all-gather, every checkpoint
-            and export path). A lookup dequantizes only the rows it reads; the gradient
-            is torch's dense embedding gradient. An output head tied to the embedding
+            token row); a lookup dequantizes only the rows it reads. An output head tied to the embedding
             follows it onto the int8 weight (with ``int8_matmul``'s GEMMs when set).
             Without ``module_filter``, an embedding is selected when its ``embedding_dim``
             is at least ``min_features``. Embeddings with ``max_norm`` (it renormalises
@@ -197,16 +173,13 @@ class Int8TrainingConfig:
         loss_chunk_tokens: A transformers causal LM that :func:`fsdp_int8.quantize_` (or
             ``shard_model``) quantizes computes its loss with
             :func:`fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss`, this many tokens
-            at a time (``model.loss_function``): the same loss without fp32 logits of the
-            whole batch. Models whose loss is not transformers' causal-LM loss, or that set
-            their own ``loss_function``, keep theirs. ``None`` (default): transformers' loss.
+            at a time (``model.loss_function``): the same loss without the batch's fp32
+            logits. Other losses, and a model's own ``loss_function``, stay. ``None``
+            (default): transformers' loss.
 
-    A mixture-of-experts module has an int ``num_experts`` and 3-D floating parameters
-    ``[num_experts, out, in]``: transformers 5's ``*Experts`` (``gate_up_proj``,
-    ``down_proj``) and torchtitan's ``GroupedExperts`` (``w1_EFD``, ``w2_EDF``,
-    ``w3_EFD``). Each such parameter becomes a 3-D ``Int8Weight`` with one scale per expert
-    and output feature; experts stored transposed (transformers' ``is_transposed``,
-    ``[E, in, out]``) stay in full precision with a warning (docs/moe.md).
+    Experts modules (an int ``num_experts``, 3-D weights ``[E, out, in]``) get one scale per
+    expert and output feature; routers and transposed experts stay in full precision
+    (docs/moe.md, "What becomes int8").
 
     The int8 gradient reduce-scatter is not a field: it replaces the communication of an
     already sharded model (:func:`fsdp_int8.gradients.enable_quantized_reduce_scatter`).
@@ -305,8 +278,7 @@ class Int8TrainingConfig:
         Args:
             module: The candidate module.
             name: Its qualified name in the model.
-            router: It is a MoE router: a linear layer directly under a module with an int
-                ``num_experts`` (torchtitan's ``TokenChoiceTopKRouter.gate``).
+            router: It is a MoE router (the rule: docs/moe.md, "What becomes int8").
         """
         if router and self.module_filter is None:
             return False
@@ -366,23 +338,35 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+# ---------------------------------------------------------------- mixture-of-experts layouts
+# The names transformers 5 and torchtitan give a MoE block's router (DBRX's ``router.layer``,
+# Llama 4's ``router``, Mixtral's ``gate``, Hunyuan's ``gate.wg``, Doge's ``router_gate``,
+# Qwen's ``shared_expert_gate``); ``gate_proj`` and ``gate_up_proj`` are expert weights.
+_ROUTER_NAME = re.compile(r"(router|gate)|\w+_(router|gate)|router_\w+")
+
+
 def counts_experts(owner: object) -> bool:
-    """Whether ``owner`` (a module or a module's config) has an int ``num_experts``: an
-    experts module, or a MoE block or router, whose direct ``nn.Linear`` children are
-    routers."""
+    """Whether ``owner`` (a module or a module's config) has an int ``num_experts``."""
     return isinstance(getattr(owner, "num_experts", None), int)
 
 
-def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
-    """Names of ``module``'s own mixture-of-experts weights, ``()`` if it has none.
+def _stored_transposed(module: nn.Module) -> bool:
+    """Experts stored ``[E, in, out]``: transformers' ``is_transposed`` flag, or gated experts
+    without it (Llama 4) whose ``gate_up_proj`` ``[E, a, b]`` and ``down_proj`` ``[E, c, d]``
+    chain only that way round (``b == 2c`` and ``a == d``)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if getattr(module, "is_transposed", False) or not all(isinstance(p, nn.Parameter) and p.dim() == 3
+                                                           for p in (gate_up, down)):
+        return bool(getattr(module, "is_transposed", False))
+    (a, b), (c, d) = gate_up.shape[1:], down.shape[1:]
+    return b == 2 * c and a == d
 
-    Recognised by attributes (the rule: the ``Int8TrainingConfig`` docstring), so that
-    ``fsdp_int8`` imports neither framework. Biases (``[num_experts, out]``) are not expert
-    weights; experts stored transposed have none (one scale per stored row would be one per
-    input feature: :func:`why_experts_stay_full_precision`).
-    """
+
+def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
+    """Names of ``module``'s own 3-D expert weights ``[num_experts, out, in]`` (not biases),
+    ``()`` if none; experts stored transposed have none (:func:`why_experts_stay_full_precision`)."""
     experts = getattr(module, "num_experts", None)
-    if not counts_experts(module) or experts < 1 or getattr(module, "is_transposed", False):
+    if not counts_experts(module) or experts < 1 or _stored_transposed(module):
         return ()
     return tuple(
         name for name, param in module._parameters.items()
@@ -391,10 +375,26 @@ def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
 
 
 def why_experts_stay_full_precision(module: nn.Module) -> str | None:
-    """Why an experts-like module's 3-D weights are not offered to quantization, or ``None``."""
-    if getattr(module, "is_transposed", False) and counts_experts(module):
-        return (
-            "its experts are stored transposed ([experts, in, out]): fsdp_int8 keeps one scale "
-            "per expert and output feature, which that layout does not hold in rows"
-        )
+    """Why an experts module's 3-D weights are not offered to quantization, or ``None``."""
+    if counts_experts(module) and _stored_transposed(module):
+        return ("its experts are stored transposed ([experts, in, out]): fsdp_int8 keeps one scale "
+                "per expert and output feature, which that layout does not hold in rows")
     return None
+
+
+def router_modules(model: nn.Module) -> set[int]:
+    """``id`` of every module inside a router of ``model``: in a MoE block (a module with an
+    int ``num_experts``, or a child that has one: ``E``), each child :data:`_ROUTER_NAME`
+    matches, and each ``nn.Linear`` child with ``E`` outputs (one logit per expert)."""
+    routers: set[int] = set()
+    for block in model.modules():
+        counts = [block] if counts_experts(block) else [c for c in block.children() if counts_experts(c)]
+        if not counts:
+            continue
+        experts = counts[0].num_experts
+        for name, child in block.named_children():
+            if _ROUTER_NAME.fullmatch(name):
+                routers.update(id(m) for m in child.modules())
+            elif isinstance(child, nn.Linear) and child.out_features == experts:
+                routers.add(id(child))
+    return routers

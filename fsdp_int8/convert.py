@@ -18,10 +18,11 @@ from fsdp_int8._weight.census import int8_census, warn_if_mostly_full_precision
 from fsdp_int8._weight.conv1d import int8_conv1d_, why_not_convertible
 from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embedding
 from fsdp_int8._weight.load_checks import add_check_hook
+from fsdp_int8._weight.pickle_layout import recorded_int8_matmul
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import (
-    OFF, ON, Int8TrainingConfig, counts_experts, expert_weight_names, is_conv1d, recorded_int8_matmul,
-    training_config, why_experts_stay_full_precision,
+    OFF, ON, Int8TrainingConfig, expert_weight_names, is_conv1d, router_modules, training_config,
+    why_experts_stay_full_precision,
 )
 from fsdp_int8.guard import refuse_steps_on_replaced
 
@@ -90,10 +91,7 @@ def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
     adapters = _adapter_layers(model)
     found = _Targets([], [], [], [])
     seen: set[int] = set()
-    routers = {
-        id(child) for parent in model.modules() if counts_experts(parent)
-        for child in parent.children() if isinstance(child, nn.Linear)
-    }
+    routers = router_modules(model)
     for name, module in model.named_modules(remove_duplicate=False):
         if id(module) in adapters:
             continue

@@ -211,6 +211,53 @@ def test_transposed_experts_stay_full_precision_with_a_warning():
     assert type(model[0].gate_up_proj) is nn.Parameter
 
 
+def test_llama4_experts_stored_transposed_without_a_flag_stay_full_precision_with_a_warning():
+    """Llama 4 stores ``gate_up_proj`` ``[E, hidden, 2 * inner]`` and ``down_proj`` ``[E, inner,
+    hidden]`` with no ``is_transposed``: rows would be input features, so they stay as they are."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    config = transformers.Llama4TextConfig(hidden_size=32, intermediate_size=48, num_local_experts=4,
+                                           num_experts_per_tok=1, num_attention_heads=4, head_dim=8)
+    moe = Llama4TextMoe(config)
+    with pytest.warns(UserWarning, match=r"0\.experts \(its experts are stored transposed"):
+        quantize_(nn.Sequential(moe, nn.Linear(32, 32)))
+    assert type(moe.experts.gate_up_proj) is nn.Parameter and type(moe.experts.down_proj) is nn.Parameter
+    assert type(moe.router.weight) is nn.Parameter
+    assert isinstance(moe.shared_expert.down_proj.weight, Int8Weight)  # the shared expert is a plain MLP
+
+
+def test_a_router_under_a_block_without_num_experts_stays_full_precision():
+    """DBRX's ``DbrxFFN`` holds ``router.layer`` (``nn.Linear(d_model, experts)``) beside its
+    experts; the block itself has no ``num_experts``."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.dbrx.modeling_dbrx import DbrxFFN
+
+    config = transformers.DbrxConfig(d_model=32, ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 16})
+    ffn = DbrxFFN(config)
+    with pytest.warns(UserWarning, match="only 1 int8 weights"):  # its 2-D experts are not recognised
+        quantize_(nn.Sequential(ffn, nn.Linear(32, 32)))
+    assert type(ffn.router.layer.weight) is nn.Parameter  # 32 x 16 passes min_features, and still stays
+
+
+def test_routers_are_found_by_name_or_by_one_output_per_expert():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = type("Experts", (nn.Module,), {})()
+            self.experts.num_experts = 16
+            self.experts.weights = nn.Parameter(torch.randn(16, 32, 32))
+            self.router_mlp = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 17))  # a named router
+            self.score = nn.Linear(32, 16)  # one logit per expert
+            self.up_proj = nn.Linear(32, 32)  # a shared expert
+            self.gate_proj = nn.Linear(32, 32)
+
+    block = quantize_(nn.Sequential(Block()))[0]
+    assert isinstance(block.experts.weights, Int8Weight)
+    assert all(type(m.weight) is nn.Parameter for m in (*block.router_mlp, block.score))
+    assert isinstance(block.up_proj.weight, Int8Weight) and isinstance(block.gate_proj.weight, Int8Weight)
+
+
 # ---------------------------------------------------------------- selection and census
 def test_qwen3_30b_a3b_shape_is_over_95_percent_int8_on_the_meta_device():
     transformers = pytest.importorskip("transformers")

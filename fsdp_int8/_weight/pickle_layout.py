@@ -18,11 +18,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fsdp_int8.config import recorded_int8_matmul
+from fsdp_int8.config import Int8MatmulConfig
 
-__all__ = ["pickled_fields", "read"]
+__all__ = ["pickled_fields", "read", "recorded_int8_matmul"]
 
 _PICKLED_ROWS = "full_rows"  # the key of Int8WeightMeta.unsharded_rows in a pickle
+
+
+def recorded_int8_matmul(value: Any) -> tuple[Int8MatmulConfig | None, bool]:
+    """A recorded int8 matmul choice (``Int8MatmulConfig``, its fields as a dict, or ``None``)
+    as ``(int8_matmul, int8_gathered_weights)``; files' all-GEMMs-off config reads as
+    ``(None, True)``. Only files go through this: such a config given in code is refused."""
+    if value is None:
+        return None, False
+    if isinstance(value, Int8MatmulConfig):  # unpickled: its fields as the file held them
+        value = {field.name: getattr(value, field.name) for field in dataclasses.fields(value) if hasattr(value, field.name)}
+    flags = {name: bool(flag) for name, flag in dict(value).items()}
+    if not (flags.get("output") or flags.get("grad_input") or flags.get("grad_weight")):
+        return None, True
+    return Int8MatmulConfig(**flags), False
 
 
 def pickled_fields(fields: dict[str, Any], *, exclude: tuple[str, ...]) -> dict[str, Any]:

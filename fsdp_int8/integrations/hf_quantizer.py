@@ -27,9 +27,9 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from fsdp_int8._weight.pickle_layout import recorded_int8_matmul
 from fsdp_int8._weight.tensor import Int8Weight
-from fsdp_int8.config import (Int8MatmulConfig, Int8TrainingConfig, expert_weight_names, recorded_int8_matmul,
-                              training_config)
+from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, expert_weight_names, training_config
 from fsdp_int8.convert import parameter_owners, quantize_, recorded_compile
 from fsdp_int8.integrations._hf_conversions import (
     add_scale_conversions, check_tied_copy, checked_rows, int8_layers_in_checkpoint,
