@@ -4,7 +4,7 @@ sharded (``Int8TrainingConfig``), and which matmuls run as int8 GEMMs (``Int8Mat
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
@@ -350,10 +350,11 @@ def counts_experts(owner: object) -> bool:
     return isinstance(getattr(owner, "num_experts", None), int)
 
 
-def _stored_transposed(module: nn.Module) -> bool:
-    """Experts stored ``[E, in, out]``: transformers' ``is_transposed`` flag, or gated experts
+def stores_experts_transposed(module: nn.Module) -> bool:
+    """Experts stored ``[E, in, out]``: transformers' ``is_transposed``, or gated experts
     without it (Llama 4) whose ``gate_up_proj`` ``[E, a, b]`` and ``down_proj`` ``[E, c, d]``
-    chain only that way round (``b == 2c`` and ``a == d``)."""
+    chain only that way round (``b == 2c`` and ``a == d``). They become int8 over their
+    transpose (:mod:`fsdp_int8._weight.transposed_experts`)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if getattr(module, "is_transposed", False) or not all(isinstance(p, nn.Parameter) and p.dim() == 3
                                                            for p in (gate_up, down)):
@@ -363,23 +364,15 @@ def _stored_transposed(module: nn.Module) -> bool:
 
 
 def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
-    """Names of ``module``'s own 3-D expert weights ``[num_experts, out, in]`` (not biases),
-    ``()`` if none; experts stored transposed have none (:func:`why_experts_stay_full_precision`)."""
+    """Names of ``module``'s own 3-D expert weights (``[num_experts, out, in]``, or ``[..., in,
+    out]`` where :func:`stores_experts_transposed`; not biases), ``()`` if none."""
     experts = getattr(module, "num_experts", None)
-    if not counts_experts(module) or experts < 1 or _stored_transposed(module):
+    if not counts_experts(module) or experts < 1:
         return ()
     return tuple(
         name for name, param in module._parameters.items()
         if param is not None and param.dim() == 3 and param.shape[0] == experts and param.is_floating_point()
     )
-
-
-def why_experts_stay_full_precision(module: nn.Module) -> str | None:
-    """Why an experts module's 3-D weights are not offered to quantization, or ``None``."""
-    if counts_experts(module) and _stored_transposed(module):
-        return ("its experts are stored transposed ([experts, in, out]): fsdp_int8 keeps one scale "
-                "per expert and output feature, which that layout does not hold in rows")
-    return None
 
 
 def router_modules(model: nn.Module) -> set[int]:

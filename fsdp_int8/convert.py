@@ -20,9 +20,10 @@ from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embe
 from fsdp_int8._weight.load_checks import add_check_hook
 from fsdp_int8._weight.pickle_layout import recorded_int8_matmul
 from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8._weight.transposed_experts import int8_transposed_experts_, is_int8_transposed
 from fsdp_int8.config import (
-    OFF, ON, Int8TrainingConfig, expert_weight_names, is_conv1d, router_modules, training_config,
-    why_experts_stay_full_precision,
+    OFF, ON, Int8TrainingConfig, expert_weight_names, is_conv1d, router_modules, stores_experts_transposed,
+    training_config,
 )
 from fsdp_int8.guard import refuse_steps_on_replaced
 
@@ -96,10 +97,6 @@ def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
         if id(module) in adapters:
             continue
         if not config.should_quantize(module, name, router=id(module) in routers):
-            problem = why_experts_stay_full_precision(module)
-            if problem is not None and id(module) not in seen:
-                seen.add(id(module))
-                found.unsupported.append(f"{name} ({problem})")
             continue
         if expert_weight_names(module):
             if id(module) not in seen:
@@ -235,10 +232,10 @@ def int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Param
 
 
 def _transposed_int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Parameter:
-    """A Conv1D's ``[in, out]`` ``weight`` as an ``[out, in]`` int8 parameter: one scale per
-    output feature, rows FSDP2 can shard (contiguous: rows must be whole in memory)."""
+    """A Conv1D's ``[in, out]`` (or experts' ``[E, in, out]``) ``weight`` as an ``[out, in]``
+    int8 parameter: one scale per output feature, rows FSDP2 can shard (contiguous)."""
     with torch.no_grad():
-        values = weight.detach().t().contiguous()
+        values = weight.detach().transpose(-2, -1).contiguous()
     return int8_parameter(values, config).requires_grad_(weight.requires_grad)
 
 
@@ -331,21 +328,26 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         targets.append((module, id(weight), transposed))
     experts: list[tuple[nn.Module, dict[str, nn.Parameter]]] = []
     for module in found.experts:
+        transposed = stores_experts_transposed(module) and not is_int8_transposed(module)
+        make = _transposed_int8_parameter if transposed else int8_parameter
         weights = {
-            name: int8_parameter(getattr(module, name), config)
-            for name in expert_weight_names(module) if not isinstance(getattr(module, name), Int8Weight)
+            name: make(module._parameters[name], config)
+            for name in expert_weight_names(module) if not isinstance(module._parameters[name], Int8Weight)
         }
         if weights:
-            experts.append((module, weights))
+            experts.append((module, weights, transposed))
     for module, key, transposed in targets:
         if transposed:  # GPT-2's Conv1D becomes an nn.Linear over the transpose, in place
             int8_conv1d_(module, swapped[key])
         else:
             module.weight = swapped[key]
         _keep_int8_on_load(module, config, ("weight",))
-    for module, weights in experts:
+    for module, weights, transposed in experts:
+        if transposed:  # [E, in, out] experts hold their [E, out, in] transpose, read as before
+            int8_transposed_experts_(module, weights)
         for name, weight in weights.items():
-            setattr(module, name, weight)
+            if not transposed:
+                setattr(module, name, weight)
             swapped[id(weight)] = weight
         _keep_int8_on_load(module, config, tuple(weights))
     if swapped:  # a repeated call changes nothing, not even the generator

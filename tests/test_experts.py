@@ -198,33 +198,104 @@ def test_a_transposed_int8_gemm_expert_weight_is_the_weight_seen_transposed():
         torch._grouped_mm(torch.randn(2, 5, 16), seen, offs=torch.tensor([1, 2, 3, 5], dtype=torch.int32))
 
 
-def test_transposed_experts_stay_full_precision_with_a_warning():
-    class TransposedExperts(nn.Module):  # transformers' is_transposed layout: [E, in, out]
-        def __init__(self):
-            super().__init__()
-            self.num_experts, self.is_transposed = 4, True
-            self.gate_up_proj = nn.Parameter(torch.randn(4, 32, 64))
+class TransposedExperts(nn.Module):  # transformers' is_transposed layout: [E, in, out]
+    def __init__(self):
+        super().__init__()
+        self.num_experts, self.is_transposed = 4, True
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 32, 64))
 
+    def forward(self, x):
+        return torch.bmm(x, self.gate_up_proj)
+
+
+def test_transposed_experts_hold_their_transpose_with_one_scale_per_output_feature():
     model = nn.Sequential(TransposedExperts(), nn.Linear(64, 64))
-    with pytest.warns(UserWarning, match=r"0 \(its experts are stored transposed"):
-        quantize_(model)
-    assert type(model[0].gate_up_proj) is nn.Parameter
+    values = model[0].gate_up_proj.detach().clone()
+    x = torch.randn(4, 3, 32)
+    quantize_(model)
+    stored = model[0]._parameters["gate_up_proj"]
+    assert isinstance(stored, Int8Weight) and stored.shape == (4, 64, 32) and stored.scale.shape == (4, 64)
+    # the scales are the output features' absmaxes (the last dim of the module's layout)
+    torch.testing.assert_close(stored.scale * 127, values.abs().amax(dim=1))
+    assert model[0].gate_up_proj is stored  # outside forward: the stored weight, as FSDP2 reads it
+    expected = torch.bmm(x, stored.dequantize().mT)  # inside forward the module's code reads [E, in, out]
+    assert torch.equal(model[0](x), expected)
+    assert dict(model.named_parameters())["0.gate_up_proj"] is stored  # what optimizers and FSDP2 see
+    # a plain state dict is the module's [E, in, out] layout, also when in == out
+    plain = fsdp_int8.export_full_state_dict(model, torch.float32)
+    assert plain["0.gate_up_proj"].shape == (4, 32, 64)
+    torch.testing.assert_close(plain["0.gate_up_proj"], stored.dequantize().mT)
+    again = quantize_(nn.Sequential(TransposedExperts(), nn.Linear(64, 64)))
+    again.load_state_dict(plain)
+    assert torch.equal(again[0]._parameters["gate_up_proj"].int_data, stored.int_data)
+    # whole-model pickles name the swapped class by its original's path
+    copy = torch.load(io.BytesIO(_saved(model)), weights_only=False)
+    assert type(copy[0]) is type(model[0]) and torch.equal(copy[0](x), expected)
 
 
-def test_llama4_experts_stored_transposed_without_a_flag_stay_full_precision_with_a_warning():
+def _saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("int8_matmul", [None, Int8MatmulConfig()], ids=["weight-only", "int8-matmuls"])
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_gpt_oss_experts_become_int8_and_compute_as_their_values(implementation, int8_matmul):
+    """gpt-oss's ``GptOssExperts`` (``is_transposed``) through transformers' eager loop
+    (``x @ w[e]``) and its ``grouped_mm`` path: the logits of an fp32 model holding the int8
+    model's values (weight-only: the same products, fp32 rounding apart; int8 GEMMs: their
+    activation rounding, under 2%)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    model.set_experts_implementation(implementation)
+    reference = transformers.GptOssForCausalLM(config).eval()
+    reference.set_experts_implementation(implementation)
+    quantize_(model, Int8TrainingConfig(stochastic_rounding=False, int8_matmul=int8_matmul))
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts._parameters["gate_up_proj"], Int8Weight)
+    assert isinstance(experts._parameters["down_proj"], Int8Weight)  # square: [4, 64, 64]
+    reference.load_state_dict(fsdp_int8.export_full_state_dict(model, torch.float32))
+    tokens = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        error = (model(tokens).logits - reference(tokens).logits).norm() / reference(tokens).logits.norm()
+    assert error < (1e-6 if int8_matmul is None else 2e-2), error
+    model.train()
+    optimizer = fsdp_int8.Int8AdamW(model.parameters(), lr=1e-2)
+    before = experts._parameters["gate_up_proj"].int_data.clone()
+    model(tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    assert not torch.equal(experts._parameters["gate_up_proj"].int_data, before)
+
+
+def test_llama4_experts_stored_transposed_without_a_flag_become_int8():
     """Llama 4 stores ``gate_up_proj`` ``[E, hidden, 2 * inner]`` and ``down_proj`` ``[E, inner,
-    hidden]`` with no ``is_transposed``: rows would be input features, so they stay as they are."""
+    hidden]`` with no ``is_transposed`` and multiplies them with ``bmm``: recognised by their
+    shapes, held as their transposes, computing what their values compute."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
     config = transformers.Llama4TextConfig(hidden_size=32, intermediate_size=48, num_local_experts=4,
                                            num_experts_per_tok=1, num_attention_heads=4, head_dim=8)
-    moe = Llama4TextMoe(config)
-    with pytest.warns(UserWarning, match=r"0\.experts \(its experts are stored transposed"):
+    torch.manual_seed(0)
+    moe, reference = Llama4TextMoe(config), Llama4TextMoe(config)
+    for parameter in moe.parameters():  # a bare block: transformers initialises whole models only
+        nn.init.normal_(parameter, std=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # mostly int8 now: no warning
         quantize_(nn.Sequential(moe, nn.Linear(32, 32)))
-    assert type(moe.experts.gate_up_proj) is nn.Parameter and type(moe.experts.down_proj) is nn.Parameter
+    stored = moe.experts._parameters["gate_up_proj"]
+    assert isinstance(stored, Int8Weight) and stored.shape == (4, 96, 32) and stored.scale.shape == (4, 96)
     assert type(moe.router.weight) is nn.Parameter
-    assert isinstance(moe.shared_expert.down_proj.weight, Int8Weight)  # the shared expert is a plain MLP
+    reference.load_state_dict(fsdp_int8.export_full_state_dict(moe, torch.float32))
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x)[0], reference(x)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_a_router_under_a_block_without_num_experts_stays_full_precision():

@@ -37,7 +37,7 @@ from fsdp_int8._dist import local_shard
 from fsdp_int8._weight.tensor import Int8Weight
 
 __all__ = [
-    "Int8Conv1D", "why_not_convertible", "int8_conv1d_", "conv1d_layers",
+    "Int8Conv1D", "why_not_convertible", "int8_conv1d_", "conv1d_layers", "transposed_weights",
     "to_gpt2_layout", "to_module_layout",
 ]
 
@@ -123,16 +123,25 @@ _TRANSPARENT = ("_checkpoint_wrapped_module", "_orig_mod")  # names torch's FQNs
 
 
 def conv1d_layers(model: nn.Module) -> dict[str, Int8Conv1D]:
-    """Every :class:`Int8Conv1D` of ``model`` by its weight's key in torch's
-    ``get_model_state_dict`` (activation-checkpoint, ``torch.compile`` and DDP wrappers
-    left out of the names, as that function leaves them out)."""
+    """Every :class:`Int8Conv1D` of ``model`` by its weight's key (as :func:`transposed_weights`)."""
+    return {key: module for key, (module, _) in transposed_weights(model).items() if isinstance(module, Int8Conv1D)}
+
+
+def transposed_weights(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Every int8 weight of ``model`` stored as the transpose of its module's layout (a
+    :class:`Int8Conv1D`'s, transposed experts'), ``{key: (module, name)}`` by its key in
+    torch's ``get_model_state_dict`` (activation-checkpoint, ``torch.compile`` and DDP
+    wrappers left out of the names, as that function leaves them out)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    found: dict[str, Int8Conv1D] = {}
+    from fsdp_int8._weight.transposed_experts import transposed_names
+
+    found: dict[str, tuple[nn.Module, str]] = {}
 
     def visit(module: nn.Module, path: tuple[str, ...]) -> None:
-        if isinstance(module, Int8Conv1D):
-            found[".".join((*path, "weight"))] = module
+        names = ("weight",) if isinstance(module, Int8Conv1D) else transposed_names(module)
+        for name in names:
+            found[".".join((*path, name))] = (module, name)
         for name, child in module._modules.items():
             if child is None:
                 continue
@@ -148,15 +157,17 @@ def _plain(value: Any) -> bool:
 
 
 def to_gpt2_layout(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` (plain, full tensors of ``model``) with each Conv1D weight transposed
-    back to GPT-2's ``[in, out]`` (contiguous: safetensors writes only contiguous tensors)."""
-    keys = conv1d_layers(model).keys() & state_dict.keys()
-    return {k: v.t().contiguous() if k in keys and _plain(v) else v for k, v in state_dict.items()}
+    """``state_dict`` (plain, full tensors of ``model``) with each weight stored transposed
+    (Conv1D's, transposed experts') back in its module's layout, GPT-2's ``[in, out]`` /
+    ``[E, in, out]`` (contiguous: safetensors writes only contiguous tensors)."""
+    keys = transposed_weights(model).keys() & state_dict.keys()
+    return {k: v.transpose(-2, -1).contiguous() if k in keys and _plain(v) else v for k, v in state_dict.items()}
 
 
 def to_module_layout(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` (plain, full, GPT-2's layout) with the weights of *sharded* Conv1D
-    layers transposed to ``[out, in]`` (contiguous: collectives send it).
+    """``state_dict`` (plain, full, the modules' layout) with the *sharded* weights stored
+    transposed (Conv1D's, transposed experts') transposed to ``[out, in]`` (contiguous:
+    collectives send it).
 
     torch's ``set_model_state_dict`` cuts a sharded parameter's rows out of the full
     value before the module's own load sees it, so the transposition must come first;
@@ -174,5 +185,9 @@ def to_module_layout(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, 
         problem = layer.layout_error(key, state_dict[key])
         if problem is not None:
             raise ValueError(problem)
-    sharded = {k for k, m in layers.items() if isinstance(m.weight, DTensor)}
-    return {k: v.t().contiguous() if k in sharded else v for k, v in state_dict.items()}
+    sharded = {
+        k for k, (m, name) in transposed_weights(model).items()
+        if k in state_dict and _plain(state_dict[k]) and not isinstance(state_dict[k], DTensor)
+        and isinstance(m._parameters[name], DTensor)
+    }
+    return {k: v.transpose(-2, -1).contiguous() if k in sharded else v for k, v in state_dict.items()}
