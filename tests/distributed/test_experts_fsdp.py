@@ -145,7 +145,44 @@ def _fsdp_cases(rank: int, world: int) -> tuple[int, int]:
                     assert (gemms.calls > 0) == (int8_matmul is not None), gemms.calls
     with case("experts=3 bf16 policy"):
         assert_parity(_parity(rank, world, 3, reshard=True, int8_matmul=None, bf16=True), bf16=True)
+    for int8_matmul in (None, INT8_GEMMS):
+        with case(f"gpt-oss's transposed experts, int8_matmul={int8_matmul is not None}"):
+            _transposed_experts_as_one_process(int8_matmul)
     return _gathered_bytes(rank, world)
+
+
+def _transposed_experts_as_one_process(int8_matmul) -> None:
+    """gpt-oss's experts (``[E, in, out]``, held as their int8 transpose): FSDP2 on 2 ranks
+    and one process, from the same model and batches, round to nearest: equal losses and
+    equal weights after 3 steps."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    one = transformers.GptOssForCausalLM(config)
+    sharded = copy.deepcopy(one)
+    settings = Int8TrainingConfig(stochastic_rounding=False, int8_matmul=int8_matmul)
+    fsdp_int8.quantize_(one, settings)
+    fsdp_int8.shard_model(sharded, config=settings)
+    optimizers = [fsdp_int8.Int8AdamW(m.parameters(), lr=1e-2) for m in (one, sharded)]
+    for step in range(3):
+        torch.manual_seed(step)
+        tokens = torch.randint(0, 128, (2, 16))
+        losses = []
+        for model, optimizer in zip((one, sharded), optimizers):
+            loss = model(tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], (step, losses)
+    whole = fsdp_int8.export_full_state_dict(sharded, torch.float32)  # rank 0 holds it
+    if torch.distributed.get_rank() == 0:
+        mine = fsdp_int8.export_full_state_dict(one, torch.float32)
+        assert [k for k in mine if not torch.equal(whole[k], mine[k])] == []
 
 
 def _save_trained(rank: int, world: int, root: str) -> dict:
