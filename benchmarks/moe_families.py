@@ -9,7 +9,8 @@ from its config's defaults (transformers' configs default to a published model's
 on the meta device, so no weight is allocated, then ``fsdp_int8.quantize_`` runs with the
 default ``Int8TrainingConfig``. Per family: parameters, the int8 share of parameter
 elements, and the int8 routers: 2-D weights with one row per expert (``[E, hidden]``)
-inside a MoE block (a module with a child holding 3-D expert weights), not named as a
+inside a MoE block (a module with a child that counts ``E`` experts and holds 3-D expert
+weights), not named as a
 projection (``*_proj``: shared experts' MLPs, whose widths can equal ``E``), that became
 int8. A check independent of the rule ``quantize_`` applies (docs/moe.md). The goal is >= 95% int8 and no int8
 router; a family short of it says why (the warnings ``quantize_`` gave).
@@ -103,7 +104,9 @@ def measure(family: str) -> list[dict]:
         total, int8 = sum(n for n, _ in sizes), sum(n for n, is_int8 in sizes if is_int8)
         experts = _experts(config)
         blocks = tuple(f"{name}." for name, module in model.named_modules() if experts and any(
-            p.dim() == 3 and p.shape[0] == experts for child in module.children() for p in child.parameters(False)))
+            any(getattr(child, count, None) == experts for count in _EXPERT_COUNTS)
+            and any(p.dim() == 3 and p.shape[0] == experts for p in child.parameters(False))
+            for child in module.children()))
         routers = [name for name, p in model.named_parameters() if name.startswith(blocks) and "_proj" not in name
                    and isinstance(p, Int8Weight) and p.dim() == 2 and p.shape[0] == experts]
         rows.append({**row, "model": type(model).__name__, "parameters": total,
