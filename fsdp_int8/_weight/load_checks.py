@@ -84,9 +84,9 @@ def refusal(key: str, source: str | None, problem: str, fix: str) -> Int8LoadErr
     return Int8LoadError(f"refusing to load int8 weight {_where(key, source)}: {problem}. {fix}")
 
 
-_DAMAGED = (
-    "The file is damaged or was written by another tool: write it again from the model "
-    "that trained it, or load full-precision weights (they are rounded to int8 on load)"
+_DAMAGED = (  # says what is wrong with the entry, not who wrote it (the folder may say fsdp_int8 did)
+    "The entry is not a valid int8 weight (the file is damaged or was edited after saving): write it "
+    "again from the model that trained it, or load full-precision weights (they are rounded to int8 on load)"
 )
 
 

@@ -10,84 +10,52 @@ expert (``[E, out * in]``, scales ``[E, out]``), so those ops act on the rows as
 weight itself: the folder holds the family's own per-expert entries, each int8
 ``[out * in]`` with ``<entry>_scale`` ``[out]`` beside it, like a dense int8 layer.
 
-The scales follow the rows through copies of the model's converters for ``_scale``
-entries. Loading, transformers makes them itself (``HfQuantizer.update_weight_conversions``:
-for a converter into ``<param>`` whose module has a ``<param>_scale`` parameter, which the
-quantizer registers while loading); saving, :func:`add_scale_conversions` gives the model
-the same copies. Internal: the public side is :mod:`fsdp_int8.integrations.hf_quantizer`.
+The scales follow the rows: :func:`int8_conversions` gives each converter into an int8
+parameter ops that act on the rows as on the weight (``[*lead, out, in]``, flattened again
+after each op) and, where its patterns leave ``<entry>_scale`` alone (they end on a name
+boundary), a copy for the scales; each renaming of an int8 parameter's full name gets a
+copy for its scales too (GraniteMoE's ``input_linear.weight`` -> ``experts.gate_up_proj``).
+A ``Transpose`` that transformers applies only to a checkpoint of the other shape
+(``check_dims``, Qwen3-VL-MoE) leaves the int8 rows in the model's own order. Loading,
+the quantizer's ``update_weight_conversions`` uses it; saving, :func:`add_scale_conversions`
+gives the model the same conversions and runs them on meta tensors first, so a layout in
+which some int8 rows and their scales would not pair up is refused before anything is
+written. Internal: the public side is :mod:`fsdp_int8.integrations.hf_quantizer`.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 import torch.nn as nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from fsdp_int8._dist import local_shard
 from fsdp_int8._weight.load_checks import SCALE_SUFFIX, Int8LoadError, as_rows, check_rows, refusal
 from fsdp_int8._weight.tensor import Int8Weight
+from fsdp_int8.integrations._hf_layout import Headers, headers_of, read_headers, scale_entries, unpaired
 
-__all__ = ["add_scale_conversions", "check_tied_copy", "checked_rows", "int8_layers_in_checkpoint"]
+__all__ = [
+    "QuantizeOnLoad", "add_scale_conversions", "check_tied_copy", "checked_rows", "int8_conversions",
+    "int8_layers_in_checkpoint",
+]
 
-_REWRITE = "The folder is damaged or was written by another tool: save it again with save_pretrained"
-
-Headers = dict[str, tuple[str, list[int], str]]  # entry -> (safetensors dtype, shape, file)
-
-
-def _read_headers(files: list[str]) -> Headers:
-    """Every entry's dtype, shape and file, from the safetensors headers alone."""
-    from safetensors import safe_open
-
-    headers: Headers = {}
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for key in handle.keys():
-                entry = handle.get_slice(key)
-                headers[key] = (entry.get_dtype(), list(entry.get_shape()), str(file))
-    return headers
-
-
-def _scales_fit(rows: list[int], scales: list[int]) -> bool:
-    """Whether ``scales`` hold one scale per row of ``rows``: ``[*lead, n * in]`` rows with
-    ``[*lead, n]`` scales (format version 2), or ``[n, in]`` rows with ``[n]`` (version 1)."""
-    if len(rows) == len(scales) + 1:
-        return rows[:-1] == scales
-    return len(rows) == len(scales) >= 1 and rows[:-1] == scales[:-1] and scales[-1] > 0 and rows[-1] % scales[-1] == 0
-
-
-def _scale_entries(headers: Headers) -> list[str]:
-    """The checkpoint's row-scale entries: ``<layer>.weight_scale``, and ``<name>_scale``
-    beside int8 rows ``<name>`` (a fused experts weight ``gate_up_proj``)."""
-    found = []
-    for key in headers:
-        rows_key = key.removesuffix(SCALE_SUFFIX)
-        rows = headers.get(rows_key)
-        if rows_key != key and (rows_key.endswith(".weight") or (rows is not None and rows[0] == "I8")):
-            found.append(key)
-    return found
+# read only for a folder whose config.json records fsdp_int8: say what is inconsistent, not who wrote it
+_REWRITE = (
+    "The folder's config.json says fsdp_int8 wrote it, and fsdp_int8 writes every int8 entry with its row "
+    "scales beside it: a weight conversion renamed or reshaped one of the pair and not the other (fsdp_int8 "
+    "did so for GraniteMoE before it carried the scales through renamings), or the files were edited. Save the "
+    "trained model again with save_pretrained (or save_original_format=False), or load a full-precision export"
+)
 
 
 def _unpaired_entries(headers: Headers) -> None:
-    """Refuse int8 rows without row scales, row scales without int8 rows, and scales that
-    are not one per row, naming the entry and its file."""
-    scales = _scale_entries(headers)
-    for key in scales:
-        rows_key = key.removesuffix(SCALE_SUFFIX)
-        (dtype, shape, file), rows = headers[key], headers.get(rows_key)
-        if rows is None or rows[0] != "I8":
-            found = "no entry" if rows is None else f"{rows[0]} values"
-            raise refusal(rows_key, file, f"the checkpoint holds row scales {key} but {found}, not int8 rows", _REWRITE)
-        if dtype != "F32" or not _scales_fit(rows[1], shape):
-            raise refusal(
-                rows_key, file, f"its int8 rows {rows[1]} need fp32 row scales, one per row, "
-                f"{key} holds {dtype} {shape}", _REWRITE,
-            )
-    for key, (dtype, _, file) in headers.items():
-        if dtype == "I8" and key + SCALE_SUFFIX not in headers:
-            missing = f"it holds int8 rows but no row scales ({key + SCALE_SUFFIX} is missing)"
-            raise refusal(key, file, missing, _REWRITE)
+    """Refuse the first of :func:`~._hf_layout.unpaired`'s problems, naming the entry and its file."""
+    for key, problem in unpaired(headers)[:1]:
+        file = (headers.get(key) or headers[key + SCALE_SUFFIX])[2]
+        raise refusal(key, file, problem, _REWRITE)
 
 
 def int8_layers_in_checkpoint(model: nn.Module, files: list[str] | None) -> dict[str, str] | None:
@@ -95,92 +63,252 @@ def int8_layers_in_checkpoint(model: nn.Module, files: list[str] | None) -> dict
     for (a layer, an experts module), each with a file holding them (``None``: no
     safetensors to read, so the config's rule decides).
 
-    Entries are mapped to the model's parameters as transformers loads them: renamed, and
-    per-expert entries converted into the experts' 3-D parameters. Only the headers are
-    read; int8 rows without scales and scales without int8 rows are refused here.
+    Entries are mapped to the model's parameters as transformers loads them: renamed,
+    per-expert entries converted into the experts' 3-D parameters, a fused entry into each
+    of the weights it is split into. Only the headers are read; int8 rows without scales
+    and scales without int8 rows are refused here.
     """
     if not files or not all(str(f).endswith(".safetensors") for f in files):
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    headers = _read_headers([str(f) for f in files])
+    headers = read_headers([str(f) for f in files])
     _unpaired_entries(headers)
     conversions = get_model_conversion_mapping(model)
     renamings = [t for t in conversions if isinstance(t, WeightRenaming)]
     converters = [t for t in conversions if isinstance(t, WeightConverter)]
     expected = model.state_dict()
+    by_source = {pattern: t for t in converters for pattern in t.source_patterns}
     names: dict[str, str] = {}
-    for key in _scale_entries(headers):
+    for key in scale_entries(headers):
         rows_key = key.removesuffix(SCALE_SUFFIX)
-        target, _ = rename_source_key(rows_key, renamings, converters, model.base_model_prefix, expected)
-        if target not in expected or "." not in target:
-            raise ValueError(
-                f"the checkpoint holds int8 rows with scales for {rows_key}, which loads into no weight "
-                f"of {type(model).__name__}: load it into the architecture that saved it"
-            )
-        names[target.rsplit(".", 1)[0]] = headers[key][2]
+        target, source = rename_source_key(rows_key, renamings, converters, model.base_model_prefix, expected)
+        first, *more = by_source[source].target_patterns if source is not None else [target]
+        for target in [target] + [target.replace(first, t) for t in more]:  # a split: each part
+            if target not in expected or "." not in target:
+                raise ValueError(
+                    f"the checkpoint holds int8 rows with scales for {rows_key}, which loads into no weight "
+                    f"of {type(model).__name__}: load it into the architecture that saved it"
+                )
+            names[target.rsplit(".", 1)[0]] = headers[key][2]
     return names
 
 
-def _moves_across_rows(op: Any, dims: int) -> bool:
-    """Whether conversion ``op`` of a ``dims``-D int8 parameter moves values across the
-    rows fsdp_int8 flattens: anything but stacking or splitting along the experts (dim 0),
-    and concatenating or chunking along a dimension before the input features."""
-    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, Split, SplitModulelist
+class QuantizeOnLoad(ConversionOps):
+    """Rounds each full-precision weight of an int8 parameter to nearest as it is read
+    (the quantizer's ``get_quantize_ops``)."""
 
+    def __init__(self, hf_quantizer: Any) -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict[str, Any], model: nn.Module | None = None, **kwargs: Any) -> dict[str, Any]:
+        out = {}
+        for key, values in input_dict.items():
+            value = values[0] if isinstance(values, list) else values
+            module, name = get_module_from_name(model, key)
+            target = module._parameters[name]  # the meta Int8Weight quantize_ put there
+            if hasattr(module, "nx") and hasattr(module, "nf"):
+                value = value.t().contiguous()  # GPT-2's Conv1D: [in, out] on disk, [out, in] int8
+            rows = Int8Weight.from_float(value.to(target.dtype), compiled=target.compiled)
+            out[key] = target.with_tensors(rows.int_data, rows.scale)  # the target's metadata
+        return out
+
+
+class _OnRows(ConversionOps):
+    """A conversion op of an int8 parameter, given each int8 tensor (rows flat per leading
+    index, ``[*lead, n * row_len]``) as its rows ``[*lead, n, row_len]`` and flattening
+    the int8 tensors it returns again; scales and full-precision weights as they are."""
+
+    def __init__(self, op: ConversionOps, row_len: int) -> None:
+        self.op, self.row_len = op, row_len
+        self.supports_many_to_many = op.supports_many_to_many
+
+    def __repr__(self) -> str:
+        return repr(self.op)
+
+    def _each(self, value: Any, change: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [self._each(v, change) for v in value]
+        return change(value) if isinstance(value, torch.Tensor) and value.dtype == torch.int8 else value
+
+    def convert(self, input_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        rows = {k: self._each(v, lambda t: t.unflatten(-1, (-1, self.row_len))) for k, v in input_dict.items()}
+        return {k: self._each(v, lambda t: t.flatten(-2)) for k, v in self.op.convert(rows, **kwargs).items()}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _OnRows(self.op.reverse_op, self.row_len)
+
+
+class _Int8AsIs(ConversionOps):
+    """A ``Transpose`` that transformers applies only to a checkpoint of the other shape
+    (``check_dims``): int8 rows, which fsdp_int8 writes in the model's own order, pass as
+    they are (every tensor, for the copy converting their scales)."""
+
+    def __init__(self, op: ConversionOps, every_tensor: bool = False) -> None:
+        self.op, self.every_tensor = op, every_tensor
+
+    def __repr__(self) -> str:
+        return repr(self.op)
+
+    def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
+                **kwargs: Any) -> dict[str, Any]:
+        value = next(iter(input_dict.values()))
+        tensor = value[0] if isinstance(value, list) else value
+        if self.every_tensor or tensor.dtype == torch.int8:
+            return {self.op.get_target_pattern(input_dict, source_patterns, target_patterns): tensor}
+        return self.op.convert(input_dict, source_patterns=source_patterns, target_patterns=target_patterns, **kwargs)
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _Int8AsIs(self.op.reverse_op, self.every_tensor)
+
+
+def _on_int8(op: Any, dims: int, row_len: int, loading: bool) -> ConversionOps | None:
+    """``op`` of a converter into ``dims``-D int8 parameters with rows of ``row_len``,
+    made to act on their rows (:class:`_OnRows`, :class:`_Int8AsIs`), or ``None`` if it
+    would move int8 values across rows: anything but stacking or splitting along the experts
+    (dim 0), concatenating, chunking, splitting or interleaving along a dimension before the
+    input features (Ernie-VL's fused text and vision experts: both), permuting a 2-D weight's
+    rows for RoPE, or a ``check_dims`` transpose."""
+    from transformers.core_model_loading import (
+        Chunk, Concatenate, ErnieFuseAndSplitTextVisionExperts, ErnieSplitAndDecoupleTextVisionExperts, Interleave,
+        MergeModulelist, PermuteForRope, Split, SplitModulelist, Transpose,
+    )
+
+    if isinstance(op, (_OnRows, _Int8AsIs)):
+        return op
     dim = getattr(op, "dim", None)
+    if isinstance(op, Transpose) and op.check_dims:
+        return _Int8AsIs(op)
+    if isinstance(op, Split) and loading:
+        return op  # sized by the (flat) int8 parameters it loads into: it splits the flat rows right
     if isinstance(op, (MergeModulelist, SplitModulelist)):
-        return dim != 0
-    return not isinstance(op, (Chunk, Concatenate, Split)) or not isinstance(dim, int) or not 0 <= dim <= dims - 2
+        return _OnRows(op, row_len) if dim == 0 else None
+    if isinstance(op, (ErnieFuseAndSplitTextVisionExperts, ErnieSplitAndDecoupleTextVisionExperts)):
+        return _OnRows(op, row_len) if op.stack_dim == 0 and 0 <= op.concat_dim <= dims - 2 else None
+    if isinstance(op, (Chunk, Concatenate, Split, Interleave)):
+        return _OnRows(op, row_len) if isinstance(dim, int) and 0 <= dim <= dims - 2 else None
+    return _OnRows(op, row_len) if isinstance(op, PermuteForRope) and dims == 2 else None
 
 
-def add_scale_conversions(model: nn.Module) -> None:
-    """Make ``save_pretrained`` split the scales of converted int8 parameters as it splits
-    their rows: each converter into an int8 parameter ``<p>`` (from entries ``<...>.weight``)
-    gets a copy for ``<p>_scale`` (from ``<...>.weight_scale``), as transformers makes on
-    load. ``save_pretrained`` reverts ``model._weight_conversions`` (set by
-    ``from_pretrained``), else the model's mapping without its prefix changes: the copies
-    go there. A model without converters into int8 parameters is left as it is.
+def _reversed(transform: Any) -> Any:
+    """The transform that ``save_pretrained`` applies for ``transform`` (``None``: none)."""
+    try:
+        return transform.reverse_transform()
+    except Exception:  # noqa: BLE001 (an op without a reverse: transformers cannot save it either)
+        return None
+
+
+def int8_conversions(
+    conversions: list[Any], int8: dict[str, tuple[int, ...]], *, model_name: str, loading: bool
+) -> list[Any]:
+    """``conversions`` (transformers' weight conversions of a model, in loading direction)
+    made to carry the int8 parameters ``int8`` (name -> shape ``[*lead, out, in]``) with
+    their ``<name>_scale`` entries: a converter into int8 parameters acts on their rows
+    (:func:`_on_int8`) and, where its patterns leave the scales alone, is followed by a copy
+    for them; so is a renaming of an int8 parameter's full name.
+
+    Raises:
+        ValueError: (not ``loading``) a converter into an int8 parameter that would move int8
+            values across rows; loading, such a converter is left as it is (it loads only
+            checkpoints that hold no int8 rows for it).
+    """
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    known = {(type(t), tuple(t._original_source_patterns), tuple(t._original_target_patterns)) for t in conversions}
+    out = []
+    for transform in conversions:
+        back = _reversed(transform)
+        hit = [n for n in int8 if back is not None and back._scoped_match(n) is not None]
+        copy = None
+        if hit and isinstance(transform, WeightConverter):
+            sources, targets = transform._original_source_patterns, transform._original_target_patterns
+            shapes = {(len(int8[n]), int8[n][-1]) for n in hit}
+            ops = [_on_int8(op, *next(iter(shapes)), loading) for op in transform.operations]
+            if len(shapes) > 1 or None in ops:
+                if loading:
+                    out.append(transform)
+                    continue
+                raise ValueError(
+                    f"cannot save int8 {hit[0]} in {model_name}'s checkpoint layout: transformers converts "
+                    f"{sources} into it with {transform.operations}, which fsdp_int8's int8 rows and scales do "
+                    "not follow. Save the model's own layout, model.save_pretrained(path, save_original_format=False) "
+                    "(from_pretrained loads it), or full precision: "
+                    "model.save_pretrained(path, state_dict=fsdp_int8.export_full_state_dict(model))"
+                )
+            transform = transform.copy(sources, targets, operations=ops)
+            if all(back._scoped_match(n + SCALE_SUFFIX) is None for n in hit):
+                copy = transform.copy(
+                    [s + SCALE_SUFFIX for s in sources], [t + SCALE_SUFFIX for t in targets],
+                    operations=[_Int8AsIs(op.op, True) if isinstance(op, _Int8AsIs) else op for op in ops],
+                )
+        elif (hit and type(transform) is WeightRenaming
+              and all(back._scoped_match(n + SCALE_SUFFIX) is None for n in hit)):
+            copy = transform.copy([s + SCALE_SUFFIX for s in transform._original_source_patterns],
+                                  [t + SCALE_SUFFIX for t in transform._original_target_patterns])
+            back_copy = _reversed(copy)
+            if back_copy is None or any(
+                back_copy.rename_source_key(n + SCALE_SUFFIX)[0] != back.rename_source_key(n)[0] + SCALE_SUFFIX
+                for n in hit
+            ):
+                copy = None  # not a rename of the name's end: the check of the pairs refuses what it leaves apart
+        out.append(transform)
+        if copy is not None:
+            key = (type(copy), tuple(copy._original_source_patterns), tuple(copy._original_target_patterns))
+            if key not in known:
+                known.add(key)
+                out.append(copy)
+    return out
+
+
+def add_scale_conversions(model: nn.Module, state: dict[str, Any]) -> None:
+    """Make ``save_pretrained`` convert the int8 rows and scales of ``state`` (what it
+    writes, :func:`~._hf_layout.int8_safetensors_state_dict`) together, as transformers
+    loads them (:func:`int8_conversions`), and check that they still pair up after the
+    conversions (run on meta tensors) before anything is written. ``save_pretrained``
+    reverts ``model._weight_conversions`` (set by ``from_pretrained``), else the model's
+    mapping without its prefix changes: the conversions go there. A model without
+    conversions of int8 parameters is left as it is.
 
     Raises:
         ValueError: a converter into an int8 parameter that would move int8 values across
-            rows, or whose entries are not ``.weight`` ones (no scale copy loads those).
+            rows, or conversions that would part int8 rows from their scales; the message
+            names the entry and the layouts that save it.
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightConverter
+    from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:
         mapping = get_model_conversion_mapping(model, add_legacy=False)
         conversions = [t for t in mapping if not isinstance(t, PrefixChange)]
-    int8 = {name: p.dim() for name, p in model.named_parameters() if isinstance(local_shard(p), Int8Weight)}
-    known = {tuple(t._original_source_patterns) for t in conversions}
-    added = []
-    for converter in conversions:
-        if not isinstance(converter, WeightConverter):
-            continue
-        sources, targets = converter._original_source_patterns, converter._original_target_patterns
-        hit = [n for n in int8 if any(re.search(f"{t}$", n) for t in targets)]
-        if not hit:
-            continue
-        if not all(s.endswith(".weight") for s in sources) or any(
-            _moves_across_rows(op, int8[hit[0]]) for op in converter.operations
-        ):
-            raise ValueError(
-                f"cannot save int8 {hit[0]} in {type(model).__name__}'s checkpoint layout: transformers "
-                f"converts {sources} into it with {converter.operations}, which fsdp_int8's int8 rows and "
-                "scales do not follow. Save the model's own layout, model.save_pretrained(path, "
-                "save_original_format=False) (from_pretrained loads it), or full precision: "
-                "model.save_pretrained(path, state_dict=fsdp_int8.export_full_state_dict(model))"
-            )
-        scaled = [s + SCALE_SUFFIX for s in sources]
-        if tuple(scaled) not in known:
-            known.add(tuple(scaled))
-            scale_targets = [t + SCALE_SUFFIX for t in targets]
-            added.append(converter.copy(scaled, scale_targets, operations=list(converter.operations)))
-    if added:
-        model._weight_conversions = [*conversions, *added]
+    int8 = {name: tuple(p.shape) for name, p in model.named_parameters() if isinstance(local_shard(p), Int8Weight)}
+    if not conversions or not int8:
+        return
+    name = type(model).__name__
+    converted = int8_conversions(conversions, int8, model_name=name, loading=False)
+    if any(a is not b for a, b in zip(converted, conversions)) or len(converted) != len(conversions):
+        model._weight_conversions = converted
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()
+            if isinstance(v, torch.Tensor)}
+    fix = ("Save the model's own layout, model.save_pretrained(path, save_original_format=False) (from_pretrained "
+           "loads it), or full precision: "
+           "model.save_pretrained(path, state_dict=fsdp_int8.export_full_state_dict(model))")
+    try:
+        problems = unpaired(headers_of(revert_weight_conversion(model, meta)))
+    except Exception as error:  # noqa: BLE001 (refused here, before anything is written)
+        raise ValueError(
+            f"cannot save int8 {name} in its checkpoint layout: transformers' weight conversions fail on (meta "
+            f"copies of) the entries it would write: {error!r}. {fix}"
+        ) from error
+    before = unpaired(headers_of(meta))
+    for key, problem in [p for p in problems if p not in before][:1]:
+        raise ValueError(
+            f"cannot save int8 {key} in {name}'s checkpoint layout: after transformers' weight conversions "
+            f"{problem}. {fix}"
+        )
 
 
 def checked_rows(
@@ -253,5 +381,5 @@ def _refusal_of_entry(
 
 def _file_of_entries(entries: list[str], files: list[str]) -> dict[str, str | None]:
     """Each of ``entries`` with the safetensors file holding it (``None`` if none does)."""
-    headers = _read_headers([str(f) for f in files])
+    headers = read_headers([str(f) for f in files])
     return {entry: headers.get(entry, (None, None, None))[2] for entry in entries}

@@ -9,7 +9,9 @@ instead of loading int8 values as floats; version 1 folders (``[out, in]`` rows)
 read. A mixture-of-experts weight ``<experts>.gate_up_proj`` (``[E, out, in]``) is flat per
 expert: ``[E, out * in]`` int8 with ``[E, out]`` scales (``<experts>.gate_up_proj_scale``),
 which transformers' own weight conversions split into the model family's per-expert
-entries (:mod:`._hf_conversions`). Internal: the public side is
+entries (:mod:`._hf_conversions`). :func:`unpaired` finds, from safetensors headers alone
+(:func:`read_headers`, or :func:`headers_of` tensors), the int8 entries that lack their
+scales or whose scales are not one per row. Internal: the public side is
 :mod:`fsdp_int8.integrations.hf_quantizer`.
 """
 
@@ -38,6 +40,11 @@ __all__ = [
     "save_pretrained_argument",
     "tied_and_fp32_modules",
     "without_tied_copies",
+    "Headers",
+    "read_headers",
+    "headers_of",
+    "scale_entries",
+    "unpaired",
 ]
 
 #: The ``quant_method`` that ``config.json``'s ``quantization_config`` records for fsdp_int8 folders.
@@ -267,3 +274,68 @@ def without_tied_copies(state_dict: Mapping[str, Any], model: nn.Module) -> dict
         if tied and _same_values(out[target], out[source]):
             del out[target]
     return out
+
+
+# ------------------------------------------------ the pairs, from safetensors headers
+
+Headers = dict[str, tuple[str, list[int], str]]  # entry -> (safetensors dtype, shape, file)
+
+
+def read_headers(files: list[str]) -> Headers:
+    """Every entry's dtype, shape and file, from the safetensors headers alone."""
+    from safetensors import safe_open
+
+    headers: Headers = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                entry = handle.get_slice(key)
+                headers[key] = (entry.get_dtype(), list(entry.get_shape()), str(file))
+    return headers
+
+
+def _scales_fit(rows: list[int], scales: list[int]) -> bool:
+    """Whether ``scales`` hold one scale per row of ``rows``: ``[*lead, n * in]`` rows with
+    ``[*lead, n]`` scales (format version 2), or ``[n, in]`` rows with ``[n]`` (version 1)."""
+    if len(rows) == len(scales) + 1:
+        return rows[:-1] == scales
+    return len(rows) == len(scales) >= 1 and rows[:-1] == scales[:-1] and scales[-1] > 0 and rows[-1] % scales[-1] == 0
+
+
+def scale_entries(headers: Headers) -> list[str]:
+    """The checkpoint's row-scale entries: ``<layer>.weight_scale``, and ``<name>_scale``
+    beside int8 rows ``<name>`` (a fused experts weight ``gate_up_proj``)."""
+    found = []
+    for key in headers:
+        rows_key = key.removesuffix(SCALE_SUFFIX)
+        rows = headers.get(rows_key)
+        if rows_key != key and (rows_key.endswith(".weight") or (rows is not None and rows[0] == "I8")):
+            found.append(key)
+    return found
+
+
+def unpaired(headers: Headers) -> list[tuple[str, str]]:
+    """``(int8 entry, what is wrong)`` for int8 rows without row scales, row scales without
+    int8 rows, and scales that are not one fp32 scale per row."""
+    problems = []
+    for key in scale_entries(headers):
+        rows_key = key.removesuffix(SCALE_SUFFIX)
+        (dtype, shape, _), rows = headers[key], headers.get(rows_key)
+        if rows is None or rows[0] != "I8":
+            found = "no entry" if rows is None else f"{rows[0]} values"
+            problems.append((rows_key, f"the checkpoint holds row scales {key} but {found}, not int8 rows"))
+        elif dtype != "F32" or not _scales_fit(rows[1], shape):
+            problems.append((rows_key, f"its int8 rows {rows[1]} need fp32 row scales, one per row, "
+                                       f"{key} holds {dtype} {shape}"))
+    for key, (dtype, _, _) in headers.items():
+        if dtype == "I8" and key + SCALE_SUFFIX not in headers:
+            problems.append((key, f"it holds int8 rows but no row scales ({key + SCALE_SUFFIX} is missing)"))
+    return problems
+
+
+_SAFETENSORS_DTYPES = {torch.int8: "I8", torch.float32: "F32"}
+
+
+def headers_of(state: Mapping[str, torch.Tensor]) -> Headers:
+    """:func:`read_headers` of tensors in memory (no file)."""
+    return {k: (_SAFETENSORS_DTYPES.get(v.dtype, str(v.dtype)), list(v.shape), "") for k, v in state.items()}

@@ -32,7 +32,8 @@ from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8MatmulConfig, Int8TrainingConfig, expert_weight_names, training_config
 from fsdp_int8.convert import parameter_owners, quantize_, recorded_compile
 from fsdp_int8.integrations._hf_conversions import (
-    add_scale_conversions, check_tied_copy, checked_rows, int8_layers_in_checkpoint,
+    QuantizeOnLoad as _QuantizeOnLoad, add_scale_conversions, check_tied_copy, checked_rows, int8_conversions,
+    int8_layers_in_checkpoint,
 )
 from fsdp_int8.integrations._hf_layout import (
     QUANT_METHOD, SCALE_SUFFIX, add_load_hooks, int8_parameter_names, int8_safetensors_state_dict, is_int8,
@@ -181,25 +182,6 @@ class _OnlyThese:
         return name in self.names
 
 
-class _QuantizeOnLoad(ConversionOps):
-    """Rounds each full-precision weight of an int8 parameter to nearest as it is read."""
-
-    def __init__(self, hf_quantizer: "Int8TrainingHfQuantizer") -> None:
-        self.hf_quantizer = hf_quantizer
-
-    def convert(self, input_dict: dict[str, Any], model: nn.Module | None = None, **kwargs: Any) -> dict[str, Any]:
-        out = {}
-        for key, values in input_dict.items():
-            value = values[0] if isinstance(values, list) else values
-            module, name = get_module_from_name(model, key)
-            target = module._parameters[name]  # the meta Int8Weight quantize_ put there
-            if hasattr(module, "nx") and hasattr(module, "nf"):
-                value = value.t().contiguous()  # GPT-2's Conv1D: [in, out] on disk, [out, in] int8
-            rows = Int8Weight.from_float(value.to(target.dtype), compiled=target.compiled)
-            out[key] = target.with_tensors(rows.int_data, rows.scale)  # the target's metadata
-        return out
-
-
 class Int8TrainingHfQuantizer(HfQuantizer):
     """The ``HfQuantizer`` of ``"fsdp_int8"``: loads, quantizes and saves int8 weights.
 
@@ -242,6 +224,14 @@ class Int8TrainingHfQuantizer(HfQuantizer):
 
     def get_quantize_ops(self) -> ConversionOps:
         return _QuantizeOnLoad(self)
+
+    def update_weight_conversions(self, weight_conversions: list, model: PreTrainedModel) -> list:
+        """The model's conversions, made to carry an int8 folder's scales with its rows (:func:`int8_conversions`)."""
+        if not self._placeholders or self.quantization_config.format_version < 2:
+            return super().update_weight_conversions(weight_conversions, model)
+        int8 = {f"{module}.{name}": tuple(w.shape) for (module, name), w in self._placeholders.items()}
+        converted = int8_conversions(weight_conversions, int8, model_name=type(model).__name__, loading=True)
+        return converted + self.get_weight_conversions()
 
     def param_needs_quantization(self, model: PreTrainedModel, param_name: str, **kwargs: Any) -> bool:
         """Whether ``param_name`` is int8 and read from a full-precision checkpoint."""
@@ -324,10 +314,10 @@ class Int8TrainingHfQuantizer(HfQuantizer):
     def get_state_dict_and_metadata(self, model: PreTrainedModel) -> tuple[dict[str, Any], dict[str, str]]:
         """What ``save_pretrained`` writes: :func:`int8_safetensors_state_dict` of its state dict."""
         given = save_pretrained_argument("state_dict")
+        state = int8_safetensors_state_dict(model.state_dict() if given is None else without_tied_copies(given, model))
         if save_pretrained_argument("save_original_format", True):
-            add_scale_conversions(model)
-        state = model.state_dict() if given is None else without_tied_copies(given, model)
-        return int8_safetensors_state_dict(state), {}
+            add_scale_conversions(model, state)  # or refuses, before anything is written
+        return state, {}
 
 
 def attach_hf_quantizer(model: PreTrainedModel, config: Int8TrainingConfig | None = None) -> PreTrainedModel:
