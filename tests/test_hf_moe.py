@@ -503,6 +503,7 @@ def _family_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 _LOGITS_IN_A_FRESH_PROCESS = """
 import inspect, sys, torch
 import fsdp_int8, transformers
+torch.set_num_threads(1)  # one reduction order, as the parent computes them
 tokens, out = torch.load(sys.argv[2]), {}
 for folder, name in zip(sys.argv[3::2], sys.argv[4::2]):
     model = getattr(transformers, name).from_pretrained(folder).eval()
@@ -544,8 +545,13 @@ def _save_and_load_each(families: list[str], tmp_path: Path) -> None:
                 failures[family] = "its experts stayed full precision: name it in _NOT_TRAINED with why"
                 continue
             _train_family(model)
-            with torch.no_grad():
-                trained[family] = _family_logits(model.eval(), _FAMILY_TOKENS)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # a CPU kernel's sums split over threads by the load: one order
+            try:
+                with torch.no_grad():
+                    trained[family] = _family_logits(model.eval(), _FAMILY_TOKENS)
+            finally:
+                torch.set_num_threads(threads)
             model.save_pretrained(tmp_path / family)
         except Exception as error:  # noqa: BLE001 (each family's failure is reported below)
             failures[family] = f"{type(error).__name__}: {error}"
