@@ -116,6 +116,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+@pytest.mark.exhaustive  # a speed property of inductor's code, not of the values (tested in CI elsewhere)
 def test_interleaved_rope_gradient_is_quantized_with_vector_loads(monkeypatch):
     """The launcher's attention with autograd's backward of its rotary embedding: the int8
     q / k projections' gradient quantization reads no column element by element, and the
