@@ -81,21 +81,21 @@ ATTENTION = {  # torch's attention formulas count the full square; causal kernel
 }
 
 
-def _int8_grouped_mm_flops(x, int_data, scale, offs, dtype, gemms, compiled) -> dict[str, float]:
+def _int8_grouped_mm_flops(x, int_data, scale, offs, compiled, int8_output, keep_int8_input) -> dict[str, float]:
     # fsdp_int8's grouped GEMM over an int8 expert weight [experts, out, in]: every row of x
     # meets one expert
     flops = 2.0 * x.shape[0] * x.shape[1] * int_data.shape[1]
-    return {"int8" if gemms[0] else _dtype_name(dtype): flops}
+    return {"int8" if int8_output else _dtype_name(x.dtype): flops}
 
 
-def _int8_grouped_mm_backward_flops(grad_out, x, int_data, scale, offs, dtype, gemms, compiled, need_input,
-                                    need_weight) -> dict[str, float]:
+def _int8_grouped_mm_backward_flops(grad_out, saved, saved_scale, int_data, scale, offs, compiled, need_input,
+                                    need_weight, int8_input, int8_weight) -> dict[str, float]:
     flops: dict[str, float] = defaultdict(float)
-    each = 2.0 * x.shape[0] * x.shape[1] * int_data.shape[1]
+    each = 2.0 * grad_out.shape[0] * int_data.shape[1] * int_data.shape[2]
     if need_input:
-        flops["int8" if gemms[1] else _dtype_name(dtype)] += each
+        flops["int8" if int8_input else _dtype_name(grad_out.dtype)] += each
     if need_weight:
-        flops["int8" if gemms[2] else _dtype_name(dtype)] += each
+        flops["int8" if int8_weight else _dtype_name(grad_out.dtype)] += each
     return dict(flops)
 
 

@@ -6,6 +6,7 @@
     python -m benchmarks.ratios --log                   # + a dated section in benchmarks/results/performance.md
     python -m benchmarks.ratios --profile 5             # + where the time goes, per op and step
     python -m benchmarks.ratios --experts 8             # mixture-of-experts blocks, 8 experts, top 2
+    python -m benchmarks.ratios --experts qwen3-30b-a3b # one block's experts alone at that model's shape
     python -m benchmarks.ratios --model hf-llama --rows bf16:blocks int8-mm:blocks
                                                         # a Hugging Face Llama of the same shape
 
@@ -50,6 +51,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from benchmarks import experts_gemm
 from benchmarks import rows as registry
 from benchmarks.report import log_run
 from benchmarks.timing import interleave, paired_ratio, ratio_lines, train_step
@@ -164,6 +166,18 @@ def settings_for(dim: int, rows, *, steps: int, warmup: int, n_layers: int = 2, 
                 rows=list(dict.fromkeys([baseline, *rows])), profile=profile, n_experts=n_experts, model=model)
 
 
+def _experts_argument(value: str) -> int | str:
+    """``--experts``: a count of experts per block, or a model's name from
+    :data:`benchmarks.experts_gemm.SHAPES`."""
+    if value in experts_gemm.SHAPES:
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither a number of experts nor one of {', '.join(experts_gemm.SHAPES)}") from None
+
+
 def default_baseline(device: str = "cpu") -> str:
     """What users compare with: bf16 FSDP2 where bf16 matmuls are fast, else fp32 FSDP2."""
     return "bf16" if hardware.capability(device).bf16_matmul_fast else "fp32"
@@ -192,9 +206,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--n-layers", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=0,
+    parser.add_argument("--experts", type=_experts_argument, default=0,
                         help="mixture-of-experts blocks of this many top-2 experts (the launcher's MoE: one "
-                        "torch._grouped_mm per projection; int8-mm rows: one int8 GEMM per expert)")
+                        "torch._grouped_mm per projection; int8-mm rows: fsdp_int8's grouped int8 GEMM); or a "
+                        f"model's name ({', '.join(experts_gemm.SHAPES)}): that model's experts alone, "
+                        "int8 against bf16 torch._grouped_mm (benchmarks.experts_gemm; --batch-size x --seq-len "
+                        "tokens, --steps, --warmup and --threads apply)")
     parser.add_argument("--model", default=registry.LAUNCHER, choices=registry.MODELS,
                         help="every row's model: the launcher's Transformer, or a Hugging Face LlamaForCausalLM "
                         "of the same shape (transformers' rotate_half RoPE; library calls, bf16 / fp32 FSDP2 and "
@@ -220,6 +237,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = 4, 2
+    if isinstance(args.experts, str):
+        lines = experts_gemm.run(args.experts, tokens=args.batch_size * args.seq_len, steps=args.steps,
+                                 warmup=args.warmup, threads=args.threads)
+        for line in lines:
+            print(line, flush=True)
+        if args.log:
+            log_run("performance.md", f"ratios --experts {args.experts}", " ".join(["python -m benchmarks.ratios",
+                    *(argv if argv is not None else sys.argv[1:])]), lines)
+        return {"experts": lines}
     device = device_type_for(args.world_size)
     baseline = default_baseline(device) if args.baseline == "auto" else args.baseline
     settings = settings_for(args.dim, args.rows, steps=args.steps, warmup=args.warmup, n_layers=args.n_layers,

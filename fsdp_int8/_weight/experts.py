@@ -17,9 +17,9 @@ per (expert, output feature), and use them in a few forms:
   optimizer then writes back with stochastic rounding.
 * with int8 GEMMs (``Int8MatmulConfig``), the last two dims of the weight swapped
   (``transpose(-2, -1)``, ``mT``) give an :class:`ExpertsTransposed`, which
-  ``torch._grouped_mm`` / ``F.grouped_mm`` take as their right operand: each expert's
-  rows of tokens then run :mod:`.linear`'s GEMMs against that expert (``torch._int_mm``,
-  one call per expert with tokens; the weight gradient lands in one ``[E, out, in]``
+  ``torch._grouped_mm`` / ``F.grouped_mm`` take as their right operand: the grouped
+  matmul is then :func:`.grouped_mm.int8_grouped_mm` (one grouped int8 GEMM per pass,
+  the offsets kept on the device; the weight gradient lands in one ``[E, out, in]``
   tensor). Anything else done with it runs on the values, as above.
 
 The dequantized copy is a transient of the op that needs it (autograd keeps it for the
@@ -29,7 +29,6 @@ all-gather already hands the block plain dequantized experts, and none of this r
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -37,9 +36,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from fsdp_int8._weight import op_table as _op_table
-from fsdp_int8.config import Int8MatmulConfig
-from fsdp_int8._weight.linear import grads_of, output_of
-from fsdp_int8._weight.tensor import Int8Weight, Int8WeightMeta
+from fsdp_int8._weight.grouped_mm import int8_grouped_mm
+from fsdp_int8._weight.tensor import Int8Weight
 
 EXPERT_DIMS = 3  # [experts, out, in]
 
@@ -87,101 +85,10 @@ def _on_values(func: Callable) -> Callable:
     return handler
 
 
-def _experts_weight(int_data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                    gemms: list[bool], compiled: bool) -> Int8Weight:
-    """The expert weight over ``int_data`` / ``scale`` with the matmul config ``gemms``
-    holds (:func:`_gemms`): what the grouped-matmul ops below rebuild from the plain
-    tensors and flags a custom op takes (a custom op cannot take the weight itself)."""
-    meta = Int8WeightMeta(row_len=int_data.shape[-1], int8_matmul=Int8MatmulConfig(*gemms), compiled=compiled)
-    return Int8Weight(int_data, scale, meta, dtype=dtype)
-
-
-def _gemms(weight: Int8Weight) -> list[bool]:
-    """Every flag of ``weight``'s ``Int8MatmulConfig``, in its fields' order."""
-    return list(dataclasses.astuple(weight.int8_matmul))
-
-
-# The grouped GEMMs are custom ops: torch.compile keeps each one opaque (one node, as it
-# keeps torch._grouped_mm), so a compiled block holds the per-expert loop, whose bounds
-# are read from the offsets at run time, without a graph break.
-@torch.library.custom_op("fsdp_int8::int8_grouped_mm", mutates_args=())
-def _grouped_output(x: torch.Tensor, int_data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
-                    dtype: torch.dtype, gemms: list[bool], compiled: bool) -> torch.Tensor:
-    """``torch._grouped_mm(x, weight.mT, offs=offs)``: each expert's rows of ``x`` through
-    :func:`.linear.output_of` against that expert. Rows after the last offset are zero
-    (``torch._grouped_mm`` leaves them unwritten)."""
-    weight = _experts_weight(int_data, scale, dtype, gemms, compiled)
-    out = x.new_zeros(x.shape[0], weight.shape[1])
-    for expert, rows in _groups(offs, weight.shape[0]):
-        out[rows] = output_of(x[rows], weight[expert], None)
-    return out
-
-
-@_grouped_output.register_fake
-def _(x, int_data, scale, offs, dtype, gemms, compiled):
-    return x.new_empty(x.shape[0], int_data.shape[1])
-
-
-@torch.library.custom_op("fsdp_int8::int8_grouped_mm_backward", mutates_args=())
-def _grouped_grads(grad_out: torch.Tensor, x: torch.Tensor, int_data: torch.Tensor, scale: torch.Tensor,
-                   offs: torch.Tensor, dtype: torch.dtype, gemms: list[bool], compiled: bool,
-                   need_input: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_x, grad_w)`` of :func:`_grouped_output`, each expert through
-    :func:`.linear.grads_of`; an empty tensor for a gradient not needed."""
-    weight = _experts_weight(int_data, scale, dtype, gemms, compiled)
-    grad_x = torch.zeros_like(x) if need_input else x.new_empty(0)
-    grad_w = grad_out.new_zeros(weight.shape, dtype=dtype) if need_weight else grad_out.new_empty(0)
-    for expert, rows in _groups(offs, weight.shape[0]):
-        x_rows = x[rows].to(grad_out.dtype) if need_weight else None
-        gx, gw = grads_of(grad_out[rows], x_rows, weight[expert], need_input=need_input)
-        if gx is not None:
-            grad_x[rows] = gx
-        if gw is not None:
-            grad_w[expert] = gw
-    return grad_x, grad_w
-
-
-@_grouped_grads.register_fake
-def _(grad_out, x, int_data, scale, offs, dtype, gemms, compiled, need_input, need_weight):
-    grad_x = torch.empty_like(x) if need_input else x.new_empty(0)
-    grad_w = grad_out.new_empty(int_data.shape, dtype=dtype) if need_weight else grad_out.new_empty(0)
-    return grad_x, grad_w
-
-
-class _Int8GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm(x, weight.mT, offs=offs)`` for an expert ``Int8Weight`` with int8
-    GEMMs, through the custom ops above; the weight's gradient is a plain ``[E, out, in]``
-    tensor, what the optimizer writes back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: Int8Weight, offs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, offs)
-        ctx.dtype, ctx.gemms, ctx.compiled = weight.dtype, _gemms(weight), weight.compiled
-        return _grouped_output(x, weight.int_data, weight.scale, offs, weight.dtype, ctx.gemms, weight.compiled)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, weight, offs = ctx.saved_tensors
-        need_input, need_weight = ctx.needs_input_grad[:2]
-        grad_x, grad_w = _grouped_grads(grad_out, x, weight.int_data, weight.scale, offs, ctx.dtype,
-                                        ctx.gemms, ctx.compiled, need_input, need_weight)
-        return grad_x if need_input else None, grad_w if need_weight else None, None
-
-
-def _groups(offs: torch.Tensor, experts: int) -> list[tuple[int, slice]]:
-    """``(expert, its rows)`` of every expert with rows, from ``torch._grouped_mm``'s
-    cumulative ``offs`` (one per expert)."""
-    ends = offs.tolist()
-    if len(ends) != experts:
-        raise ValueError(f"grouped_mm: {len(ends)} offsets for {experts} experts")
-    starts = [0, *ends[:-1]]
-    return [(e, slice(a, b)) for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
-
-
 class ExpertsTransposed(torch.Tensor):
     """An expert ``Int8Weight`` ``[E, out, in]`` with int8 GEMMs, seen as ``[E, in, out]``:
     the right operand ``torch._grouped_mm`` takes. It holds the weight, not a copy;
-    grouped matmuls run :class:`_Int8GroupedMM` on it, transposing back gives the weight,
+    grouped matmuls run :func:`.grouped_mm.int8_grouped_mm` on it, transposing back gives the weight,
     and every other op runs on the transposed values (a plain tensor)."""
 
     @staticmethod
@@ -211,7 +118,7 @@ class ExpertsTransposed(torch.Tensor):
                 raise NotImplementedError(
                     "grouped_mm of int8 experts takes 2-D tokens, offsets and no bias: "
                     "torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)")
-            return _Int8GroupedMM.apply(a, b.weight, offs)
+            return int8_grouped_mm(a, b.weight, offs)
         if func in _SWAP_LAST and _swaps_last_two(func, args, kwargs):
             return args[0].weight
         if func in _METADATA or getattr(func, "__name__", "") == "__get__":

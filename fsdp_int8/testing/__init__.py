@@ -7,13 +7,14 @@
   precision, all-gather bytes, DCP resharding, the ops FSDP2 and DCP send):
   :class:`SubclassSpec`, :func:`check_fsdp2_conformance` / :func:`assert_fsdp2_conformance`.
 * :func:`count_host_syncs`: the host reads of tensor values (device syncs on a GPU) a block
-  of code makes, counted on any device.
+  of code makes, counted on any device; :func:`count_kernels`: the kernels it launches.
 """
 
 from typing import Any
 
 from fsdp_int8.testing import processes
 from fsdp_int8.testing._host_syncs import HostSyncs, count_host_syncs
+from fsdp_int8.testing._kernels import KernelCounts, count_kernels
 from fsdp_int8.testing.conformance import (
     SCENARIOS,
     ConformanceReport,
@@ -36,6 +37,8 @@ __all__ = [
     "SCENARIOS",
     "count_host_syncs",
     "HostSyncs",
+    "count_kernels",
+    "KernelCounts",
 ]
 
 

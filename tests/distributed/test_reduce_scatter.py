@@ -1,7 +1,8 @@
 """The quantized gradient reduce-scatter in real processes (CPU + gloo here).
 
 Two spawns (2 ranks, 4 ranks), many cases each; the world-size-1 path runs in the first,
-on a reduce-scatter group of one rank. Every FSDP2 call of the hook in the training cases
+on a reduce-scatter group of one rank. The small transformer's training runs on 2 ranks,
+and on 4 too in the exhaustive matrix. Every FSDP2 call of the hook in the training cases
 is checked against the exact reduction of the same buffers (the ranks all-gather their
 inputs), with the hard per-value bound of stochastic rounding.
 """
@@ -28,7 +29,7 @@ from fsdp_int8.gradients._reduce_op import op_multiplier
 from fsdp_int8.gradients._wire import segment_bytes
 from fsdp_int8.testing import device_type_for, run_distributed
 
-from _cases import BF16_POLICY, case, local_of, mean_over_ranks, train_repeating_pattern
+from _cases import BF16_POLICY, FULL_MATRIX, case, local_of, mean_over_ranks, train_repeating_pattern
 from _nets import MLPNet, tiny_transformer
 
 BLOCK = 256
@@ -483,7 +484,8 @@ def _four_rank_body(rank: int, world: int) -> dict:
         result = _train_mlps(rank, world, 3, hidden=5)
         assert len(result["calls"]) == 9 and max(result["grad_rel"]) <= 0.05, result["grad_rel"]
     _say(rank, "uneven")
-    found["transformer"] = _check_transformer(rank, world)
+    if FULL_MATRIX:  # CI trains the transformer on 2 ranks; 4 adds time, not a path
+        found["transformer"] = _check_transformer(rank, world)
     _say(rank, found)
     return found
 
