@@ -42,6 +42,7 @@ __all__ = [
     "fsdp_modules",
     "param_groups",
     "reduce_scatter_of",
+    "set_reduce_scatter",
 ]
 
 
@@ -71,3 +72,15 @@ def reduce_scatter_of(group: Any) -> Any:
     if not hasattr(group, "_reduce_scatter_comm"):
         raise _unknown_layout("FSDPParamGroup has no _reduce_scatter_comm")
     return group._reduce_scatter_comm
+
+
+def set_reduce_scatter(group: Any, comm: Any) -> None:
+    """Make ``comm`` the reduce-scatter of one parameter group.
+
+    ``FSDPModule.set_custom_reduce_scatter`` refuses a module with several groups
+    (per-parameter meshes: torchtitan's experts beside a block's dense weights) as
+    "ambiguous across groups with different meshes". FSDP2 hands a reduce-scatter the
+    process group of each call, so one that reads its group from the call serves every
+    mesh; this sets it group by group, as that method does for a module of one group."""
+    reduce_scatter_of(group)  # the attribute exists in this torch
+    group._reduce_scatter_comm = comm

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from fsdp_int8._fsdp_compat import BUILTIN_REDUCE_SCATTERS, fsdp_modules, param_groups, reduce_scatter_of
+from fsdp_int8._fsdp_compat import (
+    BUILTIN_REDUCE_SCATTERS,
+    fsdp_modules,
+    param_groups,
+    reduce_scatter_of,
+    set_reduce_scatter,
+)
 from fsdp_int8.gradients._wire import DEFAULT_BLOCK_SIZE
 from fsdp_int8.gradients.in_place import InPlaceReduceScatter
 from fsdp_int8.gradients.reduce_scatter import QuantizedReduceScatter
@@ -30,8 +36,11 @@ def enable_quantized_reduce_scatter(
     backward: FSDP2's gradient reduce-scatter then sends int8 blocks. Only the
     reduce-scatter over the shard dimension changes: with HSDP, FSDP2's all-reduce over
     the replicate dimension still runs in full precision (reduce dtype), and a shard
-    dimension of size 1 calls no reduce-scatter at all. Calling it again, or after
-    :func:`enable_in_place_reduce_scatter`, replaces the installed one.
+    dimension of size 1 calls no reduce-scatter at all. A module with several parameter
+    groups (per-parameter meshes from ``fully_shard``'s ``shard_placement_fn``: torchtitan's
+    experts on their own mesh) gets it on every group, each reducing over its own mesh.
+    Calling it again, or after :func:`enable_in_place_reduce_scatter`, replaces the
+    installed one.
 
     Args:
         model: A model sharded with ``fully_shard`` (the root or any module containing
@@ -43,9 +52,8 @@ def enable_quantized_reduce_scatter(
         How many FSDP modules (with parameters) now use the quantized reduce-scatter.
 
     Raises:
-        ValueError: ``model`` holds no FSDP module; or a module has several parameter
-            groups (per-parameter meshes from ``shard_placement_fn``), which FSDP2's
-            hook cannot serve; or a module already uses another custom reduce-scatter.
+        ValueError: ``model`` holds no FSDP module, or a module already uses another
+            custom reduce-scatter.
 
     Example::
 
@@ -96,16 +104,8 @@ def _install(model: nn.Module, comm: object, what: str) -> int:
                     f"FSDP module {name or '<root>'!r} already uses a custom reduce-scatter "
                     f"({type(current).__name__}); {what} would replace it"
                 )
-        try:
-            module.set_custom_reduce_scatter(comm)
-        except ValueError as error:
-            raise ValueError(
-                f"cannot install {what} on FSDP module "
-                f"{name or '<root>'!r}: it has {len(groups)} parameter groups "
-                "(per-parameter meshes from fully_shard's shard_placement_fn), and FSDP2 "
-                "takes one custom reduce-scatter per module only. Shard those parameters "
-                f"in a module of their own. (FSDP2: {error})"
-            ) from error
+        for group in groups:  # each group's own mesh: FSDP2 passes its process group per call
+            set_reduce_scatter(group, comm)
         installed += bool(groups)
     return installed
 
