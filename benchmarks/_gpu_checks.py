@@ -1,6 +1,7 @@
 """The ``checks`` part of ``python -m benchmarks.gpu``: what only a GPU can show, each case
 pass / fail (int8 GEMMs at cuBLASLt's shape rules, compiled kernels against eager, the
-deferred finiteness check, a checkpoint round trip, FSDP2 on one rank), then the test
+deferred finiteness check, a checkpoint round trip, the experts' grouped int8 GEMMs, FSDP2
+on one rank), then the test
 suite's distributed tests on the GPUs there are."""
 
 from __future__ import annotations
@@ -94,6 +95,43 @@ def _check_deferred_finiteness(device: str) -> None:
         raise AssertionError("a step writing Inf into an int8 weight did not raise")
 
 
+def _check_grouped_int8_gemms(device: str) -> str:
+    """The experts' grouped int8 GEMMs (Triton kernels on CUDA; on the CPU, Triton's
+    interpreter) against each expert's rows through F.linear's int8 GEMMs: the same values
+    within bf16 rounding (bit for bit on the CPU's tests), and no host read."""
+    import os
+
+    from fsdp_int8.testing import count_host_syncs
+    from fsdp_int8.weight import Int8WeightMeta, int8_grouped_mm
+
+    experts, out_features, in_features = 8, 64, 96
+    generator = torch.Generator().manual_seed(0)
+    q, scale = fsdp_int8.quant.absmax_quantize(torch.randn(experts * out_features, in_features, generator=generator))
+    meta = Int8WeightMeta(row_len=in_features, int8_matmul=Int8MatmulConfig())
+    weight = Int8Weight(q.view(experts, out_features, in_features).to(device),
+                        scale.view(experts, out_features).to(device), meta, dtype=torch.bfloat16)
+    counts = torch.tensor([40, 0, 17, 3, 64, 1, 30, 5])
+    offs = counts.cumsum(0).to(device=device, dtype=torch.int32)
+    x = torch.randn(int(counts.sum()), in_features, generator=generator).bfloat16().to(device)
+    previous = os.environ.get("TRITON_INTERPRET")
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        with count_host_syncs() as reads:
+            got = int8_grouped_mm(x, weight, offs)
+    finally:
+        if device == "cpu" and previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        elif device == "cpu":
+            os.environ["TRITON_INTERPRET"] = previous
+    want = torch.cat([F.linear(x[a:b], weight[e]) for e, (a, b) in
+                      enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist())) if b > a])
+    error = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    assert reads.count == 0, reads.summary()
+    assert error <= 2 ** -7, error  # one bf16 rounding of the output at most
+    return "bit-exact" if error == 0 else f"max difference {error:.1e} of the largest value"
+
+
 def _check_checkpoint_round_trip(device: str, folder: Path) -> None:
     model = fsdp_int8.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 64)),
                                 fsdp_int8.Int8TrainingConfig(min_features=1)).to(device)
@@ -125,6 +163,7 @@ def run_checks(device: str, dry_run: bool, folder: Path) -> dict:
         "compiled kernels equal eager, bit for bit": lambda: _check_compiled_matches_eager(device),
         "deferred finiteness check raises at step()": lambda: _check_deferred_finiteness(device),
         "checkpoint round trip, bit-exact": lambda: _check_checkpoint_round_trip(device, folder / "checkpoint"),
+        "experts' grouped int8 GEMMs: Triton kernels, no host read": lambda: _check_grouped_int8_gemms(device),
         "FSDP2 world size 1 trains (int8 matmuls)": lambda: run_distributed(_fsdp_one_rank, 1)[0],
     }
     results = {}

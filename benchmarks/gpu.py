@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu                      # everything (~25 min on an H100), into docs/gpu.md
     python -m benchmarks.gpu --part checks        # correctness on CUDA only (one part per command)
-    python -m benchmarks.gpu --part gemm | train
+    python -m benchmarks.gpu --part gemm | experts | train
     python -m benchmarks.gpu --dry-run            # the same code on the CPU at tiny shapes (CI runs it)
 
 Parts:
@@ -11,13 +11,18 @@ Parts:
   ``F.linear`` against a float reference at cuBLASLt's shape rules (token counts of 16 or
   fewer, padded; features divisible by 8, and the error for others), the compiled kernels
   (Triton) against eager bit for bit, the deferred finiteness check of optimizer updates
-  (one sync per step), a checkpoint round trip, and FSDP2 on one rank with NCCL; then the
+  (one sync per step), a checkpoint round trip, the experts' grouped int8 GEMMs (Triton's
+  kernels against each expert's ``F.linear``, no host read), and FSDP2 on one rank with
+  NCCL; then the
   test suite's distributed tests: its world-size-1 case with one GPU, all of them with two
   or more (each test runs on GPUs when there is one per rank, else on the CPU).
 * ``gemm``: ``torch._int_mm`` against a bf16 matmul at Llama shapes (8192 and 16384 tokens
   x 4096x4096, 4096x14336, 14336x4096), raw and as ``F.linear`` runs it with an
   ``Int8Weight`` (activation quantization and the scale epilogue included), forward and
   forward + backward: TFLOP/s and the ratio to bf16.
+* ``experts``: one MoE block's experts at Qwen3-30B-A3B's shape (4096 tokens, top 8 of
+  128), ``int8_grouped_mm``'s Triton kernels against bf16 ``torch._grouped_mm``, forward
+  and backward, with kernels and host reads per call (``benchmarks.experts_gemm``).
 * ``train``: bf16 FSDP2 against int8 matmuls and weight-only int8 (bf16 compute), once
   with compiled kernels (the rows ``bf16``, ``int8-mm``, ``int8`` of ``launch.precisions``)
   and once with every transformer block compiled whole (``bf16:blocks``,
@@ -46,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 import fsdp_int8
-from benchmarks import ratios
+from benchmarks import experts_gemm, ratios
 from benchmarks._gpu_checks import run_checks
 from benchmarks import rows as registry
 from benchmarks.timing import interleave, paired_ratio, train_step
@@ -58,7 +63,7 @@ from launch.build import build_model
 from launch.precisions import Recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("checks", "gemm", "train")
+PARTS = ("checks", "gemm", "experts", "train")
 GEMM_SHAPES = [(tokens, k, n) for tokens in (8192, 16384) for k, n in ((4096, 4096), (4096, 14336), (14336, 4096))]
 DRY_GEMM_SHAPES = [(64, 64, 64), (64, 64, 128)]
 GOALS = {
@@ -233,6 +238,8 @@ def _lines(machine: str, results: dict) -> list[str]:
                          f"{r['int8 raw TFLOP/s']:.1f} | {r['raw ratio']:.2f}x | {r['linear forward ratio']:.2f}x | "
                          f"{r['linear fwd+bwd ratio']:.2f}x |")
         lines.append("")
+    if "experts" in results:
+        lines += ["Experts (`benchmarks.experts_gemm`):", "", "```", *results["experts"], "```", ""]
     if "train" in results:
         s = results["train"]["settings"]
         lines += [f"Training, preset {s['preset']}, batch {s['batch_size']} x {s['seq_len']}, FSDP2 world size 1, "
@@ -306,6 +313,9 @@ def main(argv: list[str] | None = None) -> dict:
             results["checks"] = run_checks(device, args.dry_run, Path(scratch))
     if "gemm" in parts:
         results["gemm"] = run_gemm(device, DRY_GEMM_SHAPES if args.dry_run else GEMM_SHAPES)
+    if "experts" in parts:  # one MoE block's experts, int8 against bf16 torch._grouped_mm
+        shape, tokens, steps = ("tiny", 16, 1) if args.dry_run else ("qwen3-30b-a3b", 4096, 10)
+        results["experts"] = experts_gemm.run(shape, tokens=tokens, steps=steps, warmup=1, threads=1, device=device)
     if "train" in parts:
         results["train"] = run_train(args.dry_run)
     print("\n".join(_lines(machine, results)[2:] + _goal_lines(results)), flush=True)
