@@ -78,20 +78,21 @@ def _same_values(a: dict, b: dict) -> bool:
 
 def _refused_torchtitan_load(rank, world, folder):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import _torchtitan_common as tt
     import torchtitan_debug as example
 
     args = argparse.Namespace(steps=1, batch=2, seq_len=16, lr=3e-3, compile=None, lean=False)
     torch.manual_seed(0)
-    written = example._build(example._trainer_config(args, folder), world)
-    example._train(written, range(1, 2), args, rank, world)
+    written = tt.build(example._trainer_config(args, folder), world)
+    tt.train(written, range(1, 2), args, rank, world)
     name = next(n for n, p in written["model"].named_parameters() if isinstance(local_of(p), Int8Weight))
     if rank == 1:  # damaged after training: torchtitan's save writes what the model holds
         local_of(written["model"].get_parameter(name)).scale[0] = float("nan")
     written["checkpointer"].save(curr_step=1)
 
     torch.manual_seed(1)
-    fresh = example._build(example._trainer_config(args, folder), world)
-    example._train(fresh, range(1, 2), args, rank, world)  # optimizer states to keep
+    fresh = tt.build(example._trainer_config(args, folder), world)
+    tt.train(fresh, range(1, 2), args, rank, world)  # optimizer states to keep
     before = _local_copies({"model": fresh["model"].state_dict(), "optimizer": fresh["optimizers"].state_dict()})
     with case("Int8CheckpointManager.load of a checkpoint with a NaN scale in rank 1's shard"):
         # named by its checkpoint key (torchtitan's state dict splits the fused wqkv into wq, wk, wv)
