@@ -177,8 +177,8 @@ class Int8TrainingConfig:
             logits. Other losses, and a model's own ``loss_function``, stay. ``None``
             (default): transformers' loss.
 
-    Experts modules (an int ``num_experts``, 3-D weights ``[E, out, in]``) get one scale per
-    expert and output feature; routers and transposed experts stay in full precision
+    Experts modules (:func:`counts_experts`, 3-D weights ``[E, out, in]`` or ``[E, in,
+    out]``) get one scale per expert and output feature; routers stay in full precision
     (docs/moe.md, "What becomes int8").
 
     The int8 gradient reduce-scatter is not a field: it replaces the communication of an
@@ -345,9 +345,14 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
 _ROUTER_NAME = re.compile(r"(router|gate)|\w+_(router|gate)|router_\w+")
 
 
+def expert_count(owner: object) -> int | None:
+    """The int ``num_experts`` of ``owner`` (a module or its config), or LongCat-Flash's ``num_routed_experts``."""
+    counts = [getattr(owner, name, None) for name in ("num_experts", "num_routed_experts")]
+    return next((n for n in counts if isinstance(n, int) and not isinstance(n, bool)), None)
+
+
 def counts_experts(owner: object) -> bool:
-    """Whether ``owner`` (a module or a module's config) has an int ``num_experts``."""
-    return isinstance(getattr(owner, "num_experts", None), int)
+    return expert_count(owner) is not None
 
 
 def stores_experts_transposed(module: nn.Module) -> bool:
@@ -364,27 +369,29 @@ def stores_experts_transposed(module: nn.Module) -> bool:
 
 
 def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
-    """Names of ``module``'s own 3-D expert weights (``[num_experts, out, in]``, or ``[..., in,
-    out]`` where :func:`stores_experts_transposed`; not biases), ``()`` if none."""
-    experts = getattr(module, "num_experts", None)
-    if not counts_experts(module) or experts < 1:
+    """Names of ``module``'s own 3-D expert weights (``[E, out, in]``, or ``[E, in, out]``
+    where :func:`stores_experts_transposed`, ``E`` its :func:`expert_count` or its
+    ``total_experts``, zero-compute ones included; not biases), ``()`` if none."""
+    experts = expert_count(module)
+    if experts is None or experts < 1:
         return ()
+    counts = {experts, getattr(module, "total_experts", experts)}
     return tuple(
         name for name, param in module._parameters.items()
-        if param is not None and param.dim() == 3 and param.shape[0] == experts and param.is_floating_point()
+        if param is not None and param.dim() == 3 and param.shape[0] in counts and param.is_floating_point()
     )
 
 
 def router_modules(model: nn.Module) -> set[int]:
-    """``id`` of every module inside a router of ``model``: in a MoE block (a module with an
-    int ``num_experts``, or a child that has one: ``E``), each child :data:`_ROUTER_NAME`
+    """``id`` of every module inside a router of ``model``: in a MoE block (a module that
+    :func:`counts_experts`, or a child that does: ``E``), each child :data:`_ROUTER_NAME`
     matches, and each ``nn.Linear`` child with ``E`` outputs (one logit per expert)."""
     routers: set[int] = set()
     for block in model.modules():
         counts = [block] if counts_experts(block) else [c for c in block.children() if counts_experts(c)]
         if not counts:
             continue
-        experts = counts[0].num_experts
+        experts = expert_count(counts[0])
         for name, child in block.named_children():
             if _ROUTER_NAME.fullmatch(name):
                 routers.update(id(m) for m in child.modules())

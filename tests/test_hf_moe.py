@@ -425,14 +425,12 @@ _PARTS = {
 _NOT_TRAINED = {
     "dbrx": "full precision: its experts (DbrxExpertGLU's w1, v1, w2) are 2-D [experts * ffn, hidden] "
             "matrices, not 3-D expert weights",
-    "longcat_flash": "full precision: LongcatFlashExperts counts its experts as n_routed_experts plus "
-                     "zero_expert_num (gate_up_proj holds both), with no num_experts",
     "qwen3_omni_moe": "transformers cannot build Qwen3OmniMoeForConditionalGeneration from a config (its talker "
                       "reads fields its config lacks); its trainable MoE model is qwen3_omni_moe_thinker",
     **{part: f"a part of {family}'s config without a model with a head of its own (its experts are {family}'s)"
        for family, parts in _PARTS.items() for part in parts},
 }
-_FULL_PRECISION = ("dbrx", "longcat_flash")
+_FULL_PRECISION = ("dbrx",)
 _NO_COMPILE = Int8TrainingConfig(compile="off")  # tiny weights: compiling the rounding would be most of the time  # checked to stay so: a change making them int8 fails here
 # the default run's families, one of each kind of conversion; the rest run in the exhaustive matrix
 _DEFAULT_FAMILIES = (
@@ -443,6 +441,7 @@ _DEFAULT_FAMILIES = (
     "inkling_text",  # interleaved gate / up rows, a fused shared-expert weight chunked
     "ernie4_5_vl_moe",  # text and vision experts fused and split by one op
     "unlimited_ocr",  # a fused qkv split into three int8 layers, a vision tower
+    "longcat_flash",  # experts counted by num_routed_experts, zero-compute experts' rows in gate_up_proj
 )
 
 
