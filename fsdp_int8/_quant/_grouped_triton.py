@@ -39,8 +39,10 @@ def rows_kernel(a_ptr, b_ptr, offs_ptr, row_scale_ptr, col_scale_ptr, out_ptr,
                 HAS_COL_SCALE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One tile of rows x columns; its rows may span several experts: each expert with
-    # rows in the tile runs its own dot over the tile's masked rows.
+    # rows in the tile runs its own dot over the tile's masked rows. Offsets into the
+    # tensors are int64: rows x features or experts x out x in can pass 2**31.
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m64 = m.to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     first_row = tl.program_id(0) * BLOCK_M
     last_row = _min(first_row + BLOCK_M, rows) - 1
@@ -48,16 +50,18 @@ def rows_kernel(a_ptr, b_ptr, offs_ptr, row_scale_ptr, col_scale_ptr, out_ptr,
     last_expert = _min(experts_before(offs_ptr, experts, last_row, SEARCH_STEPS), experts - 1)
     row_scale = tl.load(row_scale_ptr + m, mask=m < rows, other=0.0)
     result = tl.full((BLOCK_M, BLOCK_N), 0, tl.float32)
+    e64 = first_expert.to(tl.int64)  # e, counted alongside in int64
     for e in range(first_expert, last_expert + 1):
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(offs_ptr + e)
         in_expert = (m >= start) & (m < end)
+        expert = b_ptr + e64 * stride_be
         acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
         for i0 in range(0, inner, BLOCK_K):
             i = i0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + m[:, None] * stride_am + i[None, :] * stride_ai,
+            a = tl.load(a_ptr + m64[:, None] * stride_am + i[None, :] * stride_ai,
                         mask=in_expert[:, None] & (i[None, :] < inner), other=0)
-            b = tl.load(b_ptr + e * stride_be + i[:, None] * stride_bi + n[None, :] * stride_bj,
+            b = tl.load(expert + i[:, None] * stride_bi + n[None, :] * stride_bj,
                         mask=(i[:, None] < inner) & (n[None, :] < cols), other=0)
             acc += tl.dot(a, b, out_dtype=tl.int32)
         scaled = acc.to(tl.float32) * row_scale[:, None]
@@ -65,8 +69,10 @@ def rows_kernel(a_ptr, b_ptr, offs_ptr, row_scale_ptr, col_scale_ptr, out_ptr,
             col_scale = tl.load(col_scale_ptr + e * stride_ce + n, mask=n < cols, other=0.0)
             scaled = scaled * col_scale[None, :]
         result = tl.where(in_expert[:, None], scaled, result)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], result.to(out_ptr.dtype.element_ty),
+        e64 += 1
+    tl.store(out_ptr + m64[:, None] * stride_om + n[None, :], result.to(out_ptr.dtype.element_ty),
              mask=(m[:, None] < rows) & (n[None, :] < cols))
+
 
 @triton.jit
 def sums_kernel(a_ptr, b_ptr, offs_ptr, scale_a_ptr, scale_b_ptr, out_ptr, n_size, k_size,
@@ -74,7 +80,7 @@ def sums_kernel(a_ptr, b_ptr, offs_ptr, scale_a_ptr, scale_b_ptr, out_ptr, n_siz
                 HAS_B_SCALE: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One expert's [N, K] tile: a sum over that expert's rows, in int32 chunks of at
-    # most CHUNK rows, each scaled and added in fp32.
+    # most CHUNK rows, each scaled and added in fp32; int64 offsets, as above.
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -89,14 +95,16 @@ def sums_kernel(a_ptr, b_ptr, offs_ptr, scale_a_ptr, scale_b_ptr, out_ptr, n_siz
         acc = tl.full((BLOCK_N, BLOCK_K), 0, tl.int32)
         for r0 in range(c0, c1, BLOCK_M):
             r = r0 + tl.arange(0, BLOCK_M)
-            a = tl.load(a_ptr + r[None, :] * stride_am + n[:, None] * stride_an,
+            r64 = r.to(tl.int64)
+            a = tl.load(a_ptr + r64[None, :] * stride_am + n[:, None] * stride_an,
                         mask=(r[None, :] < c1) & (n[:, None] < n_size), other=0)
-            b = tl.load(b_ptr + r[:, None] * stride_bm + k[None, :] * stride_bk,
+            b = tl.load(b_ptr + r64[:, None] * stride_bm + k[None, :] * stride_bk,
                         mask=(r[:, None] < c1) & (k[None, :] < k_size), other=0)
             acc += tl.dot(a, b, out_dtype=tl.int32)
         part = acc.to(tl.float32) * scale
         if HAS_B_SCALE:
             part = part * scale_b[None, :]
         total += part
-    tl.store(out_ptr + e * stride_oe + n[:, None] * stride_on + k[None, :], total.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + e.to(tl.int64) * stride_oe + n[:, None] * stride_on + k[None, :],
+             total.to(out_ptr.dtype.element_ty),
              mask=(n[:, None] < n_size) & (k[None, :] < k_size))
