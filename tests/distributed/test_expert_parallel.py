@@ -30,7 +30,6 @@ from _cases import FULL_MATRIX, case
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-import fsdp_int8
 from fsdp_int8 import Int8TrainingConfig, Int8Weight
 from fsdp_int8.testing import run_distributed
 
