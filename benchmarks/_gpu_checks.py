@@ -99,31 +99,19 @@ def _check_grouped_int8_gemms(device: str) -> str:
     """The experts' grouped int8 GEMMs (Triton kernels on CUDA; on the CPU, Triton's
     interpreter) against each expert's rows through F.linear's int8 GEMMs: the same values
     within bf16 rounding (bit for bit on the CPU's tests), and no host read."""
-    import os
-
+    from benchmarks.experts_gemm import triton_interpreted
     from fsdp_int8.testing import count_host_syncs
-    from fsdp_int8.weight import Int8WeightMeta, int8_grouped_mm
+    from fsdp_int8.weight import int8_grouped_mm
 
     experts, out_features, in_features = 8, 64, 96
     generator = torch.Generator().manual_seed(0)
-    q, scale = fsdp_int8.quant.absmax_quantize(torch.randn(experts * out_features, in_features, generator=generator))
-    meta = Int8WeightMeta(row_len=in_features, int8_matmul=Int8MatmulConfig())
-    weight = Int8Weight(q.view(experts, out_features, in_features).to(device),
-                        scale.view(experts, out_features).to(device), meta, dtype=torch.bfloat16)
+    values = torch.randn(experts, out_features, in_features, generator=generator).to(device)
+    weight = Int8Weight.from_float(values, int8_matmul=Int8MatmulConfig(), dtype=torch.bfloat16)
     counts = torch.tensor([40, 0, 17, 3, 64, 1, 30, 5])
     offs = counts.cumsum(0).to(device=device, dtype=torch.int32)
     x = torch.randn(int(counts.sum()), in_features, generator=generator).bfloat16().to(device)
-    previous = os.environ.get("TRITON_INTERPRET")
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        with count_host_syncs() as reads:
-            got = int8_grouped_mm(x, weight, offs)
-    finally:
-        if device == "cpu" and previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        elif device == "cpu":
-            os.environ["TRITON_INTERPRET"] = previous
+    with triton_interpreted(device == "cpu"), count_host_syncs() as reads:
+        got = int8_grouped_mm(x, weight, offs)
     want = torch.cat([F.linear(x[a:b], weight[e]) for e, (a, b) in
                       enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist())) if b > a])
     error = float((got.float() - want.float()).abs().max() / want.float().abs().max())

@@ -34,9 +34,8 @@ import torch.nn.functional as F
 
 from benchmarks.timing import interleave, ratio_lines
 from fsdp_int8 import Int8MatmulConfig, Int8Weight, hardware
-from fsdp_int8.quant import absmax_quantize
 from fsdp_int8.testing import count_host_syncs, count_kernels
-from fsdp_int8.weight import Int8WeightMeta, int8_grouped_mm
+from fsdp_int8.weight import int8_grouped_mm
 
 
 @dataclass(frozen=True)
@@ -73,10 +72,8 @@ def _weights(shape: ExpertShape, int8: bool, device: str = "cpu") -> tuple[torch
     for out, inner in ((2 * shape.width, shape.hidden), (shape.hidden, shape.width)):
         values = torch.randn(shape.experts, out, inner, generator=generator) * inner ** -0.5
         if int8:
-            q, scale = absmax_quantize(values.reshape(-1, inner))
-            meta = Int8WeightMeta(row_len=inner, int8_matmul=Int8MatmulConfig())
-            made.append(Int8Weight(q.view(values.shape).to(device), scale.view(shape.experts, out).to(device),
-                                   meta, dtype=torch.bfloat16).requires_grad_())
+            weight = Int8Weight.from_float(values.to(device), int8_matmul=Int8MatmulConfig(), dtype=torch.bfloat16)
+            made.append(weight.requires_grad_())
         else:
             made.append(values.bfloat16().to(device).requires_grad_())
     return made[0], made[1]
@@ -93,7 +90,7 @@ def _experts_step(x: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, do
 
 
 @contextlib.contextmanager
-def _triton_interpreted(on: bool) -> Iterator[None]:
+def triton_interpreted(on: bool) -> Iterator[None]:
     """On the CPU: the grouped int8 GEMMs as Triton's interpreter runs a GPU's kernels
     (``on``) or as the loop over experts; elsewhere nothing changes."""
     previous = os.environ.get("TRITON_INTERPRET")
@@ -109,7 +106,7 @@ def _triton_interpreted(on: bool) -> Iterator[None]:
 
 def _counts(shape: ExpertShape, tokens: int, int8: bool, triton: bool, device: str) -> dict:
     """Kernels and host reads of one forward + backward call."""
-    with _triton_interpreted(triton and device == "cpu"):
+    with triton_interpreted(triton and device == "cpu"):
         gate_up, down = _weights(shape, int8, device)
         offs = _offsets(shape, tokens, 1, device)
         x = _tokens(shape, offs)
@@ -131,7 +128,7 @@ def run(shape_name: str, *, tokens: int, steps: int, warmup: int, threads: int, 
              f"top {shape.top_k}; {tokens} tokens ({int(offs[-1])} routed rows), forward + backward, "
              f"{threads} thread(s); {steps} timed steps after {warmup}, interleaved",
              hardware.hardware_line(device)]
-    with _triton_interpreted(False):  # the timed int8 row: this machine's own path
+    with triton_interpreted(False):  # the timed int8 row: this machine's own path
         times = interleave(rows, steps=steps, warmup=warmup)
     lines += ratio_lines(times, "bf16")
     narrow = ExpertShape(hidden=64, width=32, experts=shape.experts, top_k=shape.top_k)

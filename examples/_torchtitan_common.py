@@ -10,7 +10,7 @@ import argparse
 import contextlib
 import os
 import tempfile
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -134,6 +134,16 @@ def all_ranks(flag: bool) -> bool:
     value = torch.tensor(int(flag), device=device())
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value)
+
+
+def run_on_every_rank(run: Callable[[argparse.Namespace, str, int, int], dict], args: argparse.Namespace) -> dict:
+    """``run(args, folder, rank, world)`` inside :func:`process_group_and_folder`; its
+    summary, printed by rank 0."""
+    with process_group_and_folder(args.dump_folder) as (rank, world, folder):
+        summary = run(args, folder, rank, world)
+    if rank == 0:
+        print(summary)
+    return summary
 
 
 @contextlib.contextmanager

@@ -71,13 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", default=None, metavar="BACKEND",
                         help="torchtitan's per-block compile (compile.enable, components ['model']) "
                         "with this torch.compile backend, e.g. inductor")
-    args = parser.parse_args(argv)
-
-    with tt.process_group_and_folder(args.dump_folder) as (rank, world, folder):
-        summary = _run(args, folder, rank, world)
-    if rank == 0:
-        print(summary)
-    return summary
+    return tt.run_on_every_rank(_run, parser.parse_args(argv))
 
 
 def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:

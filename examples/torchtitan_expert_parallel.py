@@ -121,13 +121,7 @@ def _int8_share(model: nn.Module) -> float:
 def main(argv: list[str] | None = None) -> dict:
     """Train at ep 2, checkpoint, reload at ep 1 and ep 4; returns the summary the test checks."""
     parser = tt.arguments(__doc__.splitlines()[0], steps=4)
-    args = parser.parse_args(argv)
-
-    with tt.process_group_and_folder(args.dump_folder) as (rank, world, folder):
-        summary = _run(args, folder, rank, world)
-    if rank == 0:
-        print(summary)
-    return summary
+    return tt.run_on_every_rank(_run, parser.parse_args(argv))
 
 
 def _run(args: argparse.Namespace, folder: str, rank: int, world: int) -> dict:

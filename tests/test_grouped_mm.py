@@ -17,9 +17,8 @@ import torch
 from fsdp_int8 import Int8MatmulConfig, Int8Weight
 from fsdp_int8._quant import grouped_gemm
 from fsdp_int8._weight.linear import _int8_grad_weight_of_rows, _quantize_activations, grads_of, output_of
-from fsdp_int8.quant import absmax_quantize
 from fsdp_int8.testing import count_host_syncs
-from fsdp_int8.weight import Int8WeightMeta, int8_grouped_mm
+from fsdp_int8.weight import int8_grouped_mm
 
 pytest.importorskip("triton")
 
@@ -29,9 +28,7 @@ TOKENS_PER_EXPERT = [10, 0, 33, 7, 15]  # an expert without tokens, and 5 rows p
 
 def _experts(dtype: torch.dtype, config: Int8MatmulConfig | None = None) -> Int8Weight:
     values = torch.randn(EXPERTS, OUT, IN, generator=torch.Generator().manual_seed(0))
-    q, scale = absmax_quantize(values.reshape(-1, IN))
-    meta = Int8WeightMeta(row_len=IN, int8_matmul=config or Int8MatmulConfig())
-    return Int8Weight(q.view(EXPERTS, OUT, IN), scale.view(EXPERTS, OUT), meta, dtype=dtype).requires_grad_()
+    return Int8Weight.from_float(values, int8_matmul=config or Int8MatmulConfig(), dtype=dtype).requires_grad_()
 
 
 def _offs() -> torch.Tensor:
