@@ -287,7 +287,7 @@ def test_llama4_experts_stored_transposed_without_a_flag_become_int8():
     for parameter in moe.parameters():  # a bare block: transformers initialises whole models only
         nn.init.normal_(parameter, std=0.1)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # mostly int8 now: no warning
+        warnings.simplefilter("error")  # mostly int8: no low-share warning
         quantize_(nn.Sequential(moe, nn.Linear(32, 32)))
     stored = moe.experts._parameters["gate_up_proj"]
     assert isinstance(stored, Int8Weight) and stored.shape == (4, 96, 32) and stored.scale.shape == (4, 96)
