@@ -166,18 +166,20 @@ def _train_body(rank: int, world: int, settings: dict) -> dict:
 
 # the peak-memory comparison (docs/memory.md): each row built alone, activation
 # checkpointing on, torch.cuda.max_memory_allocated of its second step
-MEMORY_ROWS = ("bf16", "int8-8bit-bf16-grads", "lean")
+MEMORY_ROWS = ("bf16", "int8-8bit-bf16-grads", "lean", "lean-4bit")
 
 
 def _build_for_memory(row: str, args, device: torch.device):
     """bf16 FSDP2 + torch AdamW; int8 + 8-bit AdamW keeping bf16 gradients until the step;
-    or the library's lean call (``Int8TrainingConfig.lean()`` + ``Int8AdamW.lean``)."""
+    or the library's lean call (``Int8TrainingConfig.lean()`` + ``Int8AdamW.lean``), with
+    8-bit or 4-bit states."""
     if row == "bf16":
         model = build_model(Recipe.of("bf16"), args, device, full_init=True, activation_checkpointing=True)
         return model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    if row == "lean":
+    if row in ("lean", "lean-4bit"):
         model = build_model(Recipe.of("int8"), args, device, full_init=True, lean=True, activation_checkpointing=True)
-        return model, fsdp_int8.Int8AdamW.lean(model.parameters(), lr=3e-4, weight_decay=0.1)
+        bits = 4 if row == "lean-4bit" else 8
+        return model, fsdp_int8.Int8AdamW.lean(model.parameters(), lr=3e-4, weight_decay=0.1, state_bits=bits)
     model = build_model(Recipe.of("int8"), args, device, full_init=True, activation_checkpointing=True)
     return model, fsdp_int8.Int8AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, state_bits=8,
                                       grad_dtype=torch.bfloat16)

@@ -35,12 +35,14 @@ Rows (each a recipe users run):
   dequantizes a transient copy, and the in-place gradient reduce-scatter: no copy of
   its input on gloo) with ``Int8AdamW.lean`` (8-bit states, the step inside backward,
   clipping at 1.0, updates of at most 2^18 elements): the launcher's ``--lean``;
+* ``lean-4bit``: the lean call with 4-bit Adam states (``Int8AdamW.lean(...,
+  state_bits=4)``): the launcher's ``--lean --optimizer int8-adamw-4bit``;
 * ``lean-bf16-gathered``: the same with the gathered weights dequantized to bf16 once
   per unshard (weight-only int8's default; the same values).
 
 ``--loss transformers`` (the default) leaves each row its own loss: transformers', except
 the lean rows, whose config installs
-:func:`fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss` (``loss_chunk_tokens``: 128
+:func:`fsdp_int8.integrations.hf_loss.chunked_causal_lm_loss` (``loss_chunk_tokens``: 64
 tokens a chunk). ``--loss chunked`` computes every row's loss with it (no fp32 logits of
 the whole batch), ``--loss-chunk-tokens`` tokens at a time (64 by default: a quarter of
 the 256 tokens per rank, as its own default of 1024 is of a 4096-token batch).
@@ -75,7 +77,6 @@ import gc
 import os
 
 import torch
-import torch.distributed as dist
 
 import fsdp_int8
 from fsdp_int8 import Int8AdamW, Int8TrainingConfig
@@ -94,6 +95,7 @@ INT8_ROWS: dict[str, tuple[Int8TrainingConfig, functools.partial]] = {
     "int8-8bit-bf16-grads": (Int8TrainingConfig(), _adamw(state_bits=8, grad_dtype=torch.bfloat16)),
     "int8-8bit-in-backward": (Int8TrainingConfig(), _adamw(state_bits=8, step_in_backward=True)),
     "lean": (Int8TrainingConfig.lean(), Int8AdamW.lean),
+    "lean-4bit": (Int8TrainingConfig.lean(), functools.partial(Int8AdamW.lean, state_bits=4)),
     "lean-bf16-gathered": (Int8TrainingConfig.lean(int8_matmul=None), Int8AdamW.lean),
     # the lean call with FSDP2's own reduce-scatter: on gloo it all-reduces a copy of its
     # whole input (NCCL makes none), what the bf16 row also pays

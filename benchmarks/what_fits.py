@@ -48,7 +48,7 @@ from benchmarks.report import RunLog
 
 GIB = 1 << 30
 USABLE = 0.9  # of a GPU's memory, for the step's peak
-GPU_SIZES_GB = (24, 40, 80)
+GPU_SIZES_GB = (16, 24, 40, 80)
 GPU_COUNTS = (1, 8, 64)
 SHARDED = ("Sharded Param", "Sharded Grad", "OptState")
 GROUP = ("Unsharded Param", "Unsharded Grad", "Temp", "All Gather", "Reduce Scatter")

@@ -27,6 +27,7 @@ import argparse
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import fsdp_int8
 from _accelerate_cpu import accelerate_session, fsdp2_accelerator, on_cpu
 from _common import int8_count, tiny_llama
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 VOCAB, SEQ = 128, 16
 

@@ -96,9 +96,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# The lean recipe's loss chunks: about 12 x 128 x vocabulary bytes of fp32 logits and their
-# gradient (200 MB at Llama 3's vocabulary; 6.3 GB for 4,096 tokens in transformers' loss).
-LEAN_LOSS_CHUNK_TOKENS = 128
+# The lean recipe's loss chunks: about 12 x 64 x vocabulary bytes of fp32 logits and their
+# gradient (100 MB at Llama 3's vocabulary; 6.3 GB for 4,096 tokens in transformers' loss).
+LEAN_LOSS_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class Int8TrainingConfig:
 
         A new config with ``quantize_embeddings=True`` (a tied head follows),
         ``int8_gathered_weights=True``, ``compute_dtype=torch.bfloat16``,
-        ``in_place_reduce_scatter=True`` and ``loss_chunk_tokens=128``; ``changes`` set
+        ``in_place_reduce_scatter=True`` and ``loss_chunk_tokens=64``; ``changes`` set
         fields instead. Train it with :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the
         step inside backward).
         """

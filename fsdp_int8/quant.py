@@ -52,7 +52,7 @@ Rounding = Literal["nearest", "stochastic"]
 NonFinite = Literal["raise", "propagate", "unchecked"]
 
 
-def _block_parts(length: int, block_size: int) -> list[tuple[slice, slice, int, int]]:
+def block_parts(length: int, block_size: int) -> list[tuple[slice, slice, int, int]]:
     """``(columns, scale columns, blocks, width)`` of a row's full blocks and its short tail.
 
     Splitting full blocks from the tail avoids padding (a copy of the whole tensor).
@@ -303,7 +303,7 @@ def absmax_quantize(
 
     scales = torch.empty(rows, ceil_div(length, block_size), dtype=torch.float32, device=values.device)
     parts = []
-    for columns, scale_columns, blocks, width in _block_parts(length, block_size):
+    for columns, scale_columns, blocks, width in block_parts(length, block_size):
         x = values32[:, columns].reshape(rows, blocks, width)
         if signed:
             amax = _signed_absmax(x, 2)
@@ -365,7 +365,7 @@ def absmax_dequantize(
             f"{(rows, ceil_div(length, block_size))}, got {tuple(scale.shape)}"
         )
     result = torch.empty(rows, length, dtype=dtype, device=q.device)
-    for columns, scale_columns, blocks, width in _block_parts(length, block_size):
+    for columns, scale_columns, blocks, width in block_parts(length, block_size):
         _mul_into(q[:, columns].reshape(rows, blocks, width), scale[:, scale_columns].unsqueeze(2),
                   result[:, columns].view(rows, blocks, width))
     return result

@@ -46,9 +46,9 @@ def parse(argv: list[str] | None = None, *, description: str | None = None) -> a
     train.add_argument("--steps", type=int, default=300, help="optimizer steps in the whole run")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     train.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
-    train.add_argument("--optimizer", choices=("adamw", "int8-adamw", "int8-adamw-8bit"),
+    train.add_argument("--optimizer", choices=("adamw", "int8-adamw", "int8-adamw-8bit", "int8-adamw-4bit"),
                        help="torch AdamW (the default), fsdp_int8's fused AdamW (one requantization per step), "
-                       "or the same with 8-bit Adam states (the default with --lean)")
+                       "or the same with 8-bit Adam states (the default with --lean) or 4-bit ones")
     train.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
     train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     train.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
@@ -56,11 +56,11 @@ def parse(argv: list[str] | None = None, *, description: str | None = None) -> a
                        help="max gradient norm (0: off; default 1.0); with --step-in-backward, by the step's norm as estimated "
                        "when each gradient arrives (Int8AdamW's max_grad_norm: the step's own norm does not exist inside backward)")
     train.add_argument("--step-in-backward", action="store_true",
-                       help="with --optimizer int8-adamw or int8-adamw-8bit: update each parameter inside "
+                       help="with fsdp_int8's optimizer (--optimizer int8-adamw*): update each parameter inside "
                        "backward as soon as its gradient is reduced, and free the gradient (gradients never "
                        "all live at once; --grad-clip by the step's norm as estimated so far; not with --pp)")
     train.add_argument("--bf16-grads", action="store_true",
-                       help="with --optimizer int8-adamw or int8-adamw-8bit: keep gradients in bf16 from their "
+                       help="with fsdp_int8's optimizer (--optimizer int8-adamw*): keep gradients in bf16 from their "
                        "reduce-scatter to the step (half their memory; not with --step-in-backward)")
     train.add_argument("--quantize-embeddings", action="store_true",
                        help="int8 precisions: int8 token embedding too (one scale per token row)")
@@ -72,7 +72,8 @@ def parse(argv: list[str] | None = None, *, description: str | None = None) -> a
     train.add_argument("--lean", action="store_true",
                        help="the lean-memory recipe in one word: --optimizer int8-adamw-8bit --step-in-backward "
                        "--quantize-embeddings --int8-gathered-weights --activation-checkpointing (clipping by the "
-                       "step's gradient norm as estimated when each gradient arrives; docs/memory.md)")
+                       "step's gradient norm as estimated when each gradient arrives; docs/memory.md); with "
+                       "--optimizer int8-adamw-4bit, the leanest")
     train.add_argument("--cpu-offload", action="store_true", help="FSDP2's CPU offload: sharded weights, gradients, "
                        "optimizer states and the step in host memory (the GPU holds gathered groups only; docs/memory.md)")
     train.add_argument("--replicas", type=int, default=1,
@@ -144,7 +145,7 @@ def lean_error(args: argparse.Namespace) -> str | None:
         args.int8_gathered_weights = True
     args.optimizer = args.optimizer or "adamw"
     if args.bf16_grads and args.optimizer == "adamw":
-        return "--bf16-grads needs fsdp_int8's optimizer: --optimizer int8-adamw or int8-adamw-8bit"
+        return "--bf16-grads needs fsdp_int8's optimizer: --optimizer int8-adamw, int8-adamw-8bit or int8-adamw-4bit"
     if args.bf16_grads and args.step_in_backward:
         return "--bf16-grads keeps gradients until the step, --step-in-backward keeps none: drop one"
     for flag, wanted in (("--quantize-embeddings", args.quantize_embeddings),
@@ -159,7 +160,7 @@ def step_in_backward_error(args: argparse.Namespace) -> str | None:
     if not args.step_in_backward:
         return None
     if args.optimizer == "adamw":
-        return "--step-in-backward needs fsdp_int8's optimizer: --optimizer int8-adamw or int8-adamw-8bit"
+        return "--step-in-backward needs fsdp_int8's optimizer: --optimizer int8-adamw, int8-adamw-8bit or int8-adamw-4bit"
     if args.pp > 1:
         return ("--step-in-backward applies each gradient once per step, and a pipeline schedule hands "
                 "each parameter one gradient per microbatch: drop one of --step-in-backward and --pp")

@@ -172,7 +172,7 @@ def make_optimizer(args: argparse.Namespace, model: Transformer) -> torch.optim.
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         fsdp_int8.optim.batch_int8_updates(optimizer)  # int8 updates' checks: one device sync per step
         return optimizer
-    state_bits = 8 if args.optimizer.endswith("8bit") else 32
+    state_bits = {"int8-adamw-8bit": 8, "int8-adamw-4bit": 4}.get(args.optimizer, 32)
     if args.lean:  # the library's lean call, with this run's --optimizer and --grad-clip
         return fsdp_int8.Int8AdamW.lean(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                         state_bits=state_bits, max_grad_norm=args.grad_clip or None)

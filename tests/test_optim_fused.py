@@ -403,8 +403,9 @@ def test_parameter_groups_and_parameters_without_gradients():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(state_bits=16), ValueError, "state_bits must be 8 or 32"),
-        (dict(state_bits=True), ValueError, "state_bits must be 8 or 32"),
+        (dict(state_bits=16), ValueError, "state_bits must be 4, 8 or 32"),
+        (dict(state_bits=True), ValueError, "state_bits must be 4, 8 or 32"),
+        (dict(state_bits=4, block_size=33), ValueError, "block_size must be even"),
         (dict(block_size=0), ValueError, "block_size must be >= 1"),
         (dict(block_size=2.5), TypeError, "block_size must be an int"),
         (dict(lr=-1.0), ValueError, "lr must be in"),
@@ -424,9 +425,9 @@ def test_bad_parameters_and_gradients_raise_clearly():
         Int8AdamW([nn.Parameter(torch.zeros(2, dtype=torch.complex64))])
     with pytest.raises(ValueError, match="Nesterov momentum needs momentum > 0"):
         Int8SGD([nn.Parameter(torch.zeros(2))], lr=0.1, nesterov=True)
-    with pytest.raises(ValueError, match="state_bits must be 8 or 32"):
+    with pytest.raises(ValueError, match="state_bits must be 4, 8 or 32"):
         Int8AdamW([nn.Parameter(torch.zeros(2))]).add_param_group(
-            {"params": [nn.Parameter(torch.zeros(2))], "state_bits": 4}
+            {"params": [nn.Parameter(torch.zeros(2))], "state_bits": 2}
         )
     param = nn.Parameter(torch.zeros(3, 2))
     param.grad = torch.zeros(3, 2).to_sparse()

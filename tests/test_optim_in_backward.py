@@ -22,6 +22,7 @@ OPTIMIZERS = {
     "adamw": (Int8AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "adamw-foreach": (Int8AdamW, dict(lr=1e-2, weight_decay=0.1, fused=False)),
     "adamw-8bit": (Int8AdamW, dict(lr=1e-2, weight_decay=0.1, state_bits=8, block_size=16)),
+    "adamw-4bit": (Int8AdamW, dict(lr=1e-2, weight_decay=0.1, state_bits=4, block_size=16)),
     "sgd-nesterov": (Int8SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
 }
 
@@ -190,7 +191,7 @@ def test_step_in_backward_must_be_a_bool():
         Int8AdamW(_model().parameters(), step_in_backward="yes")
 
 
-@pytest.mark.parametrize("name", ["adamw-8bit", "sgd-nesterov"])
+@pytest.mark.parametrize("name", ["adamw-8bit", "adamw-4bit", "sgd-nesterov"])
 def test_large_parameters_update_in_pieces_of_rows(name, monkeypatch):
     """A parameter above the piece size is updated a range of rows at a time, so the
     step's fp32 copies stay bounded. Every operation is row-local (per-row scales, 8-bit

@@ -7,6 +7,8 @@ installed is read through :mod:`fsdp_int8._fsdp_compat`.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch.nn as nn
 
 from fsdp_int8._fsdp_compat import (
@@ -60,7 +62,8 @@ def enable_quantized_reduce_scatter(
         fsdp_int8.shard_model(model)
         fsdp_int8.gradients.enable_quantized_reduce_scatter(model, seed=0)
     """
-    return _install(model, QuantizedReduceScatter(block_size, seed=seed), "the quantized reduce-scatter")
+    comm = QuantizedReduceScatter(block_size, seed=seed)  # one instance serves every group
+    return _install(model, lambda group: comm, "the quantized reduce-scatter")
 
 
 def enable_in_place_reduce_scatter(model: nn.Module) -> int:
@@ -83,11 +86,20 @@ def enable_in_place_reduce_scatter(model: nn.Module) -> int:
     Raises:
         ValueError: as :func:`enable_quantized_reduce_scatter`.
     """
-    return _install(model, InPlaceReduceScatter(), "the in-place reduce-scatter")
+    return _install(model, _in_place_for, "the in-place reduce-scatter")
 
 
-def _install(model: nn.Module, comm: object, what: str) -> int:
-    """Set ``comm`` as the reduce-scatter of every FSDP module of ``model`` (``what`` names it)."""
+def _in_place_for(group: Any) -> InPlaceReduceScatter:
+    """An in-place reduce-scatter told the dtype of ``group``'s unsharded gradients. Not
+    on one rank: FSDP2 then copies (and divides) the input into the output itself, in the
+    input's dtype."""
+    ranks = getattr(getattr(group, "mesh_info", None), "shard_mesh_size", 1)
+    return InPlaceReduceScatter(getattr(group.mp_policy, "param_dtype", None) if ranks > 1 else None)
+
+
+def _install(model: nn.Module, comm_for: Callable[[Any], object], what: str) -> int:
+    """Set ``comm_for(group)`` as the reduce-scatter of every parameter group of every FSDP
+    module of ``model`` (``what`` names it)."""
     modules = fsdp_modules(model)
     if not modules:
         raise ValueError(
@@ -105,7 +117,7 @@ def _install(model: nn.Module, comm: object, what: str) -> int:
                     f"({type(current).__name__}); {what} would replace it"
                 )
         for group in groups:  # each group's own mesh: FSDP2 passes its process group per call
-            set_reduce_scatter(group, comm)
+            set_reduce_scatter(group, comm_for(group))
         installed += bool(groups)
     return installed
 

@@ -2,7 +2,7 @@
 
 :class:`Int8AdamW` and :class:`Int8SGD` dequantize every int8 weight once, run the whole
 update in fp32 over bounded chunks of parameters, and requantize once with the weight's
-own rounding; :class:`Int8AdamW` can keep its moments in 8 bits (``state_bits=8``). Both
+own rounding; :class:`Int8AdamW` can keep its moments in 8 or 4 bits (``state_bits=8`` or ``4``). Both
 take parameters or parameter groups like any ``torch.optim`` optimizer, any mix of
 ``Int8Weight`` s, plain tensors and FSDP2 DTensors, and work with
 ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and

@@ -1,8 +1,9 @@
 """``Int8AdamW``: AdamW with one requantization per int8 weight and step, and optional
-block-wise 8-bit moments (:mod:`fsdp_int8.optim._state_codec`)."""
+block-wise 8-bit or 4-bit moments (:mod:`fsdp_int8.optim._state_codec`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from fsdp_int8._quant.kernels import ceil_div
 from fsdp_int8._weight import update_checks
 from fsdp_int8.optim._base import FusedInt8Optimizer, Slot, column_parts, like_param
 from fsdp_int8.optim._checks import check_number
-from fsdp_int8.optim._state_codec import dequantize_state_blocks, quantize_state_blocks
+from fsdp_int8.optim._state_codec import DEFAULT_BLOCK, STATE_NAMES, dequantize_moments, packed_columns, quantize_moment
 
 __all__ = ["Int8AdamW"]
 
@@ -26,21 +27,21 @@ def _row_len(param: torch.Tensor) -> int | None:
     return param.numel() // param.shape[0]
 
 
-def _check_blocks_align(param: torch.Tensor, row_len: int, block: int) -> int:
-    """Into how many pieces the ranks split each row (see ``column_parts``), if 8-bit
-    blocks fit them: whole rows, or pieces of whole blocks (then each rank's blocks are
-    the whole row's, the states are split like the parameter, and checkpoints reshard
-    them bit-exactly across layouts)."""
+def _check_blocks_align(param: torch.Tensor, row_len: int, block: int, bits: int) -> int:
+    """Into how many pieces the ranks split each row (see ``column_parts``), if the
+    quantized states' blocks fit them: whole rows, or pieces of whole blocks (then each
+    rank's blocks are the whole row's, the states are split like the parameter, and
+    checkpoints reshard them bit-exactly across layouts)."""
     parts = column_parts(param)
     if parts is None:
         raise ValueError(
-            "8-bit optimizer states need whole rows, or rows split along their last dim, on "
+            f"{bits}-bit optimizer states need whole rows, or rows split along their last dim, on "
             f"each rank; got a parameter placed as {tuple(param.placements)}. Use "
             "state_bits=32 for it (a separate parameter group)"
         )
     if parts > 1 and (row_len % parts or (row_len // parts) % block):
         raise ValueError(
-            f"8-bit optimizer states of a parameter whose rows of {row_len} elements are split "
+            f"{bits}-bit optimizer states of a parameter whose rows of {row_len} elements are split "
             f"{parts} ways ({tuple(param.placements)}, tensor parallelism's RowwiseParallel) "
             f"need each rank's {row_len / parts:g} elements of a row to be whole blocks of "
             f"block_size={block}, so that the blocks are the whole rows' and checkpoints "
@@ -48,6 +49,12 @@ def _check_blocks_align(param: torch.Tensor, row_len: int, block: int) -> int:
             f"{row_len / parts:g}, or use state_bits=32 for it (a separate parameter group)"
         )
     return parts
+
+
+def _block_size(group: dict[str, Any]) -> int:
+    """A group's elements per state block: its ``block_size``, or its precision's default."""
+    block = group["block_size"]
+    return DEFAULT_BLOCK[group["state_bits"]] if block is None else block
 
 
 def _use_fused(fused: bool | None, device: torch.device) -> bool:
@@ -78,19 +85,25 @@ class Int8AdamW(FusedInt8Optimizer):
     :class:`~fsdp_int8.guard.NonFiniteGradientError` on every rank before anything changes.
     A step with ``lr == 0`` leaves int8 weights untouched.
 
-    **8-bit states** (``state_bits=8``) go to every parameter with at least 2 dims whose
-    rows (``numel // shape[0]`` elements, global shape) hold at least ``block_size``
-    elements (:meth:`uses_8bit_state`); others (biases, norms, short rows) keep fp32
-    ``exp_avg`` / ``exp_avg_sq``. Each row is cut into blocks of ``block_size`` (the last
-    may be shorter) with one fp32 scale each: ``exp_avg_int8`` (int8 ``[rows, K]``) with
-    ``exp_avg_scale`` (fp32 ``[rows, ceil(K / block_size)]``), and the second moment's
-    square root as ``exp_avg_sq_sqrt_uint8`` (uint8) with ``exp_avg_sq_sqrt_scale``. Each
-    step dequantizes them, updates in fp32 and requantizes with round to nearest
-    (deterministic: resume is exact). A block never spans two rows, so checkpoints reshard
-    bit-exactly at any world size. A weight split by columns (tensor parallelism's
-    ``RowwiseParallel``) keeps 8-bit states when each rank's part of a row is whole blocks
-    (``in_features / tp`` divisible by ``block_size``). Why the square root and round to
-    nearest, and the bytes per parameter: docs/optim.md.
+    **8-bit and 4-bit states** (``state_bits=8`` or ``4``) go to every parameter with at
+    least 2 dims whose rows (``numel // shape[0]`` elements, global shape) hold at least
+    ``block_size`` elements (:meth:`uses_quantized_state`); others (biases, norms, short
+    rows) keep fp32 ``exp_avg`` / ``exp_avg_sq``. Which parameters get them depends on
+    their global shapes only, never on the mesh. Each row is cut into blocks of
+    ``block_size`` (the last may be shorter) with one fp32 scale each: the first moment
+    and the second moment's square root. 8 bits: ``exp_avg_int8`` (int8 ``[rows, K]``)
+    with ``exp_avg_scale`` (fp32 ``[rows, ceil(K / block_size)]``) and
+    ``exp_avg_sq_sqrt_uint8`` (uint8) with ``exp_avg_sq_sqrt_scale``: linear levels.
+    4 bits: ``exp_avg_4bit`` and ``exp_avg_sq_sqrt_4bit``, two codes per byte (uint8
+    ``[rows, ceil(K / 2)]``), with the same scales: sixteen levels of a table each
+    (docs/optim.md, "4-bit states"), about 1.06 bytes per parameter for both moments
+    at ``block_size=128``. Each step dequantizes them, updates in fp32 and requantizes
+    with round to nearest (deterministic: resume is exact). A block never spans two rows,
+    so checkpoints reshard bit-exactly at any world size. A weight split by columns
+    (tensor parallelism's ``RowwiseParallel``) keeps quantized states when each rank's
+    part of a row is whole blocks (``in_features / tp`` divisible by ``block_size``). Why
+    the square root, the levels and round to nearest, and the bytes per parameter:
+    docs/optim.md.
 
     State dicts: state tensors of DTensor parameters are DTensors placed like the parameter,
     so ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and
@@ -105,9 +118,10 @@ class Int8AdamW(FusedInt8Optimizer):
         betas: ``(beta1, beta2)``, each in ``[0, 1)``.
         eps: Added to the denominator, >= 0.
         weight_decay: Decoupled weight decay, >= 0.
-        state_bits: ``32`` (fp32 moments) or ``8`` (block-wise 8-bit moments, above).
-        block_size: Elements per 8-bit block (>= 1); also the shortest row that gets 8-bit
-            states.
+        state_bits: ``32`` (fp32 moments), ``8`` or ``4`` (block-wise quantized moments, above).
+        block_size: Elements per block of a quantized state (>= 1, even for 4 bits); also the
+            shortest row that gets quantized states. ``None`` (default): 64 for 8 bits, 128
+            for 4 bits.
         fused: ``True``: torch's fused AdamW kernel (``torch._fused_adamw_``, one pass over
             each tensor); ``False``: its ``torch._foreach_*`` operations in their order.
             ``None`` (default): fused on the devices torch has the kernel for (CPU, CUDA).
@@ -184,7 +198,7 @@ class Int8AdamW(FusedInt8Optimizer):
         weight_decay: float = 0.01,
         *,
         state_bits: int = 32,
-        block_size: int = 64,
+        block_size: int | None = None,
         fused: bool | None = None,
         step_in_backward: bool = False,
         step_elements: int | None = None,
@@ -207,7 +221,7 @@ class Int8AdamW(FusedInt8Optimizer):
         ``state_bits=8``, ``step_in_backward=True``, ``max_grad_norm=1.0`` and
         ``step_elements=2**18`` (an update's fp32 temporaries stay under about 5 MB).
         ``changes`` replace any of these or set other keywords (``weight_decay``,
-        ``betas``, ...)."""
+        ``betas``, ...): ``state_bits=4`` is the leanest recipe (docs/memory.md)."""
         recipe = dict(state_bits=8, step_in_backward=True, max_grad_norm=1.0, step_elements=LEAN_STEP_ELEMENTS)
         return cls(params, lr, **{**recipe, **changes})
 
@@ -221,33 +235,38 @@ class Int8AdamW(FusedInt8Optimizer):
         check_number("eps", group["eps"], 0.0)
         check_number("weight_decay", group["weight_decay"], 0.0)
         bits, block = group["state_bits"], group["block_size"]
-        if isinstance(bits, bool) or bits not in (8, 32):
-            raise ValueError(f"state_bits must be 8 or 32, got {bits!r}")
-        if isinstance(block, bool) or not isinstance(block, int):
-            raise TypeError(f"block_size must be an int, got {block!r}")
-        if block < 1:
+        if isinstance(bits, bool) or bits not in DEFAULT_BLOCK:
+            raise ValueError(f"state_bits must be 4, 8 or 32, got {bits!r}")
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int)):
+            raise TypeError(f"block_size must be an int or None, got {block!r}")
+        if block is not None and block < 1:
             raise ValueError(f"block_size must be >= 1, got {block}")
+        if bits == 4 and _block_size(group) % 2:
+            raise ValueError(f"4-bit states pack two values per byte, so a block is whole bytes: "
+                             f"block_size must be even, got {block}")
         if group.get("fused") not in (None, True, False):
             raise TypeError(f"fused must be None, True or False, got {group['fused']!r}")
 
     @staticmethod
-    def uses_8bit_state(param: torch.Tensor, state_bits: int, block_size: int) -> bool:
-        """Whether a parameter gets 8-bit moments: ``state_bits == 8``, at least 2 dims,
-        and rows (``numel // shape[0]`` elements, global shape) of at least ``block_size``."""
+    def uses_quantized_state(param: torch.Tensor, state_bits: int, block_size: int | None = None) -> bool:
+        """Whether a parameter gets 8-bit or 4-bit moments: ``state_bits`` 8 or 4, at least
+        2 dims, and rows (``numel // shape[0]`` elements, global shape) of at least
+        ``block_size`` (``None``: that precision's default)."""
         row_len = _row_len(param)
-        return state_bits == 8 and row_len is not None and row_len >= block_size
+        block = DEFAULT_BLOCK.get(state_bits, 0) if block_size is None else block_size
+        return state_bits in (4, 8) and row_len is not None and row_len >= block
 
     def _init_state(self, param, local, group) -> dict:
         state: dict[str, torch.Tensor] = {}
         # A 0-d fp32 step on the CPU, as torch.optim.AdamW keeps it (no device sync to read).
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        block = group["block_size"]
-        if not self.uses_8bit_state(param, group["state_bits"], block):
+        bits, block = group["state_bits"], _block_size(group)
+        if not self.uses_quantized_state(param, bits, block):
             state["exp_avg"] = self._fp32_state(param, local)
             state["exp_avg_sq"] = self._fp32_state(param, local)
             return state
         rows, row_len = param.shape[0], _row_len(param)
-        parts = _check_blocks_align(param, row_len, block)
+        parts = _check_blocks_align(param, row_len, block, bits)
         local_len = row_len // parts  # a rowwise tp split: each rank's part of every row
         local_rows = local.numel() // local_len
         nblocks = ceil_div(row_len, block)
@@ -256,36 +275,41 @@ class Int8AdamW(FusedInt8Optimizer):
             tensor = torch.zeros(local_rows, cols, dtype=dtype, device=local.device)
             return like_param(param, tensor, (rows, global_cols))
 
-        state["exp_avg_int8"] = zeros(local_len, torch.int8, row_len)
-        state["exp_avg_scale"] = zeros(nblocks // parts, torch.float32, nblocks)
-        state["exp_avg_sq_sqrt_uint8"] = zeros(local_len, torch.uint8, row_len)
-        state["exp_avg_sq_sqrt_scale"] = zeros(nblocks // parts, torch.float32, nblocks)
+        names = STATE_NAMES[bits]
+        if bits == 8:
+            state[names[0]] = zeros(local_len, torch.int8, row_len)
+            state[names[2]] = zeros(local_len, torch.uint8, row_len)
+        else:  # two codes per byte; a split row's parts are whole blocks of an even size
+            state[names[0]] = zeros(packed_columns(local_len), torch.uint8, packed_columns(row_len))
+            state[names[2]] = zeros(packed_columns(local_len), torch.uint8, packed_columns(row_len))
+        state[names[1]] = zeros(nblocks // parts, torch.float32, nblocks)
+        state[names[3]] = zeros(nblocks // parts, torch.float32, nblocks)
         return state
 
     @staticmethod
-    def _is_8bit(state: dict) -> bool:
-        return "exp_avg_int8" in state
+    def _state_bits(state: dict) -> int:
+        """32, 8 or 4: the precision a parameter's state is kept in (by its entries)."""
+        return next((bits for bits, names in STATE_NAMES.items() if names[0] in state), 32)
 
     def _moments(self, slot: Slot, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(m, v)`` of the local shape: the states themselves, or dequantized."""
-        state = slot.state
-        if not self._is_8bit(state):
+        state, bits = slot.state, self._state_bits(slot.state)
+        if bits == 32:
             return local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
-        q_m, s_m = local_shard(state["exp_avg_int8"]), local_shard(state["exp_avg_scale"])
-        q_r, s_r = local_shard(state["exp_avg_sq_sqrt_uint8"]), local_shard(state["exp_avg_sq_sqrt_scale"])
-        if s_m.shape[1] != ceil_div(q_m.shape[1], block):
+        q_m, s_m, q_r, s_r = (local_shard(state[name]) for name in STATE_NAMES[bits])
+        length = math.prod(slot.local.shape[1:])
+        if s_m.shape[1] != ceil_div(length, block):
             raise RuntimeError(
-                f"8-bit state with {s_m.shape[1]} blocks per row of {q_m.shape[1]} does not fit "
+                f"{bits}-bit state with {s_m.shape[1]} blocks per row of {length} does not fit "
                 f"block_size={block}: was the state saved with another block_size?"
             )
-        m = dequantize_state_blocks(q_m, s_m, block).view(slot.local.shape)
-        r = dequantize_state_blocks(q_r, s_r, block)
-        return m, r.mul_(r).view(slot.local.shape)
+        m, r = dequantize_moments(bits, (q_m, s_m, q_r, s_r), block, length)
+        return m.view(slot.local.shape), r.mul_(r).view(slot.local.shape)
 
     def _update(self, slots: list[Slot], group: dict[str, Any]) -> None:
         lr = float(group["lr"])
         beta1, beta2 = (float(b) for b in group["betas"])
-        eps, weight_decay, block = float(group["eps"]), float(group["weight_decay"]), group["block_size"]
+        eps, weight_decay, block = float(group["eps"]), float(group["weight_decay"]), _block_size(group)
         works = [s.work for s in slots]
         grads = [s.grad for s in slots]
         moments = [self._moments(s, block) for s in slots]
@@ -306,8 +330,8 @@ class Int8AdamW(FusedInt8Optimizer):
                 weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
             )
             for slot, m, v in zip(slots, exp_avgs, exp_avg_sqs):
-                if self._is_8bit(slot.state):
-                    self._store_8bit(slot, m, v.sqrt(), block)
+                if self._state_bits(slot.state) != 32:
+                    self._store(slot, m, v.sqrt(), block)
             return
         # torch.optim.AdamW's operations, in its order (_multi_tensor_adam, non-capturable).
         if weight_decay != 0:
@@ -320,8 +344,8 @@ class Int8AdamW(FusedInt8Optimizer):
         bias_correction2_sqrt = [(1 - beta2**step) ** 0.5 for step in steps]
         denoms = torch._foreach_sqrt(exp_avg_sqs)  # sqrt(v): what the 8-bit state stores
         for slot, m, r in zip(slots, exp_avgs, denoms):
-            if self._is_8bit(slot.state):
-                self._store_8bit(slot, m, r, block)
+            if self._state_bits(slot.state) != 32:
+                self._store(slot, m, r, block)
         del exp_avg_sqs
         torch._foreach_div_(denoms, bias_correction2_sqrt)
         torch._foreach_add_(denoms, eps)
@@ -337,24 +361,18 @@ class Int8AdamW(FusedInt8Optimizer):
                 slot.state["step"] += 1
         return [slot.state["step"].item() for slot in slots]
 
-    @staticmethod
-    def _store_8bit(slot: Slot, m: torch.Tensor, r: torch.Tensor, block: int) -> None:
-        """Requantize ``m`` and ``r = sqrt(v)`` into the 8-bit states, in place."""
-        state = slot.state
-        rows_shape = local_shard(state["exp_avg_int8"]).shape
+    def _store(self, slot: Slot, m: torch.Tensor, r: torch.Tensor, block: int) -> None:
+        """Requantize ``m`` and ``r = sqrt(v)`` into the 8-bit or 4-bit states, in place."""
+        state, bits = slot.state, self._state_bits(slot.state)
+        q_m, s_m, q_r, s_r = (local_shard(state[name]) for name in STATE_NAMES[bits])
+        rows_shape = (q_m.shape[0], math.prod(slot.local.shape[1:]))
         # on accelerators the finiteness verdict joins the step's single read
         deferred = update_checks.defers(m.device)
+        nonfinite = "propagate" if deferred else "raise"
         finite = []
-        for (q_key, s_key), values, signed in (
-            (("exp_avg_int8", "exp_avg_scale"), m, True),
-            (("exp_avg_sq_sqrt_uint8", "exp_avg_sq_sqrt_scale"), r, False),
-        ):
-            _, scale = quantize_state_blocks(
-                values.reshape(rows_shape), block, signed=signed, out=local_shard(state[q_key]),
-                nonfinite="propagate" if deferred else "raise",
-            )
-            local_shard(state[s_key]).copy_(scale)
+        for q, s, values, signed in ((q_m, s_m, m, True), (q_r, s_r, r, False)):
+            s.copy_(quantize_moment(bits, values.reshape(rows_shape), block, signed=signed, out=q, nonfinite=nonfinite))
             if deferred:
-                finite.append(torch.isfinite(scale).all())
+                finite.append(torch.isfinite(s).all())
         if deferred:
-            update_checks.defer(finite[0] & finite[1], update_checks.describe("optimizer state", tuple(rows_shape)))
+            update_checks.defer(finite[0] & finite[1], update_checks.describe("optimizer state", rows_shape))

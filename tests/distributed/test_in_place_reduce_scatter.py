@@ -1,10 +1,11 @@
 """``fsdp_int8.gradients.InPlaceReduceScatter`` on 2 gloo ranks, one spawn: the same sums as
 torch's ``reduce_scatter_tensor`` bit for bit, with no copy of the whole input (gloo's
-all-reduces one) and the input released once reduced; and ``Int8TrainingConfig.lean()``,
+all-reduces one) and the input released once reduced, also from a bf16 input into fp32; and ``Int8TrainingConfig.lean()``,
 which installs it through ``shard_model``, trains to the same bytes as without it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,7 +40,7 @@ def _train_lean(rank: int, **changes) -> dict:
     from launch.model import next_token_loss
 
     model = tiny_transformer(seed=0, vocab_size=64, dim=32)
-    fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean(compute_dtype=None, **changes))
+    fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean(**{"compute_dtype": None, **changes}))
     optimizer = fsdp_int8.Int8AdamW.lean(model.parameters(), lr=1e-2, block_size=16)
     data = torch.Generator().manual_seed(rank)
     for _ in range(3):
@@ -47,7 +48,8 @@ def _train_lean(rank: int, **changes) -> dict:
         next_token_loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    comms = {type(reduce_scatter_of(g)) for _, m in fsdp_modules(model) for g in param_groups(m)}
+    comms = {(type(comm), getattr(comm, "gradient_dtype", None))
+             for _, m in fsdp_modules(model) for comm in map(reduce_scatter_of, param_groups(m))}
     return dict(snapshot(model, optimizer), comms=comms)
 
 
@@ -64,14 +66,42 @@ def _check(rank: int, world: int) -> None:
             assert torch.equal(output, expected), (output - expected).abs().max()
             assert all(size < world * 50_000 * 4 // world for size in new.sizes), new.sizes
             assert source.untyped_storage().nbytes() == 0  # FSDP2 only keeps it alive for stream order
+    for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+        with case(f"{op}: a bf16 input into an fp32 output sums as torch's fp32 reduce-scatter, no buffer"):
+            comm = InPlaceReduceScatter(torch.bfloat16)
+            source = comm.allocate((world * 50_000,), dtype=torch.float32, device=torch.device("cpu"))
+            output = comm.allocate((50_000,), dtype=torch.float32, device=torch.device("cpu"))
+            assert (source.dtype, output.dtype) == (torch.bfloat16, torch.float32)
+            source.copy_(torch.randn(world * 50_000, generator=data))
+            expected = torch.empty(50_000)
+            dist.reduce_scatter_tensor(expected, source.float(), op=op)
+            with _NewStorages() as new:
+                comm(output, source, group, op)
+            # 2 ranks: each sum is one fp32 addition, in any order the same bits
+            assert torch.equal(output, expected), (output - expected).abs().max()
+            assert all(size < world * 50_000 * 2 // world for size in new.sizes), new.sizes
+            assert source.untyped_storage().nbytes() == 0
+    with case("buffers made in another order than FSDP2's (output, then input) are refused"):
+        comm = InPlaceReduceScatter(torch.bfloat16)
+        output = comm.allocate((50_000,), dtype=torch.float32, device=torch.device("cpu"))
+        source = comm.allocate((world * 50_000,), dtype=torch.float32, device=torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="another order"):
+            comm(source[:50_000].to(torch.bfloat16), torch.zeros(world * 50_000), group, dist.ReduceOp.SUM)
     with case("gloo's own reduce-scatter makes the copy the in-place one leaves out"):
         with _NewStorages() as new:
             dist.reduce_scatter_tensor(torch.empty(50_000), torch.randn(world * 50_000))
         assert max(new.sizes) == world * 50_000 * 4, new.sizes
     with case("lean() installs it through shard_model and trains to the same bytes as FSDP2's own"):
         lean, own = _train_lean(rank), _train_lean(rank, in_place_reduce_scatter=False)
-        assert lean.pop("comms") == {InPlaceReduceScatter} and InPlaceReduceScatter not in own.pop("comms")
+        assert lean.pop("comms") == {(InPlaceReduceScatter, None)}
+        assert all(kind is not InPlaceReduceScatter for kind, _ in own.pop("comms"))
         assert_identical(lean, own, "in-place vs FSDP2's reduce-scatter")
+    with case("with bf16 compute, its bf16 inputs train to the same bytes as FSDP2's fp32 ones"):
+        lean = _train_lean(rank, compute_dtype=torch.bfloat16)
+        own = _train_lean(rank, compute_dtype=torch.bfloat16, in_place_reduce_scatter=False)
+        assert lean.pop("comms") == {(InPlaceReduceScatter, torch.bfloat16)}  # bf16 inputs
+        assert all(kind is not InPlaceReduceScatter for kind, _ in own.pop("comms"))
+        assert_identical(lean, own, "bf16-input in-place vs FSDP2's fp32 reduce-scatter")
 
 
 def test_in_place_reduce_scatter_sums_as_torch_without_a_copy_and_trains_the_lean_call_alike():

@@ -50,6 +50,10 @@ def _adamw8(params):
     return Int8AdamW(params, lr=1e-2, weight_decay=0.1, state_bits=8, block_size=BLOCK)
 
 
+def _adamw4(params):
+    return Int8AdamW(params, lr=1e-2, weight_decay=0.1, state_bits=4, block_size=BLOCK)
+
+
 OPTIMIZERS = {
     "adamw-8bit": _adamw8,
     "adamw-32bit": lambda params: Int8AdamW(params, lr=1e-2, weight_decay=0.01),
@@ -99,10 +103,18 @@ def _parity(rank: int, world: int, make_opt, steps: int = 4, hidden: int = 33) -
 
 
 # ---------------------------------------------------------------- checkpoints
-def _model(seed: int = 7):
+def _model(seed: int = 7, make_opt=_adamw8):
     torch.manual_seed(0)
     model = fsdp_int8.shard_model(MLPNet(hidden=33), config=Int8TrainingConfig(seed=seed, min_features=1))
-    return model, _adamw8(model.parameters())
+    return model, make_opt(model.parameters())
+
+
+def _state_layout(opt) -> dict:
+    """Each state entry's dtype and global shape, by parameter index and name: the
+    precision of every state, which must not depend on the mesh."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    return {(index, name): (value.dtype, tuple(value.shape))
+            for index, param in enumerate(params) for name, value in opt.state[param].items()}
 
 
 def _train(model, opt, first_step: int, steps: int) -> None:
@@ -125,6 +137,16 @@ def _check_8bit_layout(snapshot: dict) -> None:
     assert states[f"{down}.exp_avg_sq_sqrt_scale"].shape == (32, 3)
     assert states["head.weight.exp_avg_scale"].shape == (4, 2)  # a plain fp32 weight, 8-bit states
     assert states["head.bias.exp_avg"].dtype == torch.float32  # 1-D: fp32 states
+
+
+def _check_4bit_layout(snapshot: dict) -> None:
+    """The checkpointed 4-bit states: two codes per byte along each row, global shapes."""
+    states = snapshot["optimizer"]
+    up, down = "layers.0.up.weight", "layers.0.down.weight"  # [33, 32] and [32, 33]
+    assert states[f"{up}.exp_avg_4bit"].dtype == torch.uint8 and states[f"{up}.exp_avg_4bit"].shape == (33, 16)
+    assert states[f"{down}.exp_avg_sq_sqrt_4bit"].shape == (32, 17)  # 33 codes: the last byte half used
+    assert states[f"{down}.exp_avg_sq_sqrt_scale"].shape == (32, 3)
+    assert states["head.bias.exp_avg"].dtype == torch.float32
 
 
 def _offload_run(rank: int, make_opt, offload: bool) -> tuple[list[float], dict]:
@@ -156,7 +178,7 @@ OFFLOAD_OPTIMIZERS = {
 }
 
 
-def _two_ranks(rank: int, world: int, root: str) -> dict:
+def _two_ranks(rank: int, world: int, root: str, root4: str) -> dict:
     out: dict = {}
     for name, make_opt in (("Int8AdamW", _adamw8), ("torch.optim.AdamW", OFFLOAD_OPTIMIZERS["torch.optim.AdamW"])):
         with case(f"{name} built before shard_model is refused at its first step; built after, it trains"):
@@ -249,10 +271,19 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
         _train(model, opt, 3, 3)
         out["resumed"] = snapshot(model, opt)
         out["bytes"] = fsdp_int8.memory.persistent_bytes(model, opt)  # this rank's shards only
+    with case("4-bit states: save after 3 steps"):
+        model, opt = _model(make_opt=_adamw4)
+        _train(model, opt, 0, 3)
+        fsdp_int8.save_checkpoint(root4, model, opt, step=3)
+        out["4-bit at_save"], out["4-bit layout"] = snapshot(model, opt), _state_layout(opt)
     return out
 
 
-def _four_ranks(rank: int, world: int, root: str) -> dict:
+def _four_ranks(rank: int, world: int, root: str, root4: str) -> dict:
+    with case("2 -> 4 load, 4-bit states"):
+        model, opt = _model(seed=123, make_opt=_adamw4)
+        fsdp_int8.load_checkpoint(root4, model, opt)
+        loaded4, layout4 = snapshot(model, opt), _state_layout(opt)
     with case("2 -> 4 load"):
         model, opt = _model(seed=123)
         info = fsdp_int8.load_checkpoint(root, model, opt)
@@ -261,27 +292,27 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
         _train(model, opt, 3, 1)  # and it trains on
     with case("3 rows on 4 ranks: rank 3 holds none"):
         parity = _parity(rank, world, _adamw8, steps=2, hidden=3)
-    return dict(loaded=loaded, parity=parity)
+    return dict(loaded=loaded, parity=parity, loaded4=loaded4, layout4=layout4)
 
 
-def _load_unsharded(root: str) -> tuple[dict, fsdp_int8.memory.PersistentBytes]:
+def _load_unsharded(root: str, make_opt=_adamw8) -> tuple[dict, fsdp_int8.memory.PersistentBytes, dict]:
     """In this process, without a process group: the plain quantized model."""
     torch.manual_seed(0)
     model = fsdp_int8.quantize_(MLPNet(hidden=33), Int8TrainingConfig(seed=123, min_features=1))
-    opt = _adamw8(model.parameters())
+    opt = make_opt(model.parameters())
     info = fsdp_int8.load_checkpoint(root, model, opt)
     assert info.world_size == 2 and not info.rng_restored
-    assert type(opt.state[model.layers[0].up.weight]["exp_avg_int8"]) is torch.Tensor
-    loaded = snapshot(model, opt)
+    assert type(opt.state[model.layers[0].up.weight]["exp_avg_scale"]) is torch.Tensor
+    loaded, layout = snapshot(model, opt), _state_layout(opt)
     x, y = _batch(3)
     F.mse_loss(model(x), y).backward()  # and it trains on
     opt.step()
-    return loaded, fsdp_int8.memory.persistent_bytes(model, opt)
+    return loaded, fsdp_int8.memory.persistent_bytes(model, opt), layout
 
 
 def test_fused_optimizers_on_fsdp2():
-    with tempfile.TemporaryDirectory() as tmp:
-        two, two1 = run_distributed(_two_ranks, 2, tmp)
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as tmp4:
+        two, two1 = run_distributed(_two_ranks, 2, tmp, tmp4)
         for name in OPTIMIZERS:
             result = two[f"parity {name}"]
             with case(f"parity {name}"):
@@ -297,7 +328,7 @@ def test_fused_optimizers_on_fsdp2():
         _check_8bit_layout(two["at_save"])
         assert_identical(two["at_save"], two["loaded"], "2 -> 2 load")
         assert_identical(two["uninterrupted"], two["resumed"], "save at 3, restart, 3 more == 6 steps")
-        unsharded, unsharded_bytes = _load_unsharded(tmp)
+        unsharded, unsharded_bytes, _ = _load_unsharded(tmp)
         assert_identical(two["at_save"], unsharded, "2 -> 1 unsharded load")
         # Rows (with their scales and blocks) are partitioned between the ranks: the ranks'
         # bytes add up to the unsharded model's, but for the step counters, which every
@@ -308,8 +339,14 @@ def test_fused_optimizers_on_fsdp2():
         assert sum(b.weights for b in ranks) == unsharded_bytes.weights
         assert sum(b.grads for b in ranks) == unsharded_bytes.grads
         assert sum(b.states for b in ranks) == unsharded_bytes.states + 4 * n_tensors
-        four = run_distributed(_four_ranks, 4, tmp)[0]
+        four = run_distributed(_four_ranks, 4, tmp, tmp4)[0]
         assert_identical(two["at_save"], four["loaded"], "2 -> 4 load")
+        with case("4-bit states: 2 -> 1 and 2 -> 4 loads exact, the same precision on 1, 2 and 4 ranks"):
+            _check_4bit_layout(two["4-bit at_save"])
+            unsharded4, _, layout1 = _load_unsharded(tmp4, _adamw4)
+            assert_identical(two["4-bit at_save"], unsharded4, "4-bit 2 -> 1 unsharded load")
+            assert_identical(two["4-bit at_save"], four["loaded4"], "4-bit 2 -> 4 load")
+            assert layout1 == two["4-bit layout"] == four["layout4"], (layout1, two["4-bit layout"])
         with case("3 rows on 4 ranks"):
             assert four["parity"]["step_collectives"] == [([("all_reduce", 1)], 1)] * 2, four["parity"]
             assert_parity(four["parity"], bf16=False)
