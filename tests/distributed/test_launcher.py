@@ -240,10 +240,12 @@ def test_an_error_during_a_background_save_finishes_it_before_the_run_ends(one_p
 
 def test_the_lean_recipe_trains_and_resumes(one_process, tmp_path):
     out = str(tmp_path / "lean")
-    # with FSDP2's CPU offload (on this CPU mesh a host-to-host no-op, so the run is the
-    # plain one's), then resumed without it: where the shards live is no part of a checkpoint
-    assert one_process(*SHORT, "--lean", "--cpu-offload", "--out", out) == 0
-    assert one_process(*SHORT, "--lean", "--out", out, "--resume", "--steps", "3") == 0
+    # with 4-bit states (8-bit ones, the default, train in the next test), with FSDP2's CPU
+    # offload (on this CPU mesh a host-to-host no-op, so the run is the plain one's), then
+    # resumed without it: where the shards live is no part of a checkpoint
+    four_bit = ("--lean", "--optimizer", "int8-adamw-4bit")
+    assert one_process(*SHORT, *four_bit, "--cpu-offload", "--out", out) == 0
+    assert one_process(*SHORT, *four_bit, "--out", out, "--resume", "--steps", "3") == 0
     records = read_metrics(tmp_path / "lean" / "metrics.jsonl")
     assert records[-1]["step"] == 3
     # each step logs the gradient norm its in-backward clipping measured
