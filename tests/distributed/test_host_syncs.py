@@ -32,7 +32,7 @@ from fsdp_int8._weight import update_checks
 from fsdp_int8.testing import count_host_syncs, run_distributed
 
 VOCAB = 128
-RECIPES = ("bf16", "int8-weight-only", "int8-matmuls", "lean")
+RECIPES = ("bf16", "int8-weight-only", "int8-matmuls", "lean", "lean-4bit")
 PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 GROUPED_GEMM_SITE = "grouped_gemm.py"  # where a grouped int8 GEMM without Triton reads expert offsets
 
@@ -64,7 +64,7 @@ def _recipe(model: torch.nn.Module, recipe: str) -> torch.optim.Optimizer:
         fsdp_int8.shard_model(model, config=config)
         return fsdp_int8.Int8AdamW(model.parameters(), lr=1e-3, state_bits=8)
     fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean(compile="off"))
-    return fsdp_int8.Int8AdamW.lean(model.parameters(), lr=1e-3)
+    return fsdp_int8.Int8AdamW.lean(model.parameters(), lr=1e-3, state_bits=4 if recipe == "lean-4bit" else 8)
 
 
 def _reads_per_step(family: str, blocks: int, recipe: str, rank: int) -> collections.Counter:
@@ -99,7 +99,8 @@ def _check_value_reads(rank: int) -> None:
                        for blocks in (2, 4)]
                 # bf16: none; torch AdamW on int8 weights: the default guard's gradient verdict
                 # and the batched updates' verdict; Int8AdamW: the verdict read with the
-                # rounding seeds and the updates' verdict; lean: the seeds and the verdict
+                # rounding seeds and the updates' verdict; lean (8-bit or 4-bit states): the
+                # seeds and the verdict
                 expected = 0 if recipe == "bf16" else 2
                 assert own == [expected, expected], (own, counts[recipe, 2], counts[recipe, 4])
                 for blocks in (2, 4):
