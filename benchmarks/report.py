@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -147,7 +148,7 @@ class RunLog:
 
     def __init__(self, page: str, title: str, module: str, argv: list[str] | None) -> None:
         self.page, self.title = page, title
-        self.command = f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
+        self.command = f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
         self._stdout, self._kept = sys.stdout, []
         sys.stdout = self
 
