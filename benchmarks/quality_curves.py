@@ -8,7 +8,7 @@ one per seed, in the same seed order for every row: the first row is the baselin
 each validation step that every run logged, the table gives each row's validation loss per
 seed, the mean over seeds and the mean's difference from the baseline's (each seed shared
 by the rows it compares, so the seeds' own spread cancels from the difference); the last
-column says whether the gap grows with steps. ``--plot`` draws each row's training loss
+column gives the gap at each step, so whether it grows with steps reads down it. ``--plot`` draws each row's training loss
 (mean over seeds, smoothed over 20 steps) and validation points side by side.
 """
 
@@ -41,9 +41,11 @@ def read_run(folder: Path) -> tuple[dict[int, float], dict[int, float]]:
     return train, validation
 
 
-def compare(rows: dict[str, list[Path]]) -> list[str]:
+Run = tuple[dict[int, float], dict[int, float]]
+
+
+def compare(runs: dict[str, list[Run]]) -> list[str]:
     """The table's lines: validation loss per row and seed at each shared step."""
-    runs = {name: [read_run(folder) for folder in folders] for name, folders in rows.items()}
     seeds = {len(v) for v in runs.values()}
     if len(seeds) != 1:
         raise ValueError(f"every row needs the same number of runs (one per seed), got {seeds}")
@@ -60,15 +62,14 @@ def compare(rows: dict[str, list[Path]]) -> list[str]:
     return lines
 
 
-def plot(rows: dict[str, list[Path]], out: Path) -> None:
+def plot(runs_by_row: dict[str, list[Run]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4))
-    for name, folders in rows.items():
-        runs = [read_run(folder) for folder in folders]
+    for name, runs in runs_by_row.items():
         steps = sorted(set.intersection(*(set(t) for t, _ in runs)))
         mean = [statistics.fmean(t[s] for t, _ in runs) for s in steps]
         smooth = [statistics.fmean(mean[max(0, i - SMOOTHING_STEPS + 1):i + 1]) for i in range(len(mean))]
@@ -94,13 +95,13 @@ def main(argv: list[str] | None = None) -> list[str]:
     args = parser.parse_args(argv)
     if any(len(row) < 2 for row in args.row) or len(args.row) < 2:
         parser.error("give at least two --row NAME FOLDER... (the first is the baseline)")
-    rows = {row[0]: [Path(folder) for folder in row[1:]] for row in args.row}
+    runs = {row[0]: [read_run(Path(folder)) for folder in row[1:]] for row in args.row}
     log = RunLog("memory.md", "quality over seeds", "benchmarks.quality_curves", argv) if args.log else None
     print(hardware_line())  # the machine the runs are read on: run them there
-    lines = compare(rows)
+    lines = compare(runs)
     print("\n".join(lines))
     if args.plot:
-        plot(rows, args.plot)
+        plot(runs, args.plot)
         print(f"plot: {args.plot}")
     if log:
         log.finish()
