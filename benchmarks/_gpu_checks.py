@@ -1,7 +1,7 @@
 """The ``checks`` part of ``python -m benchmarks.gpu``: what only a GPU can show, each case
 pass / fail (int8 GEMMs at cuBLASLt's shape rules, compiled kernels against eager, the
-deferred finiteness check, a checkpoint round trip, the experts' grouped int8 GEMMs, FSDP2
-on one rank), then the test
+deferred finiteness check, a checkpoint round trip, the experts' grouped int8 GEMMs, the
+lean call's value-neutral cuts, FSDP2 on one rank), then the test
 suite's distributed tests on the GPUs there are."""
 
 from __future__ import annotations
@@ -95,6 +95,32 @@ def _check_deferred_finiteness(device: str) -> None:
         raise AssertionError("a step writing Inf into an int8 weight did not raise")
 
 
+def _check_lean_cuts_keep_the_bits(device: str) -> None:
+    """The lean call's value-neutral cuts on this device's kernels: the chunked loss (its
+    log-softmax backward written in place) against transformers' loss, and grad_input's
+    weight dequantized in slices against the whole weight's."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from fsdp_int8.integrations.hf_loss import chunked_causal_lm_loss
+
+    logits = (torch.randn(2, 129, 4000, device=device) * 3).bfloat16()
+    labels = torch.randint(0, 4000, (2, 129), device=device)
+    grads = []
+    for loss_fn in (ForCausalLMLoss, lambda *a: chunked_causal_lm_loss(*a, chunk_tokens=64)):
+        leaf = logits.clone().requires_grad_()
+        loss_fn(leaf, labels, 4000).backward()
+        grads.append(leaf.grad)
+    assert torch.equal(*grads), f"chunked loss gradient differs by up to {(grads[0] - grads[1]).abs().max()}"
+    # an output head's shape: its 8 M elements are over the bound, grad_input takes two slices
+    head = fsdp_int8.quantize_(torch.nn.Linear(512, 16000, bias=False, device=device),
+                               fsdp_int8.Int8TrainingConfig(skip_names=())).to(torch.bfloat16)
+    x = torch.randn(256, 512, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad_y = torch.randn(256, 16000, device=device).bfloat16()
+    head(x).backward(grad_y)
+    whole = torch.matmul(grad_y, head.weight.dequantize(torch.bfloat16))
+    assert torch.equal(whole, x.grad), f"sliced grad_input differs by up to {(whole - x.grad).abs().max()}"
+
+
 def _check_grouped_int8_gemms(device: str) -> str:
     """The experts' grouped int8 GEMMs (Triton kernels on CUDA; on the CPU, Triton's
     interpreter) against each expert's rows through F.linear's int8 GEMMs: the same values
@@ -152,6 +178,7 @@ def run_checks(device: str, dry_run: bool, folder: Path) -> dict:
         "deferred finiteness check raises at step()": lambda: _check_deferred_finiteness(device),
         "checkpoint round trip, bit-exact": lambda: _check_checkpoint_round_trip(device, folder / "checkpoint"),
         "experts' grouped int8 GEMMs: Triton kernels, no host read": lambda: _check_grouped_int8_gemms(device),
+        "the lean call's loss and sliced grad_input keep the bits": lambda: _check_lean_cuts_keep_the_bits(device),
         "FSDP2 world size 1 trains (int8 matmuls)": lambda: run_distributed(_fsdp_one_rank, 1)[0],
     }
     results = {}

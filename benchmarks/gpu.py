@@ -12,8 +12,9 @@ Parts:
   fewer, padded; features divisible by 8, and the error for others), the compiled kernels
   (Triton) against eager bit for bit, the deferred finiteness check of optimizer updates
   (one sync per step), a checkpoint round trip, the experts' grouped int8 GEMMs (Triton's
-  kernels against each expert's ``F.linear``, no host read), and FSDP2 on one rank with
-  NCCL; then the
+  kernels against each expert's ``F.linear``, no host read), the lean call's chunked loss
+  and sliced grad_input against transformers' loss and the whole weight (bit for bit), and
+  FSDP2 on one rank with NCCL; then the
   test suite's distributed tests: its world-size-1 case with one GPU, all of them with two
   or more (each test runs on GPUs when there is one per rank, else on the CPU).
 * ``gemm``: ``torch._int_mm`` against a bf16 matmul at Llama shapes (8192 and 16384 tokens

@@ -84,3 +84,31 @@ def set_reduce_scatter(group: Any, comm: Any) -> None:
     mesh; this sets it group by group, as that method does for a module of one group."""
     reduce_scatter_of(group)  # the attribute exists in this torch
     group._reduce_scatter_comm = comm
+
+
+def tied_embedding_params(group: Any) -> list[Any]:
+    """The FSDP parameters of ``group`` that an ``nn.Embedding`` shares with another module
+    (a table tied to an output head)."""
+    tied = []
+    for fsdp_param in getattr(group, "fsdp_params", None) or ():
+        info = getattr(fsdp_param, "_module_info", None)
+        if info is None or not hasattr(info, "shared_modules"):
+            raise _unknown_layout("FSDPParam has no _module_info with shared_modules")
+        modules = [info.module, *info.shared_modules]
+        if len(modules) > 1 and any(isinstance(m, nn.Embedding) for m in modules):
+            tied.append(fsdp_param)
+    return tied
+
+
+def gathered_param(fsdp_param: Any) -> torch.Tensor | None:
+    """The unsharded parameter FSDP2 hands the modules (``None`` before the first gather)."""
+    return getattr(fsdp_param, "_unsharded_param", None)
+
+
+def reshard_param_if_group_will(group: Any, fsdp_param: Any) -> bool:
+    """Reshard one parameter of ``group`` now, through FSDP2's own per-parameter transition,
+    when the group reshards after this backward anyway; whether it did."""
+    if not getattr(group, "reshard_after_backward", False):
+        return False
+    fsdp_param.to_sharded()
+    return True

@@ -3,7 +3,6 @@ sharded (``Int8TrainingConfig``), and which matmuls run as int8 GEMMs (``Int8Mat
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -12,6 +11,9 @@ import torch.nn as nn
 
 from fsdp_int8._dist import device_type_for
 from fsdp_int8._quant.kernels import compiler_available
+from fsdp_int8._moe.layout import (  # noqa: F401 (re-exported: the rule's vocabulary)
+    counts_experts, expert_count, expert_weight_names, router_modules, stores_experts_transposed,
+)
 
 AUTO, ON, OFF = "auto", "on", "off"
 COMPILE_CHOICES = (AUTO, ON, OFF)  # also the launcher's --compile and the benchmark rows' compile=
@@ -143,17 +145,16 @@ class Int8TrainingConfig:
             updates, dequantization, the int8 matmuls' activation quantization) as
             ``torch.compile``d passes, one fused pass instead of five to ten, with the same
             results bit for bit; each compiles once per process and dtype
-            (docs/performance.md). ``"auto"``
-            (default): on for a layer whose rows hold at least 512 inputs, on a machine
-            with a compiler for its device (a C++ compiler for the CPU, Triton for GPUs),
+            (docs/performance.md). ``"auto"`` (default): on for a layer whose rows hold
+            at least 512 inputs, on a machine with a compiler for its device (a C++ compiler for the CPU, Triton for GPUs),
             off elsewhere (:meth:`compiles`); if compiling then fails, the kernels run
             eagerly from then on, logged (INFO), with no warning. ``"on"``: on for every
             layer, and a failure warns once (``RuntimeWarning``) before going eager.
             ``"off"``: eager kernels. Each weight carries the resolved choice
             (``w.compiled``); meta and empty tensors run eagerly.
-        quantize_embeddings: Also make ``nn.Embedding`` weights int8 (one scale per
-            token row); a lookup dequantizes only the rows it reads. An output head tied to the embedding
-            follows it onto the int8 weight (with ``int8_matmul``'s GEMMs when set).
+        quantize_embeddings: Also make ``nn.Embedding`` weights int8 (one scale per token
+            row); a lookup dequantizes only the rows it reads. An output head tied to the
+            embedding follows it onto the int8 weight (with ``int8_matmul``'s GEMMs when set).
             Without ``module_filter``, an embedding is selected when its ``embedding_dim``
             is at least ``min_features``. Embeddings with ``max_norm`` (it renormalises
             rows in place) or ``sparse`` gradients stay in full precision, with a warning.
@@ -176,6 +177,12 @@ class Int8TrainingConfig:
             at a time (``model.loss_function``): the same loss without the batch's fp32
             logits. Other losses, and a model's own ``loss_function``, stay. ``None``
             (default): transformers' loss.
+        reshard_early: :func:`fsdp_int8.shard_model` frees gathered weights as soon as
+            nothing reads them: the last block's after forward too (gathered again at the
+            start of backward: one more all-gather of one block per step), and an int8
+            table tied to the output head after the head's last backward (the lookup's
+            backward reads no weight). Assumes the table is read only by its lookup and
+            the head. The same values; off by default, on in the lean recipe.
 
     Experts modules (:func:`counts_experts`, 3-D weights ``[E, out, in]`` or ``[E, in,
     out]``) get one scale per expert and output feature; routers stay in full precision
@@ -213,6 +220,7 @@ class Int8TrainingConfig:
     compute_dtype: torch.dtype | None = None
     in_place_reduce_scatter: bool = False
     loss_chunk_tokens: int | None = None
+    reshard_early: bool = False
 
     @classmethod
     def lean(cls, **changes: Any) -> "Int8TrainingConfig":
@@ -220,12 +228,12 @@ class Int8TrainingConfig:
 
         A new config with ``quantize_embeddings=True`` (a tied head follows),
         ``int8_gathered_weights=True``, ``compute_dtype=torch.bfloat16``,
-        ``in_place_reduce_scatter=True`` and ``loss_chunk_tokens=64``; ``changes`` set
-        fields instead. Train it with :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the
-        step inside backward).
+        ``in_place_reduce_scatter=True``, ``loss_chunk_tokens=64`` and
+        ``reshard_early=True``; ``changes`` set fields instead. Train it with
+        :meth:`fsdp_int8.Int8AdamW.lean` (8-bit states, the step inside backward).
         """
         recipe = dict(quantize_embeddings=True, int8_gathered_weights=True, compute_dtype=torch.bfloat16,
-                      in_place_reduce_scatter=True, loss_chunk_tokens=LEAN_LOSS_CHUNK_TOKENS)
+                      in_place_reduce_scatter=True, loss_chunk_tokens=LEAN_LOSS_CHUNK_TOKENS, reshard_early=True)
         return cls(**{**recipe, **changes})
 
     def __post_init__(self) -> None:
@@ -247,7 +255,8 @@ class Int8TrainingConfig:
             raise TypeError(f"compile takes {AUTO!r}, {ON!r} or {OFF!r}, got {self.compile!r}")
         if self.module_filter is not None and not callable(self.module_filter):
             raise TypeError(f"module_filter takes a callable (module, name) -> bool, got {self.module_filter!r}")
-        for name in ("stochastic_rounding", "int8_gathered_weights", "quantize_embeddings", "in_place_reduce_scatter"):
+        for name in ("stochastic_rounding", "int8_gathered_weights", "quantize_embeddings", "in_place_reduce_scatter",
+                     "reshard_early"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} takes a bool, got {getattr(self, name)!r}")
         chunk = self.loss_chunk_tokens
@@ -336,65 +345,3 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
     if is_conv1d(module):
         return module.nx, module.nf
     return None
-
-
-# ---------------------------------------------------------------- mixture-of-experts layouts
-# The names transformers 5 and torchtitan give a MoE block's router (DBRX's ``router.layer``,
-# Llama 4's ``router``, Mixtral's ``gate``, Hunyuan's ``gate.wg``, Doge's ``router_gate``,
-# Qwen's ``shared_expert_gate``); ``gate_proj`` and ``gate_up_proj`` are expert weights.
-_ROUTER_NAME = re.compile(r"(router|gate)|\w+_(router|gate)|router_\w+")
-
-
-def expert_count(owner: object) -> int | None:
-    """The int ``num_experts`` of ``owner`` (a module or its config), or LongCat-Flash's ``num_routed_experts``."""
-    counts = [getattr(owner, name, None) for name in ("num_experts", "num_routed_experts")]
-    return next((n for n in counts if isinstance(n, int) and not isinstance(n, bool)), None)
-
-
-def counts_experts(owner: object) -> bool:
-    return expert_count(owner) is not None
-
-
-def stores_experts_transposed(module: nn.Module) -> bool:
-    """Experts stored ``[E, in, out]``: transformers' ``is_transposed``, or gated experts
-    without it (Llama 4) whose ``gate_up_proj`` ``[E, a, b]`` and ``down_proj`` ``[E, c, d]``
-    chain only that way round (``b == 2c`` and ``a == d``). They become int8 over their
-    transpose (:mod:`fsdp_int8._weight.transposed_experts`)."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if getattr(module, "is_transposed", False) or not all(isinstance(p, nn.Parameter) and p.dim() == 3
-                                                           for p in (gate_up, down)):
-        return bool(getattr(module, "is_transposed", False))
-    (a, b), (c, d) = gate_up.shape[1:], down.shape[1:]
-    return b == 2 * c and a == d
-
-
-def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
-    """Names of ``module``'s own 3-D expert weights (``[E, out, in]``, or ``[E, in, out]``
-    where :func:`stores_experts_transposed`, ``E`` its :func:`expert_count` or its
-    ``total_experts``, zero-compute ones included; not biases), ``()`` if none."""
-    experts = expert_count(module)
-    if experts is None or experts < 1:
-        return ()
-    counts = {experts, getattr(module, "total_experts", experts)}
-    return tuple(
-        name for name, param in module._parameters.items()
-        if param is not None and param.dim() == 3 and param.shape[0] in counts and param.is_floating_point()
-    )
-
-
-def router_modules(model: nn.Module) -> set[int]:
-    """``id`` of every module inside a router of ``model``: in a MoE block (a module that
-    :func:`counts_experts`, or a child that does: ``E``), each child :data:`_ROUTER_NAME`
-    matches, and each ``nn.Linear`` child with ``E`` outputs (one logit per expert)."""
-    routers: set[int] = set()
-    for block in model.modules():
-        counts = [block] if counts_experts(block) else [c for c in block.children() if counts_experts(c)]
-        if not counts:
-            continue
-        experts = expert_count(counts[0])
-        for name, child in block.named_children():
-            if _ROUTER_NAME.fullmatch(name):
-                routers.update(id(m) for m in child.modules())
-            elif isinstance(child, nn.Linear) and child.out_features == experts:
-                routers.add(id(child))
-    return routers

@@ -18,6 +18,7 @@ from fsdp_int8._dist import (PIPELINE_DIM, TENSOR_PARALLEL_DIM, device_type_for,
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._weight.all_gather import TENSOR_PARALLEL_UNSUPPORTED
 from fsdp_int8._weight.census import int8_census
+from fsdp_int8._weight.tied_release import release_tied_tables_after_head
 from fsdp_int8.config import Int8TrainingConfig, training_config
 from fsdp_int8.convert import logger, parameter_owners, quantize_
 from fsdp_int8.gradients.install import enable_in_place_reduce_scatter
@@ -62,9 +63,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Mo
         TypeError: when ``blocks`` is neither module types nor a predicate.
     """
     if blocks is not None:
-        if isinstance(blocks, type) or (
-            isinstance(blocks, Sequence) and all(isinstance(b, type) for b in blocks)
-        ):
+        if isinstance(blocks, type) or (isinstance(blocks, Sequence) and all(isinstance(b, type) for b in blocks)):
             types = (blocks,) if isinstance(blocks, type) else tuple(blocks)
             return _outermost(model, lambda m: isinstance(m, types))
         if callable(blocks):
@@ -76,11 +75,8 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Mo
         found = _outermost(model, lambda m: type(m).__name__ in no_split)
         if found:
             return found
-    blocks_in_lists = (
-        block
-        for module_list in _outermost(model, lambda m: _is_repeated_blocks(m))
-        for block in module_list.children()
-    )
+    blocks_in_lists = (block for module_list in _outermost(model, _is_repeated_blocks)
+                       for block in module_list.children())
     return list({id(b): b for b in blocks_in_lists}.values())  # a block shared twice is one block
 
 
@@ -311,7 +307,8 @@ def shard_model(
 
     Groups (torchtitan's policy, docs/design.md): each embedding outside the blocks, each
     block, then the root with the rest (final norm, head, an embedding tied to it); the
-    root and the last block are not resharded after forward. With ``tp_plan``, blocks are
+    root and the last block are not resharded after forward (the last block is with
+    ``config.reshard_early``, and a table tied to the head is after the head's backward). With ``tp_plan``, blocks are
     first split on the mesh's ``"tp"`` dim with :mod:`fsdp_int8.parallel`'s styles
     (docs/parallelism.md). It reseeds the stochastic-rounding generator from ``config.seed``
     and the rank's shard coordinate (HSDP replicas round alike). Works on the meta device
@@ -387,12 +384,14 @@ def shard_model(
     options = dict(mesh=dp_mesh, mp_policy=mp_policy,
                    offload_policy=offload_policy or OffloadPolicy())
     for index, group in enumerate(groups):
-        last = index == len(groups) - 1
-        fully_shard(group, reshard_after_forward=reshard_after_forward and not last, **options)
+        keep = index == len(groups) - 1 and not config.reshard_early  # backward starts with the last block
+        fully_shard(group, reshard_after_forward=reshard_after_forward and not keep, **options)
     # Backward needs the root's parameters (norm, head) first: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **options)
     if config.in_place_reduce_scatter:
         enable_in_place_reduce_scatter(model)
+    if config.reshard_early:
+        release_tied_tables_after_head(model)
     refuse_steps_on_replaced(original, model, "shard_model")
     _report_int8(model)
     return model

@@ -115,6 +115,7 @@ def test_compiler_available_looks_for_the_devices_code_generator(monkeypatch):
     (dict(compile=False), "not a bool: use compile='off' instead of compile=False"),
     (dict(module_filter="lm_head"), "module_filter takes a callable"),
     (dict(quantize_embeddings="yes"), "quantize_embeddings takes a bool"),
+    (dict(reshard_early=1), "reshard_early takes a bool"),
 ])
 def test_config_fields_of_the_wrong_type_are_refused_where_given(kwargs, message):
     with pytest.raises(TypeError, match=message):
@@ -129,7 +130,8 @@ def test_the_lean_recipe_is_one_config_and_one_optimizer_call():
 
     lean = Int8TrainingConfig.lean()
     assert lean.quantize_embeddings and lean.compute_dtype is torch.bfloat16
-    assert lean.int8_matmul is None and lean.int8_gathered_weights
+    assert lean.int8_matmul is None and lean.int8_gathered_weights and lean.reshard_early
+    assert not Int8TrainingConfig().reshard_early
     assert Int8TrainingConfig.lean(seed=5, compute_dtype=None).seed == 5  # changes replace fields
     optimizer = fsdp_int8.Int8AdamW.lean(nn.Linear(8, 8).parameters(), lr=3e-4, weight_decay=0.1)
     group = optimizer.param_groups[0]

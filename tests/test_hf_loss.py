@@ -61,6 +61,11 @@ def test_no_fp32_logits_of_the_whole_batch():
     # transformers keeps fp32 logits, their log-softmax and an fp32 gradient; the chunks
     # keep the bf16 gradient and one chunk's fp32 values (8 of 258 tokens): two fp32 copies less
     assert transformers_peak - chunked_peak >= 2 * fp32_logits, (transformers_peak, chunked_peak)
+    # beyond the logits and their one gradient, two fp32 chunks (the chunk's log-softmax and
+    # its gradient) and a few small tensors: no second gradient of the logits (the chunks'
+    # gradients, then joined), no third fp32 chunk (log-softmax's backward writes in place)
+    bf16_logits, fp32_chunk = BATCH * TOKENS * VOCAB * 2, 8 * VOCAB * 4
+    assert chunked_peak - 2 * bf16_logits <= 2.5 * fp32_chunk, (chunked_peak, bf16_logits, fp32_chunk)
 
 
 def test_a_hugging_face_model_trains_with_it():

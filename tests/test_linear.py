@@ -89,6 +89,40 @@ def test_int8_gathered_weights_give_weight_only_results_bit_for_bit(monkeypatch)
         assert torch.equal(weight_only, no_gemm_result)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_weight_is_dequantized_in_slices_for_grad_input_with_the_same_bits(monkeypatch, dtype):
+    """grad_input's transient weight is rebuilt a slice of input features at a time, never
+    more than the bound (or 64 columns) at once; each column of grad_x is still one GEMM
+    over all output features, so the result equals the whole weight's bit for bit (GEMMs
+    of 8 columns or fewer sum in another order on an AVX2 CPU: slices never are that narrow)."""
+    from fsdp_int8._weight import transient
+
+    layer = nn.Linear(200, 700, bias=False)  # an output head's shape, scaled down
+    quantize_(layer, Int8TrainingConfig(min_features=1, skip_names=(), compile="off"))
+    layer.to(dtype)
+    x = torch.randn(33, 200, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    grad_y = torch.randn(33, 700, generator=torch.Generator().manual_seed(1)).to(dtype)
+    layer(x).backward(grad_y)
+    whole = x.grad.clone()
+    widths = []
+    dequantize = transient.absmax_dequantize
+
+    def recording(rows, scale, **kwargs):
+        widths.append(rows.shape[1])
+        return dequantize(rows, scale, **kwargs)
+
+    monkeypatch.setattr(transient, "absmax_dequantize", recording)
+    # slices of at least 64 columns; a narrower remainder joins the last
+    for bound, slices in ((700 * 100, [100, 100]), (700 * 64, [64, 64, 72]), (700 * 10, [64, 64, 72])):
+        monkeypatch.setattr(transient, "TRANSIENT_WEIGHT_ELEMENTS", bound)
+        widths.clear()
+        x.grad = None
+        layer(x).backward(grad_y)
+        # the forward's whole weight, then grad_input's slices
+        assert widths == [200] + slices, widths
+        assert torch.equal(x.grad, whole), (bound, (x.grad - whole).abs().max())
+
+
 def test_int32_product_is_exact():
     """Inputs that are exactly int8 x power-of-two scales quantize back to themselves, so the
     output must equal the int64 reference product with the same scaling, bit for bit."""

@@ -8,6 +8,7 @@ pickling, the subclass protocol), :mod:`.pickle_layout` (what its pickle holds),
 :mod:`.conv1d` (GPT-2's ``Conv1D`` as an ``nn.Linear`` over the transposed weight),
 :mod:`.tensor_parallel` (what a weight knows of a tensor-parallel split; writes that keep
 row scales shared), :mod:`.update_checks` (the finiteness verdicts of updates),
-:mod:`.end_of_step` (the work one optimizer step holds until it ends) and
+:mod:`.end_of_step` (the work one optimizer step holds until it ends), :mod:`.tied_release`
+(a table tied to the head freed once the head's backward has read it) and
 :mod:`.cache_key` (the weight's key in torch.compile's AOTAutograd cache). ``fsdp_int8.weight`` is the public home of ``Int8Weight`` and ``Int8WeightMeta``.
 """

@@ -39,9 +39,11 @@ from fsdp_int8._quant.kernels import (
     use_compiled,
 )
 from fsdp_int8._weight import op_table as _op_table
+from fsdp_int8._weight import tied_release
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8._weight.tied_gradient import note_dense_gradient
-from fsdp_int8.quant import absmax_dequantize, absmax_quantize
+from fsdp_int8._weight.transient import grad_input_weight_only, weight_in
+from fsdp_int8.quant import absmax_quantize
 
 # |int32 sum| <= tokens * 127 * 127 < 2**31 holds for up to 133,144 tokens: chunk below it.
 _MAX_TOKENS_PER_INT32_SUM = 1 << 17
@@ -107,11 +109,6 @@ def _quantize_activations(
     """Int8 activations or gradients with one scale per row (``dim=-1``) or per column
     (``dim=0``, no transposed copy), rounded to nearest."""
     return _run(int8_rows_nearest if dim == -1 else int8_columns, compiled, values)
-
-
-def _weight_in(weight: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in ``dtype`` for one matmul (a transient: never kept or saved)."""
-    return absmax_dequantize(weight.int_rows(), weight.scale, dtype=dtype, compiled=weight.compiled)
 
 
 # CUDA's int8 GEMM (cuBLASLt) needs more than 16 rows in the left operand and a reduced
@@ -296,7 +293,7 @@ def output_of(x2d: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     config = weight.int8_matmul
     if config is not None and config.output:
         return _int8_output(x2d, weight, bias)
-    out = torch.matmul(x2d, _weight_in(weight, x2d.dtype).t())
+    out = torch.matmul(x2d, weight_in(weight, x2d.dtype).t())
     return out.add_(bias.to(x2d.dtype)) if bias is not None else out
 
 
@@ -314,7 +311,7 @@ def grads_of(
     if int8_input:
         grad_x = _int8_grad_input(g2d, weight)
     elif need_input:
-        grad_x = torch.matmul(g2d, _weight_in(weight, g2d.dtype))
+        grad_x = grad_input_weight_only(g2d, weight)
     if int8_weight:
         grad_w = _int8_grad_weight(g2d, x2d, weight.compiled)
     elif x2d is not None:
@@ -333,6 +330,8 @@ class _Int8WeightLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None):
         ctx.has_bias = bias is not None
+        if any(ctx.needs_input_grad):
+            tied_release.note_read(weight)
         config = weight.int8_matmul
         x2d = x.reshape(-1, x.shape[-1])
         ctx.int8_input = config is not None and config.save_int8_input and ctx.needs_input_grad[1]
@@ -353,12 +352,20 @@ class _Int8WeightLinear(torch.autograd.Function):
         if config is not None and (config.grad_input or config.grad_weight):
             g2d = as_buffer(g2d)  # quantized below: its producer computed once, not in every pass
         grad_b = None
-        if ctx.int8_input:  # the weight gradient from the forward's int8 rows and scales
+        x2d = None
+        if not ctx.int8_input and ctx.needs_input_grad[1]:
+            x2d = saved[0].reshape(-1, saved[0].shape[-1]).to(g2d.dtype)
+        both_int8 = config is not None and config.grad_input and config.grad_weight
+        if x2d is not None and ctx.needs_input_grad[0] and both_int8:
+            grad_x, grad_w = grads_of(g2d, x2d, weight, need_input=True)  # one pass
+            tied_release.read_done(weight)
+        else:  # grad_x reads the weight, grad_w never does: a released weight is freed before grad_w
             grad_x, _ = grads_of(g2d, None, weight, need_input=ctx.needs_input_grad[0])
-            grad_w = _int8_grad_weight_of_rows(g2d, *saved, weight.compiled)
-        else:
-            x2d = saved[0].reshape(-1, saved[0].shape[-1]).to(g2d.dtype) if ctx.needs_input_grad[1] else None
-            grad_x, grad_w = grads_of(g2d, x2d, weight, need_input=ctx.needs_input_grad[0])
+            tied_release.read_done(weight)
+            if ctx.int8_input:  # the weight gradient from the forward's int8 rows and scales
+                grad_w = _int8_grad_weight_of_rows(g2d, *saved, weight.compiled)
+            else:
+                grad_w = grads_of(g2d, x2d, weight, need_input=False)[1] if x2d is not None else None
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
         if grad_w is not None:

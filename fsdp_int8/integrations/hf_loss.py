@@ -15,13 +15,45 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 __all__ = ["chunked_causal_lm_loss", "use_chunked_loss"]
 
 
 def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """The summed fp32 cross-entropy of ``[tokens, vocabulary]`` logits, ``chunk_tokens``
+    rows at a time. Forward keeps no fp32 tensor; backward recomputes each chunk's fp32
+    log-softmax and writes the chunk's gradient into its rows of one gradient of the
+    logits (never the chunks' gradients and their concatenation)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, ignore_index: int):
+        ctx.save_for_backward(logits, targets)
+        ctx.chunk_tokens, ctx.ignore_index = chunk_tokens, ignore_index
+        chunks = zip(logits.split(chunk_tokens), targets.split(chunk_tokens))
+        return sum(_summed_cross_entropy(chunk, chunk_targets, ignore_index) for chunk, chunk_targets in chunks)
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        logits, targets = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        rows = zip(grad.split(ctx.chunk_tokens), logits.split(ctx.chunk_tokens), targets.split(ctx.chunk_tokens))
+        for grad_rows, chunk, chunk_targets in rows:
+            # autograd's chain for this chunk, op by op (the same bits): log_softmax of the
+            # fp32 logits; nll_loss's gradient, -grad_total at each counted token's target;
+            # log_softmax's backward written over that gradient (each row sums it before
+            # writing), so two fp32 chunks exist at once, not three; the cast into grad
+            log_probs = torch.log_softmax(chunk.float(), dim=-1)
+            counted = (chunk_targets != ctx.ignore_index).unsqueeze(1)
+            grad_chunk = torch.zeros_like(log_probs).scatter_(
+                1, chunk_targets.unsqueeze(1).masked_fill(~counted, 0), counted.to(log_probs.dtype) * -grad_total)
+            torch.ops.aten._log_softmax_backward_data.out(grad_chunk, log_probs, -1, torch.float32, out=grad_chunk)
+            grad_rows.copy_(grad_chunk)
+            del log_probs, grad_chunk  # before the next chunk's are made
+        return grad, None, None, None
 
 
 def chunked_causal_lm_loss(
@@ -41,7 +73,8 @@ def chunked_causal_lm_loss(
     shifted left by one (or ``shift_labels`` as given), tokens labelled ``ignore_index``
     left out, the mean over the others, or the sum over ``num_items_in_batch`` when given
     (gradient accumulation); the gradient is the same bit for bit. Each chunk's fp32 logits
-    and log-softmax are recomputed in backward (``torch.utils.checkpoint``) instead of kept.
+    and log-softmax are recomputed in backward instead of kept, and each chunk's gradient
+    is written into its rows of the logits' gradient.
     A Hugging Face model uses it with ``model.loss_function = chunked_causal_lm_loss``
     (also after ``fully_shard``); what it saves: docs/memory.md.
 
@@ -53,7 +86,7 @@ def chunked_causal_lm_loss(
         ignore_index: Label of the tokens that carry no loss.
         shift_labels: The targets themselves, already shifted.
         chunk_tokens: Tokens per chunk (>= 1): the fp32 temporaries of backward are
-            about ``3 x 4 x chunk_tokens x vocabulary`` bytes.
+            about ``2 x 4 x chunk_tokens x vocabulary`` bytes.
         **kwargs: Accepted and ignored, as transformers' own loss ignores what it does not use.
 
     Returns:
@@ -81,12 +114,7 @@ def chunked_causal_lm_loss(
     targets = shift_labels.reshape(-1).to(flat_logits.device)
     if targets.shape[0] != flat_logits.shape[0]:
         raise ValueError(f"{targets.shape[0]} labels for {flat_logits.shape[0]} tokens of logits")
-    # one split node: backward concatenates the chunks' gradients once (slices would each
-    # make a zero-filled gradient of the whole logits)
-    total = sum(
-        checkpoint(_summed_cross_entropy, chunk, chunk_targets, ignore_index, use_reentrant=False)
-        for chunk, chunk_targets in zip(flat_logits.split(chunk_tokens), targets.split(chunk_tokens))
-    )
+    total = _ChunkedCrossEntropy.apply(flat_logits, targets, chunk_tokens, ignore_index)
     if num_items_in_batch is None:
         count = (targets != ignore_index).sum()
     elif torch.is_tensor(num_items_in_batch):

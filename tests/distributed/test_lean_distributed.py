@@ -1,13 +1,19 @@
-"""``fsdp_int8.gradients.InPlaceReduceScatter`` on 2 gloo ranks, one spawn: the same sums as
-torch's ``reduce_scatter_tensor`` bit for bit, with no copy of the whole input (gloo's
-all-reduces one) and the input released once reduced, also from a bf16 input into fp32; and ``Int8TrainingConfig.lean()``,
-which installs it through ``shard_model``, trains to the same bytes as without it."""
+"""The lean call's distributed parts on 2 gloo ranks, one spawn.
+
+``fsdp_int8.gradients.InPlaceReduceScatter``: the same sums as torch's
+``reduce_scatter_tensor`` bit for bit, with no copy of the whole input (gloo's all-reduces
+one) and the input released once reduced, also from a bf16 input into fp32; and
+``Int8TrainingConfig.lean()``, which installs it through ``shard_model``, trains to the
+same bytes as without it. ``reshard_early``: the last block resharded after forward and a
+table tied to the head freed after the head's backward (not under
+``set_reshard_after_backward(False)``), training to the same bytes as without it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -18,6 +24,7 @@ from fsdp_int8.testing import run_distributed
 
 from _cases import assert_identical, case, snapshot
 from _nets import tiny_transformer
+from launch.model import next_token_loss
 
 
 class _NewStorages(TorchDispatchMode):
@@ -35,12 +42,17 @@ class _NewStorages(TorchDispatchMode):
         return result
 
 
-def _train_lean(rank: int, **changes) -> dict:
-    """Three steps of the lean call on the launcher's tiny Transformer; its bytes afterwards."""
-    from launch.model import next_token_loss
-
+def _lean_model(tied: bool = False, **changes):
+    """The launcher's tiny Transformer under the lean call (its head tied to the embedding)."""
     model = tiny_transformer(seed=0, vocab_size=64, dim=32)
-    fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean(**{"compute_dtype": None, **changes}))
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+    return fsdp_int8.shard_model(model, config=fsdp_int8.Int8TrainingConfig.lean(**{"compute_dtype": None, **changes}))
+
+
+def _train_lean(rank: int, tied: bool = False, **changes) -> dict:
+    """Three steps of the lean call on the launcher's tiny Transformer; its bytes afterwards."""
+    model = _lean_model(tied, **changes)
     optimizer = fsdp_int8.Int8AdamW.lean(model.parameters(), lr=1e-2, block_size=16)
     data = torch.Generator().manual_seed(rank)
     for _ in range(3):
@@ -104,5 +116,46 @@ def _check(rank: int, world: int) -> None:
         assert_identical(lean, own, "bf16-input in-place vs FSDP2's fp32 reduce-scatter")
 
 
-def test_in_place_reduce_scatter_sums_as_torch_without_a_copy_and_trains_the_lean_call_alike():
-    run_distributed(_check, 2)
+def _gathered_while_blocks_run_backward(model, tokens: torch.Tensor) -> dict[str, bool]:
+    """One forward and backward: whether the last block is gathered between them, and the
+    tied table while the first block runs its backward (the last to) and after."""
+    seen = {}
+
+    def gathered(module) -> bool:
+        return not isinstance(module.weight, DTensor)  # FSDP2 hands modules the sharded DTensor otherwise
+
+    def probe(*_):
+        seen["table during the blocks' backward"] = gathered(model.tok_embeddings)
+
+    handle = model.layers[0].register_full_backward_pre_hook(probe)
+    loss = next_token_loss(model, tokens[:, :-1], tokens[:, 1:])
+    seen["last block after forward"] = gathered(model.layers[-1].attention.wq)
+    loss.backward()
+    handle.remove()
+    return seen
+
+
+def _check_reshard_early(rank: int) -> None:
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+    with case("reshard_early: the last block resharded after forward, the tied table during the blocks' backward"):
+        early = _gathered_while_blocks_run_backward(_lean_model(tied=True), tokens)
+        assert early == {"last block after forward": False, "table during the blocks' backward": False}, early
+        kept = _gathered_while_blocks_run_backward(_lean_model(tied=True, reshard_early=False), tokens)
+        assert kept == {"last block after forward": True, "table during the blocks' backward": True}, kept
+    with case("reshard_early: a root kept gathered after backward keeps its table"):
+        model = _lean_model(tied=True)
+        model.set_reshard_after_backward(False, recurse=False)
+        seen = _gathered_while_blocks_run_backward(model, tokens)
+        assert seen["table during the blocks' backward"], seen
+    with case("reshard_early: the same bytes as keeping the last block and the tied table gathered"):
+        assert_identical(_train_lean(rank, tied=True), _train_lean(rank, tied=True, reshard_early=False),
+                         "reshard_early vs not")
+
+
+def _check_all(rank: int, world: int) -> None:
+    _check(rank, world)
+    _check_reshard_early(rank)
+
+
+def test_the_lean_calls_reduce_scatter_and_early_resharding_train_to_the_same_bytes():
+    run_distributed(_check_all, 2)

@@ -1,0 +1,69 @@
+"""How mixtures of experts lay out their weights and routers, read from the modules alone
+(transformers 5 and torchtitan): which parameters are experts, stored which way round,
+and which modules route. :mod:`fsdp_int8.config` re-exports these: its rule asks them."""
+
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+# The names transformers 5 and torchtitan give a MoE block's router (DBRX's ``router.layer``,
+# Llama 4's ``router``, Mixtral's ``gate``, Hunyuan's ``gate.wg``, Doge's ``router_gate``,
+# Qwen's ``shared_expert_gate``); ``gate_proj`` and ``gate_up_proj`` are expert weights.
+_ROUTER_NAME = re.compile(r"(router|gate)|\w+_(router|gate)|router_\w+")
+
+
+def expert_count(owner: object) -> int | None:
+    """The int ``num_experts`` of ``owner`` (a module or its config), or LongCat-Flash's ``num_routed_experts``."""
+    counts = [getattr(owner, name, None) for name in ("num_experts", "num_routed_experts")]
+    return next((n for n in counts if isinstance(n, int) and not isinstance(n, bool)), None)
+
+
+def counts_experts(owner: object) -> bool:
+    return expert_count(owner) is not None
+
+
+def stores_experts_transposed(module: nn.Module) -> bool:
+    """Experts stored ``[E, in, out]``: transformers' ``is_transposed``, or gated experts
+    without it (Llama 4) whose ``gate_up_proj`` ``[E, a, b]`` and ``down_proj`` ``[E, c, d]``
+    chain only that way round (``b == 2c`` and ``a == d``). They become int8 over their
+    transpose (:mod:`fsdp_int8._weight.transposed_experts`)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if getattr(module, "is_transposed", False) or not all(isinstance(p, nn.Parameter) and p.dim() == 3
+                                                           for p in (gate_up, down)):
+        return bool(getattr(module, "is_transposed", False))
+    (a, b), (c, d) = gate_up.shape[1:], down.shape[1:]
+    return b == 2 * c and a == d
+
+
+def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
+    """Names of ``module``'s own 3-D expert weights (``[E, out, in]``, or ``[E, in, out]``
+    where :func:`stores_experts_transposed`, ``E`` its :func:`expert_count` or its
+    ``total_experts``, zero-compute ones included; not biases), ``()`` if none."""
+    experts = expert_count(module)
+    if experts is None or experts < 1:
+        return ()
+    counts = {experts, getattr(module, "total_experts", experts)}
+    return tuple(
+        name for name, param in module._parameters.items()
+        if param is not None and param.dim() == 3 and param.shape[0] in counts and param.is_floating_point()
+    )
+
+
+def router_modules(model: nn.Module) -> set[int]:
+    """``id`` of every module inside a router of ``model``: in a MoE block (a module that
+    :func:`counts_experts`, or a child that does: ``E``), each child :data:`_ROUTER_NAME`
+    matches, and each ``nn.Linear`` child with ``E`` outputs (one logit per expert)."""
+    routers: set[int] = set()
+    for block in model.modules():
+        counts = [block] if counts_experts(block) else [c for c in block.children() if counts_experts(c)]
+        if not counts:
+            continue
+        experts = expert_count(counts[0])
+        for name, child in block.named_children():
+            if _ROUTER_NAME.fullmatch(name):
+                routers.update(id(m) for m in child.modules())
+            elif isinstance(child, nn.Linear) and child.out_features == experts:
+                routers.add(id(child))
+    return routers
