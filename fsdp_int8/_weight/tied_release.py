@@ -54,6 +54,7 @@ def release_tied_tables_after_head(model: nn.Module) -> int:
     fsdp = fsdp_modules(model)
     if not fsdp:
         return 0
+    _watched[:] = [w for w in _watched if w.group() is not None and w.fsdp_param() is not None]  # dropped models
     count = 0
     for group in param_groups(fsdp[0][1]):
         for fsdp_param in tied_embedding_params(group):
@@ -64,9 +65,13 @@ def release_tied_tables_after_head(model: nn.Module) -> int:
 
 
 def _watch_of(weight: torch.Tensor) -> _Watch | None:
-    """The watch of the table that FSDP2 gathered as ``weight``, if any."""
-    _watched[:] = [w for w in _watched if w.group() is not None and w.fsdp_param() is not None]
-    return next((w for w in _watched if gathered_param(w.fsdp_param()) is weight), None)
+    """The watch of the table that FSDP2 gathered as ``weight``, if any (a dropped model's
+    watch gathers nothing)."""
+    for watch in _watched:
+        fsdp_param = watch.fsdp_param()
+        if fsdp_param is not None and watch.group() is not None and gathered_param(fsdp_param) is weight:
+            return watch
+    return None
 
 
 def note_read(weight: torch.Tensor) -> None:
