@@ -5,7 +5,8 @@
     python -m benchmarks.moe_families --json out.json
 
 A family is a model type whose modeling file defines an ``*Experts`` class. Each is built
-from its config's defaults (transformers' configs default to a published model's shape)
+from its config's defaults (transformers' configs default to a published model's shape;
+:data:`PUBLISHED` gives the shape where the defaults do not build)
 on the meta device, so no weight is allocated, then ``fsdp_int8.quantize_`` runs with the
 default ``Int8TrainingConfig``. Per family: parameters, the int8 share of parameter
 elements, and the int8 routers: 2-D weights with one row per expert (``[E, hidden]``)
@@ -48,6 +49,22 @@ def families() -> list[str]:
     return sorted(found)
 
 
+# Published sizes of the families whose config defaults transformers cannot build (the
+# fields the defaults lack or get wrong; the rest stay the defaults):
+PUBLISHED = {
+    # databricks/dbrx-base's config.json (its attention clamps by clip_qkv, and None fails)
+    "dbrx": dict(d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
+                 attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0),
+                 ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4)),
+    # rednote-hilab/dots.llm1.base's config.json (the defaults have no experts)
+    "dots1": dict(hidden_size=4096, n_routed_experts=128, n_shared_experts=2, num_experts_per_tok=6,
+                  first_k_dense_replace=1),
+    # Hunyuan-A13B's model card: 64 experts (top 8) of width 3072, GQA 32 / 8 heads of 128
+    "hunyuan_v1_moe": dict(vocab_size=128167, intermediate_size=3072, num_key_value_heads=8, head_dim=128,
+                           num_experts=64, moe_topk=8),
+}
+
+
 def _configs(family: str) -> list:
     from transformers import CONFIG_MAPPING
 
@@ -55,7 +72,7 @@ def _configs(family: str) -> list:
     for model_type, config_class in CONFIG_MAPPING.items():
         if config_class.__module__.startswith(f"transformers.models.{family}."):
             try:
-                configs.append((model_type, config_class()))
+                configs.append((model_type, config_class(**PUBLISHED.get(model_type, {}))))
             except Exception:  # noqa: BLE001 -- a config that needs arguments: not this family's model
                 continue
     return configs
@@ -105,7 +122,8 @@ def measure(family: str) -> list[dict]:
         experts = _experts(config)
         blocks = tuple(f"{name}." for name, module in model.named_modules() if experts and any(
             any(getattr(child, count, None) == experts for count in _EXPERT_COUNTS)
-            and any(p.dim() == 3 and p.shape[0] == experts for p in child.parameters(False))
+            and any(p.shape[0] == experts if p.dim() == 3 else p.shape[0] % experts == 0 and p.shape[0] > experts
+                    for p in child.parameters())  # 3-D experts, or DBRX's 2-D [E * ffn, hidden]
             for child in module.children()))
         routers = [name for name, p in model.named_parameters() if name.startswith(blocks) and "_proj" not in name
                    and isinstance(p, Int8Weight) and p.dim() == 2 and p.shape[0] == experts]

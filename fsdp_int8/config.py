@@ -12,7 +12,8 @@ import torch.nn as nn
 from fsdp_int8._dist import device_type_for
 from fsdp_int8._quant.kernels import compiler_available
 from fsdp_int8._moe.layout import (  # noqa: F401 (re-exported: the rule's vocabulary)
-    counts_experts, expert_count, expert_weight_names, router_modules, stores_experts_transposed,
+    counts_experts, expert_count, expert_features, expert_weight_names, router_modules, stores_experts_transposed,
+    transposed_expert_weights,
 )
 
 AUTO, ON, OFF = "auto", "on", "off"
@@ -185,7 +186,7 @@ class Int8TrainingConfig:
             the head. The same values; off by default, on in the lean recipe.
 
     Experts modules (:func:`counts_experts`, 3-D weights ``[E, out, in]`` or ``[E, in,
-    out]``) get one scale per expert and output feature; routers stay in full precision
+    out]``; DBRX's 2-D ones) get one scale per expert and output feature; routers stay in full precision
     (docs/moe.md, "What becomes int8").
 
     The int8 gradient reduce-scatter is not a field: it replaces the communication of an
@@ -313,8 +314,7 @@ class Int8TrainingConfig:
             return False
         experts = expert_weight_names(module)
         if experts:
-            shapes = [getattr(module, weight).shape for weight in experts]
-            return all(min(shape[1:]) >= self.min_features for shape in shapes)
+            return all(min(expert_features(module, name)) >= self.min_features for name in experts)
         features = linear_features(module)
         return features is not None and min(features) >= self.min_features
 

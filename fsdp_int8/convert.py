@@ -4,7 +4,6 @@ mixture-of-experts weights for ``Int8Weight`` parameters."""
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -14,16 +13,17 @@ from torch.distributed.tensor import DTensor
 from fsdp_int8._dist import is_sharded, local_shard
 from fsdp_int8._quant.generators import seed_weight_rounding
 from fsdp_int8._quant.kernels import warn_on_failure
-from fsdp_int8._weight.census import int8_census, warn_if_mostly_full_precision
+from fsdp_int8._weight.census import int8_census, warn_about_left_in_full_precision, warn_if_mostly_full_precision
 from fsdp_int8._weight.conv1d import int8_conv1d_, why_not_convertible
 from fsdp_int8._weight.embedding import why_not_quantizable as why_not_int8_embedding
 from fsdp_int8._weight.load_checks import add_check_hook
 from fsdp_int8._weight.pickle_layout import recorded_int8_matmul
 from fsdp_int8._weight.tensor import Int8Weight
-from fsdp_int8._weight.transposed_experts import int8_transposed_experts_, is_int8_transposed
+from fsdp_int8._weight.dbrx_experts import int8_dbrx_experts_
+from fsdp_int8._weight.transposed_experts import int8_transposed_experts_, transposed_value
 from fsdp_int8.config import (
-    OFF, ON, Int8TrainingConfig, expert_weight_names, is_conv1d, router_modules, stores_experts_transposed,
-    training_config,
+    OFF, ON, Int8TrainingConfig, expert_weight_names, is_conv1d, router_modules, training_config,
+    transposed_expert_weights,
 )
 from fsdp_int8.guard import refuse_steps_on_replaced
 
@@ -38,8 +38,6 @@ AFTER_QUANTIZE: list[Callable[[nn.Module, Int8TrainingConfig], None]] = []
 
 logger = logging.getLogger("fsdp_int8")
 
-_NAMES_SHOWN = 6  # a warning names this many modules, then counts the rest
-
 
 def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
     """Every module name that registers each parameter, by ``id(parameter)``; a parameter
@@ -50,12 +48,6 @@ def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
             if param is not None:
                 owners.setdefault(id(param), []).append(name)
     return owners
-
-
-def _named_list(names: list[str]) -> str:
-    shown = ", ".join(names[:_NAMES_SHOWN])
-    more = len(names) - _NAMES_SHOWN
-    return shown + (f" and {more} more" if more > 0 else "")
 
 
 def _adapter_layers(model: nn.Module) -> set[int]:
@@ -131,23 +123,6 @@ def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
         else:
             found.layers.append((module, transposed))
     return found
-
-
-def _warn_about_full_precision(tied: list[str], unsupported: list[str]) -> None:
-    """One warning per kind of layer that ``quantize_`` cannot quantize, naming the layers."""
-    if tied:
-        warnings.warn(
-            f"quantize_ left {len(tied)} weight(s) in full precision because they are tied "
-            f"to a module that is not quantized: {_named_list(tied)}. Untie them (e.g. "
-            "tie_word_embeddings=False) to quantize them.",
-            stacklevel=3,
-        )
-    if unsupported:
-        warnings.warn(
-            f"quantize_ left {len(unsupported)} layer(s) in full precision that it cannot "
-            f"convert: {_named_list(unsupported)}.",
-            stacklevel=3,
-        )
 
 
 def recorded_compile(value: Any) -> Any:
@@ -231,11 +206,14 @@ def int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Param
     return nn.Parameter(int8, requires_grad=weight.requires_grad)
 
 
-def _transposed_int8_parameter(weight: torch.Tensor, config: Int8TrainingConfig) -> nn.Parameter:
-    """A Conv1D's ``[in, out]`` (or experts' ``[E, in, out]``) ``weight`` as an ``[out, in]``
-    int8 parameter: one scale per output feature, rows FSDP2 can shard (contiguous)."""
+def _int8_parameter_over(weight: torch.Tensor, config: Int8TrainingConfig, blocks: int | None) -> nn.Parameter:
+    """``weight`` as an int8 parameter, over its :func:`transposed_value` with ``blocks``
+    (a Conv1D's ``[in, out]``, experts' ``[E, in, out]``, DBRX's ``w2``: one scale per
+    output feature, rows FSDP2 can shard) or, with ``blocks`` ``None``, as it is."""
+    if blocks is None:
+        return int8_parameter(weight, config)
     with torch.no_grad():
-        values = weight.detach().transpose(-2, -1).contiguous()
+        values = transposed_value(weight.detach(), blocks).contiguous()
     return int8_parameter(values, config).requires_grad_(weight.requires_grad)
 
 
@@ -323,33 +301,32 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         if isinstance(weight, Int8Weight):
             continue
         if id(weight) not in swapped:
-            make = _transposed_int8_parameter if transposed else int8_parameter
-            swapped[id(weight)] = make(weight, config)
+            swapped[id(weight)] = _int8_parameter_over(weight, config, 1 if transposed else None)
         targets.append((module, id(weight), transposed))
-    experts: list[tuple[nn.Module, dict[str, nn.Parameter]]] = []
+    experts: list[tuple[nn.Module, dict[str, nn.Parameter], dict[str, int]]] = []
     for module in found.experts:
-        transposed = stores_experts_transposed(module) and not is_int8_transposed(module)
-        make = _transposed_int8_parameter if transposed else int8_parameter
+        blocks = transposed_expert_weights(module)
         weights = {
-            name: make(module._parameters[name], config)
-            for name in expert_weight_names(module) if not isinstance(module._parameters[name], Int8Weight)
+            name: _int8_parameter_over(param, config, blocks.get(name)) for name in expert_weight_names(module)
+            if not isinstance(param := module._parameters[name], Int8Weight)
         }
         if weights:
-            experts.append((module, weights, transposed))
+            experts.append((module, weights, blocks))
     for module, key, transposed in targets:
         if transposed:  # GPT-2's Conv1D becomes an nn.Linear over the transpose, in place
             int8_conv1d_(module, swapped[key])
         else:
             module.weight = swapped[key]
         _keep_int8_on_load(module, config, ("weight",))
-    for module, weights, transposed in experts:
-        if transposed:  # [E, in, out] experts hold their [E, out, in] transpose, read as before
-            int8_transposed_experts_(module, weights)
+    for module, weights, blocks in experts:
+        # [E, in, out] experts (DBRX's w2) hold their transpose, read as before
+        int8_transposed_experts_(module, {n: w for n, w in weights.items() if n in blocks}, blocks)
         for name, weight in weights.items():
-            if not transposed:
+            if name not in blocks:
                 setattr(module, name, weight)
             swapped[id(weight)] = weight
         _keep_int8_on_load(module, config, tuple(weights))
+    int8_dbrx_experts_(model)
     if swapped:  # a repeated call changes nothing, not even the generator
         add_check_hook(model)  # ... and all of the model's at once: a refused load changes nothing
         # Not sharded yet: every process holds every row, one shard (mesh=None).
@@ -357,7 +334,7 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
         refuse_steps_on_replaced(original, model, "quantize_")
         for hook in AFTER_QUANTIZE:
             hook(model, config)
-    _warn_about_full_precision(found.tied, found.unsupported)
+    warn_about_left_in_full_precision(found.tied, found.unsupported)
     census = int8_census(model)
     logger.info("quantize_: %s", census)
     warn_if_mostly_full_precision(model, census)

@@ -298,17 +298,88 @@ def test_llama4_experts_stored_transposed_without_a_flag_become_int8():
         torch.testing.assert_close(moe(x)[0], reference(x)[0], rtol=1e-5, atol=1e-6)
 
 
-def test_a_router_under_a_block_without_num_experts_stays_full_precision():
-    """DBRX's ``DbrxFFN`` holds ``router.layer`` (``nn.Linear(d_model, experts)``) beside its
-    experts; the block itself has no ``num_experts``."""
+def _dbrx_ffn(experts: int = 4, ffn: int = 48, top_k: int = 2) -> nn.Module:
+    """transformers' ``DbrxFFN`` (router and experts, hidden 32), its weights drawn (a bare
+    block: transformers initialises whole models only)."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.dbrx.modeling_dbrx import DbrxFFN
 
-    config = transformers.DbrxConfig(d_model=32, ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 16})
-    ffn = DbrxFFN(config)
-    with pytest.warns(UserWarning, match="only 1 int8 weights"):  # its 2-D experts are not recognised
-        quantize_(nn.Sequential(ffn, nn.Linear(32, 32)))
-    assert type(ffn.router.layer.weight) is nn.Parameter  # 32 x 16 passes min_features, and still stays
+    config = transformers.DbrxConfig(
+        d_model=32, ffn_config={"ffn_hidden_size": ffn, "moe_num_experts": experts, "moe_top_k": top_k})
+    torch.manual_seed(0)
+    block = DbrxFFN(config)
+    for parameter in block.parameters():
+        nn.init.normal_(parameter, std=0.1)
+    return block.eval()
+
+
+def test_dbrx_experts_are_int8_per_output_feature_and_the_router_full_precision():
+    """DBRX's 2-D ``w1`` / ``v1`` ``[E * ffn, hidden]`` keep their layout (a row is an output
+    feature); ``w2``, read per expert as ``[ffn, hidden]`` (in, out), is held as each expert's
+    transpose ``[E * hidden, ffn]``. ``router.layer`` (``nn.Linear(hidden, E)`` under a block
+    without ``num_experts``) passes ``min_features`` and still stays full precision."""
+    ffn = _dbrx_ffn()
+    original = {name: p.detach().clone() for name, p in ffn.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # mostly int8: no low-share warning
+        quantize_(nn.Sequential(ffn, nn.Linear(32, 32)), Int8TrainingConfig(min_features=16))
+    mlp = ffn.experts.mlp
+    assert type(ffn.router.layer.weight) is nn.Parameter
+    assert [tuple(mlp._parameters[n].shape) for n in ("w1", "v1", "w2")] == [(192, 32), (192, 32), (128, 48)]
+    assert all(isinstance(mlp._parameters[n], Int8Weight) for n in ("w1", "v1", "w2"))
+    w2 = original["experts.mlp.w2"].view(4, 48, 32)  # expert e's [in, out]
+    stored = mlp.w2.dequantize().view(4, 32, 48)  # its [out, in], one scale per output feature
+    torch.testing.assert_close(stored, w2.transpose(1, 2), atol=0.5 * float(w2.abs().max()) / 127, rtol=0)
+    assert mlp.w2.scale.shape == (128,)
+    torch.testing.assert_close(mlp.w2.scale.view(4, 32), w2.abs().amax(dim=1) / 127)
+
+
+@pytest.mark.parametrize("int8_matmul", [None, Int8MatmulConfig()], ids=["weight-only", "int8-matmuls"])
+def test_dbrx_experts_compute_what_their_values_compute(int8_matmul):
+    """The swapped ``DbrxExperts.forward`` (grouped over the int8 layout) against
+    transformers' own loop on an fp32 block holding the int8 values: outputs and gradients
+    within fp32 rounding (the same products, summed per token in the same expert order;
+    the GEMMs' row blocks differ), int8 GEMMs within their activation rounding (2%)."""
+    ffn, reference = _dbrx_ffn(), _dbrx_ffn()
+    quantize_(ffn, Int8TrainingConfig(min_features=16, int8_matmul=int8_matmul, compile="off"))
+    assert type(ffn.experts).__name__.startswith("Int8Dbrx__") and type(reference.experts).__name__ == "DbrxExperts"
+    reference.load_state_dict(fsdp_int8.export_full_state_dict(ffn, torch.float32))
+    x = torch.randn(3, 7, 32)
+    x_int8, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = ffn(x_int8), reference(x_ref)
+    (out.square().sum()).backward()
+    (want.square().sum()).backward()
+    tolerance = 1e-6 if int8_matmul is None else 2e-2
+
+    def relative(a, b):
+        return float((a - b).detach().norm() / b.detach().norm())
+
+    assert relative(out, want) < tolerance
+    assert relative(x_int8.grad, x_ref.grad) < tolerance
+    mlp, plain = ffn.experts.mlp, reference.experts.mlp
+    assert mlp.w2.grad.shape == mlp.w2.shape  # the gradient of the stored layout
+    assert relative(mlp.w2.grad.view(4, 32, 48).transpose(1, 2).reshape(192, 32), plain.w2.grad) < tolerance
+    assert relative(mlp.w1.grad, plain.w1.grad) < tolerance
+
+
+def test_dbrx_experts_save_in_the_model_layout_and_load_back_exactly():
+    """``export_full_state_dict`` writes ``w2`` as the model's ``[E * ffn, hidden]``; loading it
+    into another quantized block gives the same int8 bytes and scales; a whole-block pickle
+    loads (the swapped classes rebuilt by name) and computes the same output."""
+    ffn, other = _dbrx_ffn(), _dbrx_ffn()
+    config = Int8TrainingConfig(min_features=16, compile="off")
+    quantize_(ffn, config)
+    exported = fsdp_int8.export_full_state_dict(ffn, torch.float32)
+    assert {k: tuple(v.shape) for k, v in exported.items()} == {k: tuple(v.shape) for k, v in other.state_dict().items()}
+    quantize_(other, config)
+    other.load_state_dict(exported)
+    for name in ("w1", "v1", "w2"):
+        mine, theirs = getattr(ffn.experts.mlp, name), getattr(other.experts.mlp, name)
+        assert torch.equal(mine.int_data, theirs.int_data) and torch.equal(mine.scale, theirs.scale), name
+    loaded = torch.load(io.BytesIO(_saved(ffn)), weights_only=False)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), ffn(x))
 
 
 def test_routers_are_found_by_name_or_by_one_output_per_expert():

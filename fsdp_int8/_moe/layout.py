@@ -37,10 +37,54 @@ def stores_experts_transposed(module: nn.Module) -> bool:
     return b == 2 * c and a == d
 
 
+def dbrx_expert_names(module: nn.Module) -> tuple[str, ...]:
+    """DBRX's experts (``DbrxExpertGLU``): an int ``moe_num_experts`` ``E`` and
+    ``ffn_hidden_size`` ``F``, and 2-D ``w1``, ``v1``, ``w2`` ``[E * F, hidden]``, every
+    expert's ``F`` rows in turn. ``w1`` and ``v1`` hold ``[F, hidden]`` (out, in) per expert;
+    ``w2`` holds ``[F, hidden]`` read as (in, out), so it becomes int8 over each expert's
+    transpose (:func:`transposed_expert_weights`). ``()`` for any other module."""
+    experts, width = getattr(module, "moe_num_experts", None), getattr(module, "ffn_hidden_size", None)
+    if not (isinstance(experts, int) and isinstance(width, int) and experts > 0 and width > 0):
+        return ()
+    w1, v1, w2 = params = [module._parameters.get(name) for name in _DBRX_WEIGHTS]
+    if not all(isinstance(p, nn.Parameter) and p.dim() == 2 and p.is_floating_point() for p in params):
+        return ()
+    rows, hidden = w1.shape
+    # w2 in the model's layout, or (int8) each expert's transpose
+    fits = rows == experts * width and v1.shape == w1.shape and w2.shape in (w1.shape, (experts * hidden, width))
+    return _DBRX_WEIGHTS if fits else ()
+
+
+_DBRX_WEIGHTS = ("w1", "v1", "w2")
+
+
+def transposed_expert_weights(module: nn.Module) -> dict[str, int]:
+    """The expert weights of ``module`` that become int8 over their transpose, by name, each
+    with the number of experts whose blocks of rows are transposed one by one: ``1`` for a
+    3-D weight (:func:`stores_experts_transposed`: all of them, along the last two dims),
+    ``E`` for DBRX's 2-D ``w2`` (:func:`dbrx_expert_names`)."""
+    if dbrx_expert_names(module):
+        return {"w2": module.moe_num_experts}
+    return dict.fromkeys(expert_weight_names(module), 1) if stores_experts_transposed(module) else {}
+
+
+def expert_features(module: nn.Module, name: str) -> tuple[int, int]:
+    """``(out, in)`` features of each expert of ``module``'s expert weight ``name``, in the
+    model's layout."""
+    shape = module._parameters[name].shape
+    if dbrx_expert_names(module):
+        features = (module.ffn_hidden_size, shape[1])
+        return features[::-1] if name == "w2" else features
+    return (shape[2], shape[1]) if stores_experts_transposed(module) else (shape[1], shape[2])
+
+
 def expert_weight_names(module: nn.Module) -> tuple[str, ...]:
-    """Names of ``module``'s own 3-D expert weights (``[E, out, in]``, or ``[E, in, out]``
-    where :func:`stores_experts_transposed`, ``E`` its :func:`expert_count` or its
-    ``total_experts``, zero-compute ones included; not biases), ``()`` if none."""
+    """Names of ``module``'s own expert weights, ``()`` if none: 3-D ones (``[E, out, in]``,
+    or ``[E, in, out]`` where :func:`stores_experts_transposed`, ``E`` its
+    :func:`expert_count` or its ``total_experts``, zero-compute ones included; not biases),
+    or DBRX's 2-D ones (:func:`dbrx_expert_names`)."""
+    if dbrx_expert_names(module):
+        return _DBRX_WEIGHTS
     experts = expert_count(module)
     if experts is None or experts < 1:
         return ()

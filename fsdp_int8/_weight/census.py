@@ -1,5 +1,5 @@
-"""How much of a model is int8: the count ``quantize_`` logs, and its warning when most of
-a model stays in full precision."""
+"""How much of a model is int8: the count ``quantize_`` logs, and its warnings about what
+stays in full precision."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch.nn as nn
 from fsdp_int8._dist import local_shard
 from fsdp_int8._weight.tensor import Int8Weight
 
-__all__ = ["Int8Census", "int8_census", "warn_if_mostly_full_precision"]
+__all__ = ["Int8Census", "int8_census", "warn_if_mostly_full_precision", "warn_about_left_in_full_precision"]
 
-_NAMES_SHOWN = 6  # the warning names this many parameters
+_NAMES_SHOWN = 6  # a warning names this many parameters or modules
 
 
 class Int8Census(NamedTuple):
@@ -59,6 +59,29 @@ def warn_if_mostly_full_precision(model: nn.Module, census: Int8Census) -> None:
         f"{', '.join(largest)}. If they should be int8, select them with "
         "Int8TrainingConfig(module_filter=..., min_features=..., skip_names=...); "
         "nn.Linear layers and mixture-of-experts modules (num_experts and 3-D "
-        "[experts, out, in] weights) can be int8.",
+        "[experts, out, in] weights, or DBRX's) can be int8.",
         stacklevel=3,
     )
+
+
+def _named_list(names: list[str]) -> str:
+    shown = ", ".join(names[:_NAMES_SHOWN])
+    more = len(names) - _NAMES_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def warn_about_left_in_full_precision(tied: list[str], unsupported: list[str]) -> None:
+    """One warning per kind of layer that ``quantize_`` cannot quantize, naming the layers."""
+    if tied:
+        warnings.warn(
+            f"quantize_ left {len(tied)} weight(s) in full precision because they are tied "
+            f"to a module that is not quantized: {_named_list(tied)}. Untie them (e.g. "
+            "tie_word_embeddings=False) to quantize them.",
+            stacklevel=3,
+        )
+    if unsupported:
+        warnings.warn(
+            f"quantize_ left {len(unsupported)} layer(s) in full precision that it cannot "
+            f"convert: {_named_list(unsupported)}.",
+            stacklevel=3,
+        )

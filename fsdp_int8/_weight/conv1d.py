@@ -38,6 +38,7 @@ from fsdp_int8._weight.tensor import Int8Weight
 
 __all__ = [
     "Int8Conv1D", "why_not_convertible", "int8_conv1d_", "conv1d_layers", "transposed_weights",
+    "stored_transposed", "in_other_layout",
     "to_gpt2_layout", "to_module_layout",
 ]
 
@@ -127,6 +128,15 @@ def conv1d_layers(model: nn.Module) -> dict[str, Int8Conv1D]:
     return {key: module for key, (module, _) in transposed_weights(model).items() if isinstance(module, Int8Conv1D)}
 
 
+def stored_transposed(module: nn.Module) -> tuple[str, ...]:
+    """Names of ``module``'s own int8 weights stored as the transpose of its layout (an
+    :class:`Int8Conv1D`'s ``weight``, transposed experts'): :func:`in_other_layout` turns
+    plain values of either layout into the other."""
+    from fsdp_int8._weight.transposed_experts import transposed_names
+
+    return ("weight",) if isinstance(module, Int8Conv1D) else transposed_names(module)
+
+
 def transposed_weights(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """Every int8 weight of ``model`` stored as the transpose of its module's layout (a
     :class:`Int8Conv1D`'s, transposed experts'), ``{key: (module, name)}`` by its key in
@@ -134,13 +144,10 @@ def transposed_weights(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     wrappers left out of the names, as that function leaves them out)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from fsdp_int8._weight.transposed_experts import transposed_names
-
     found: dict[str, tuple[nn.Module, str]] = {}
 
     def visit(module: nn.Module, path: tuple[str, ...]) -> None:
-        names = ("weight",) if isinstance(module, Int8Conv1D) else transposed_names(module)
-        for name in names:
+        for name in stored_transposed(module):
             found[".".join((*path, name))] = (module, name)
         for name, child in module._modules.items():
             if child is None:
@@ -158,10 +165,10 @@ def _plain(value: Any) -> bool:
 
 def to_gpt2_layout(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` (plain, full tensors of ``model``) with each weight stored transposed
-    (Conv1D's, transposed experts') back in its module's layout, GPT-2's ``[in, out]`` /
-    ``[E, in, out]`` (contiguous: safetensors writes only contiguous tensors)."""
-    keys = transposed_weights(model).keys() & state_dict.keys()
-    return {k: v.transpose(-2, -1).contiguous() if k in keys and _plain(v) else v for k, v in state_dict.items()}
+    (Conv1D's, transposed experts', DBRX's ``w2``) back in its module's layout, GPT-2's
+    ``[in, out]`` / ``[E, in, out]`` (contiguous: safetensors writes only contiguous tensors)."""
+    weights = transposed_weights(model)
+    return {k: in_other_layout(v, *weights[k]) if k in weights and _plain(v) else v for k, v in state_dict.items()}
 
 
 def to_module_layout(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -186,8 +193,16 @@ def to_module_layout(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, 
         if problem is not None:
             raise ValueError(problem)
     sharded = {
-        k for k, (m, name) in transposed_weights(model).items()
+        k: owner for k, owner in transposed_weights(model).items()
         if k in state_dict and _plain(state_dict[k]) and not isinstance(state_dict[k], DTensor)
-        and isinstance(m._parameters[name], DTensor)
+        and isinstance(owner[0]._parameters[owner[1]], DTensor)
     }
-    return {k: v.transpose(-2, -1).contiguous() if k in sharded else v for k, v in state_dict.items()}
+    return {k: in_other_layout(v, *sharded[k]) if k in sharded else v for k, v in state_dict.items()}
+
+
+def in_other_layout(value: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
+    """``value`` of ``module``'s weight ``name`` in the other of its two layouts (the
+    module's, the int8 one), contiguous: safetensors and collectives need it so."""
+    from fsdp_int8._weight.transposed_experts import transposed_blocks, transposed_value
+
+    return transposed_value(value, transposed_blocks(module, name)).contiguous()

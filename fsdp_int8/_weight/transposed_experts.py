@@ -12,25 +12,55 @@ it expects: ``weight.transpose(-2, -1)``, which for an int8 weight with int8 GEM
 GEMMs on it) and otherwise the values, transposed. Parameters, optimizers, FSDP2 and
 checkpoints see the ``[E, out, in]`` weight and work unchanged.
 
+DBRX's ``w2`` (2-D ``[E * F, hidden]``, each expert's ``[F, hidden]`` read as ``[in,
+out]``) is held the same way, each expert's block of rows transposed: ``[E * hidden, F]``
+(:func:`transposed_value` with ``E`` blocks). Its module's ``forward`` takes the weights as
+arguments and is never the one that runs (:mod:`.dbrx_experts`), so it is shown nothing.
+
 Plain tensors under the weight's state-dict key are the model's own layout, ``[E, in,
 out]`` (every Hugging Face state dict, and ``export_full_state_dict``'s output):
 :meth:`_TransposedExperts._load_from_state_dict` transposes them before loading. The
-swapped class is named after the original so that pickles find it in a fresh process
-(this module's ``__getattr__`` rebuilds it from the name).
+swapped classes are named after the original so that pickles find them in a fresh process
+(this module's ``__getattr__`` rebuilds them from the name).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
-__all__ = ["int8_transposed_experts_", "is_int8_transposed", "transposed_names"]
+__all__ = [
+    "int8_transposed_experts_", "is_int8_transposed", "transposed_names", "transposed_blocks", "transposed_value",
+    "transposed_shape",
+    "swapped_class",
+]
 
-_PREFIX = "Int8Transposed__"
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, type], type] = {}
+# the prefix of each swapped class's name: its mixin, by the module that defines it
+_MIXINS: dict[str, tuple[str, str]] = {
+    "Int8Transposed__": (__name__, "_TransposedExperts"),
+    "Int8Dbrx__": ("fsdp_int8._weight.dbrx_experts", "_Int8DbrxExperts"),
+}
+
+
+def transposed_value(value: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+    """``value`` with each block of rows transposed: the last two dims of a 3-D (or a
+    ``blocks == 1``) tensor swapped (a view); a 2-D ``[blocks * a, b]`` as ``[blocks * b,
+    a]`` (a copy). Its own inverse: the same call turns a stored weight back."""
+    if value.dim() != 2 or blocks == 1:
+        return value.transpose(-2, -1)
+    rows, cols = value.shape
+    return value.reshape(blocks, rows // blocks, cols).transpose(1, 2).reshape(blocks * cols, rows // blocks)
+
+
+def transposed_shape(shape: Sequence[int], blocks: int = 1) -> torch.Size:
+    """The shape of :func:`transposed_value` of a tensor of ``shape``."""
+    if len(shape) != 2 or blocks == 1:
+        return torch.Size((*shape[:-2], shape[-1], shape[-2]))
+    return torch.Size((blocks * shape[1], shape[0] // blocks))
 
 
 class _TransposedExperts:
@@ -41,7 +71,8 @@ class _TransposedExperts:
         # The module's code reads its weights as [E, in, out] while it runs; everything else
         # (FSDP2, optimizers, state dicts) keeps reading the stored parameters. Under FSDP2
         # the stored entry is the unsharded weight its hooks put there before this call.
-        stored = {name: self._parameters[name] for name in self._int8_transposed}
+        stored = {name: self._parameters[name] for name in self._int8_transposed
+                  if name not in self.__dict__.get("_int8_transposed_blocks", {})}
         try:
             for name, weight in stored.items():
                 self._parameters[name] = weight.transpose(-2, -1)
@@ -52,11 +83,11 @@ class _TransposedExperts:
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         for name in self._int8_transposed:
             value = state_dict.get(prefix + name)
-            stored = self._parameters[name]
-            # square ones too: a plain tensor is always [E, in, out]; a DTensor's full value
-            # was transposed before torch sharded it (checkpoint/export.py, to_module_layout)
-            if _plain(value) and value.dim() == 3 and value.shape[1:] == stored.shape[1:][::-1]:
-                state_dict[prefix + name] = value.transpose(-2, -1).contiguous()
+            blocks = transposed_blocks(self, name)
+            # square ones too: a plain tensor is always the model's layout; a DTensor's full
+            # value was transposed before torch sharded it (checkpoint/export.py, to_module_layout)
+            if _plain(value) and value.shape == transposed_shape(self._parameters[name].shape, blocks):
+                state_dict[prefix + name] = transposed_value(value, blocks).contiguous()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
@@ -69,29 +100,29 @@ def _plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, (Int8Weight, DTensor))
 
 
-def _class_name(base: type) -> str:
-    return f"{_PREFIX}{base.__module__.replace('.', '__')}___{base.__qualname__}"
-
-
-def _class_for(base: type) -> type:
-    """The swapped class of ``base`` (one per class, named after it)."""
-    if base not in _CLASSES:
-        name = _class_name(base)
-        cls = type(name, (_TransposedExperts, base), {"__module__": __name__, "__qualname__": name})
-        _CLASSES[base] = cls
+def swapped_class(mixin: type, base: type) -> type:
+    """``base`` with ``mixin`` before it (one class per pair), named after both so that a
+    pickle finds it here in a fresh process. ``mixin`` is one of :data:`_MIXINS`."""
+    if (mixin, base) not in _CLASSES:
+        prefix = next(p for p, (module, name) in _MIXINS.items() if name == mixin.__name__)
+        name = f"{prefix}{base.__module__.replace('.', '__')}___{base.__qualname__}"
+        cls = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name})
+        _CLASSES[mixin, base] = cls
         globals()[name] = cls
-    return _CLASSES[base]
+    return _CLASSES[mixin, base]
 
 
 def __getattr__(name: str) -> type:
-    """The swapped class a pickle names, rebuilt from its original class's path."""
-    if not name.startswith(_PREFIX):
+    """The swapped class a pickle names, rebuilt from its mixin's and original class's paths."""
+    prefix = next((p for p in _MIXINS if name.startswith(p)), None)
+    if prefix is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, qualname = name[len(_PREFIX):].split("___", 1)
+    module, qualname = name[len(prefix):].split("___", 1)
     base: Any = importlib.import_module(module.replace("__", "."))
     for part in qualname.split("."):
         base = getattr(base, part)
-    return _class_for(base)
+    mixin_module, mixin_name = _MIXINS[prefix]
+    return swapped_class(getattr(importlib.import_module(mixin_module), mixin_name), base)
 
 
 def is_int8_transposed(module: nn.Module) -> bool:
@@ -104,11 +135,22 @@ def transposed_names(module: nn.Module) -> tuple[str, ...]:
     return module.__dict__.get("_int8_transposed", ())
 
 
-def int8_transposed_experts_(module: nn.Module, weights: dict[str, nn.Parameter]) -> None:
-    """Give ``module`` the ``[E, out, in]`` ``weights`` (by name) and the class that reads
-    them as ``[E, in, out]``; in place."""
+def transposed_blocks(module: nn.Module, name: str) -> int:
+    """The ``blocks`` of :func:`transposed_value` for ``module``'s stored weight ``name``."""
+    return module.__dict__.get("_int8_transposed_blocks", {}).get(name, 1)
+
+
+def int8_transposed_experts_(module: nn.Module, weights: dict[str, nn.Parameter], blocks: dict[str, int]) -> None:
+    """Give ``module`` the ``weights`` (by name) stored as :func:`transposed_value` of its
+    own with ``blocks`` (by name), and the class that reads the 3-D ones as ``[E, in,
+    out]``; in place. No ``weights``: nothing happens."""
+    if not weights:
+        return
     if not is_int8_transposed(module):
-        module.__class__ = _class_for(type(module))
+        module.__class__ = swapped_class(_TransposedExperts, type(module))
     module.__dict__["_int8_transposed"] = tuple(dict.fromkeys((*transposed_names(module), *weights)))
+    flat = {name: count for name, count in blocks.items() if name in weights and weights[name].dim() == 2}
+    if flat:
+        module.__dict__["_int8_transposed_blocks"] = {**module.__dict__.get("_int8_transposed_blocks", {}), **flat}
     for name, weight in weights.items():
         module._parameters[name] = weight

@@ -33,6 +33,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from fsdp_int8._dist import local_shard
+from fsdp_int8._weight.conv1d import in_other_layout, stored_transposed
 from fsdp_int8._weight.load_checks import SCALE_SUFFIX, Int8LoadError, as_rows, check_rows, refusal
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.integrations._hf_layout import Headers, headers_of, read_headers, scale_entries, unpaired
@@ -108,8 +109,8 @@ class QuantizeOnLoad(ConversionOps):
             value = values[0] if isinstance(values, list) else values
             module, name = get_module_from_name(model, key)
             target = module._parameters[name]  # the meta Int8Weight quantize_ put there
-            if hasattr(module, "nx") and hasattr(module, "nf"):
-                value = value.t().contiguous()  # GPT-2's Conv1D: [in, out] on disk, [out, in] int8
+            if name in stored_transposed(module):  # GPT-2's [in, out] on disk, [out, in] int8; experts likewise
+                value = in_other_layout(value, module, name)
             rows = Int8Weight.from_float(value.to(target.dtype), compiled=target.compiled)
             out[key] = target.with_tensors(rows.int_data, rows.scale)  # the target's metadata
         return out

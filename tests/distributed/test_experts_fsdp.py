@@ -145,24 +145,31 @@ def _fsdp_cases(rank: int, world: int) -> tuple[int, int]:
                     assert (gemms.calls > 0) == (int8_matmul is not None), gemms.calls
     with case("experts=3 bf16 policy"):
         assert_parity(_parity(rank, world, 3, reshard=True, int8_matmul=None, bf16=True), bf16=True)
-    for int8_matmul in (None, INT8_GEMMS):
-        with case(f"gpt-oss's transposed experts, int8_matmul={int8_matmul is not None}"):
-            _transposed_experts_as_one_process(int8_matmul)
+    for family in ("gpt-oss", "dbrx"):
+        for int8_matmul in (None, INT8_GEMMS):
+            with case(f"{family}'s transposed experts, int8_matmul={int8_matmul is not None}"):
+                _transposed_experts_as_one_process(family, int8_matmul)
     return _gathered_bytes(rank, world)
 
 
-def _transposed_experts_as_one_process(int8_matmul) -> None:
-    """gpt-oss's experts (``[E, in, out]``, held as their int8 transpose): FSDP2 on 2 ranks
-    and one process, from the same model and batches, round to nearest: equal losses and
-    equal weights after 3 steps."""
+def _transposed_experts_as_one_process(family: str, int8_matmul) -> None:
+    """gpt-oss's experts (``[E, in, out]``, held as their int8 transpose) or DBRX's (2-D,
+    ``w2`` held as each expert's transpose, computed by the swapped ``DbrxExperts``): FSDP2
+    on 2 ranks and one process, from the same model and batches, round to nearest: equal
+    losses and equal weights after 3 steps."""
     import transformers
 
-    config = transformers.GptOssConfig(
-        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["full_attention"] * 2)
     torch.manual_seed(0)
-    one = transformers.GptOssForCausalLM(config)
+    if family == "gpt-oss":
+        one = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["full_attention"] * 2))
+    else:  # transformers 5.23 cannot build DBRX without clip_qkv (its attention clamps by it) and rope_theta
+        one = transformers.DbrxForCausalLM(transformers.DbrxConfig(
+            d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128,
+            attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=1e4),
+            ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)))
     sharded = copy.deepcopy(one)
     settings = Int8TrainingConfig(stochastic_rounding=False, int8_matmul=int8_matmul)
     fsdp_int8.quantize_(one, settings)
