@@ -12,6 +12,7 @@ import torch.nn as nn
 # Llama 4's ``router``, Mixtral's ``gate``, Hunyuan's ``gate.wg``, Doge's ``router_gate``,
 # Qwen's ``shared_expert_gate``); ``gate_proj`` and ``gate_up_proj`` are expert weights.
 _ROUTER_NAME = re.compile(r"(router|gate)|\w+_(router|gate)|router_\w+")
+_DBRX_WEIGHTS = ("w1", "v1", "w2")  # DbrxExpertGLU's: gate, up, down
 
 
 def expert_count(owner: object) -> int | None:
@@ -53,9 +54,6 @@ def dbrx_expert_names(module: nn.Module) -> tuple[str, ...]:
     # w2 in the model's layout, or (int8) each expert's transpose
     fits = rows == experts * width and v1.shape == w1.shape and w2.shape in (w1.shape, (experts * hidden, width))
     return _DBRX_WEIGHTS if fits else ()
-
-
-_DBRX_WEIGHTS = ("w1", "v1", "w2")
 
 
 def transposed_expert_weights(module: nn.Module) -> dict[str, int]:

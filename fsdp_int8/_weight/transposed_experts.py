@@ -34,8 +34,7 @@ import torch.nn as nn
 
 __all__ = [
     "int8_transposed_experts_", "is_int8_transposed", "transposed_names", "transposed_blocks", "transposed_value",
-    "transposed_shape",
-    "swapped_class",
+    "transposed_shape", "swapped_class",
 ]
 
 _CLASSES: dict[tuple[type, type], type] = {}
