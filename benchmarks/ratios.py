@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from benchmarks import experts_gemm
 from benchmarks import rows as registry
