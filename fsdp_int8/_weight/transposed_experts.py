@@ -84,7 +84,7 @@ class _TransposedExperts:
             value = state_dict.get(prefix + name)
             blocks = transposed_blocks(self, name)
             # square ones too: a plain tensor is always the model's layout; a DTensor's full
-            # value was transposed before torch sharded it (checkpoint/export.py, to_module_layout)
+            # value was transposed before torch sharded it (checkpoint/export.py, layouts.to_int8_layout)
             if _plain(value) and value.shape == transposed_shape(self._parameters[name].shape, blocks):
                 state_dict[prefix + name] = transposed_value(value, blocks).contiguous()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8 import _dist
-from fsdp_int8._weight.conv1d import conv1d_layers, to_gpt2_layout, to_module_layout
+from fsdp_int8._weight.layouts import conv1d_layers, to_int8_layout, to_model_layout
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.checkpoint._dcp import model_state_dict, set_model_state
 from fsdp_int8.checkpoint.errors import CheckpointError
@@ -56,7 +56,7 @@ def export_full_state_dict(
         elif isinstance(value, torch.Tensor) and value.is_floating_point():
             value = value.to(dtype)
         plain[key] = value
-    return to_gpt2_layout(model, plain) if _dist.rank() == 0 else {}
+    return to_model_layout(model, plain) if _dist.rank() == 0 else {}
 
 
 def _own_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -94,7 +94,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
     distributed = _dist.is_distributed() and _dist.mesh_of(model) is not None
     problem = None
     try:
-        state_dict = to_module_layout(model, state_dict)
+        state_dict = to_int8_layout(model, state_dict)
     except ValueError as error:
         problem = str(error)
     if distributed and conv1d_layers(model):  # the same on every rank: all check, or none

@@ -33,7 +33,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from fsdp_int8._dist import local_shard
-from fsdp_int8._weight.conv1d import in_other_layout, stored_transposed
+from fsdp_int8._weight.layouts import in_other_layout, stored_transposed
 from fsdp_int8._weight.load_checks import SCALE_SUFFIX, Int8LoadError, as_rows, check_rows, refusal
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.integrations._hf_layout import Headers, headers_of, read_headers, scale_entries, unpaired
