@@ -60,6 +60,9 @@ PUBLISHED = {
     "dots1": dict(hidden_size=4096, n_routed_experts=128, n_shared_experts=2, num_experts_per_tok=6,
                   first_k_dense_replace=1),
     # Hunyuan-A13B's model card: 64 experts (top 8) of width 3072, GQA 32 / 8 heads of 128
+    # LFM2-8B-A1B as LiquidAI describes it (transformers' other defaults are its shape): 24
+    # blocks, the first 2 dense, attention in 1 of 4 (6 blocks; which 6 changes no count)
+    "lfm2_moe": dict(num_hidden_layers=24, layer_types=["conv", "conv", "full_attention", "conv"] * 6),
     "hunyuan_v1_moe": dict(vocab_size=128167, intermediate_size=3072, num_key_value_heads=8, head_dim=128,
                            num_experts=64, moe_topk=8),
 }

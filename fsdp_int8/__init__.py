@@ -17,7 +17,6 @@ name starts with ``_`` are internal.
 # The op table, F.linear and F.embedding register themselves when imported: importing the
 # package loads the whole table (so Int8Weight.supported_ops() is complete).
 import fsdp_int8._weight.embedding  # noqa: F401  (registration side effects)
-import fsdp_int8._weight.experts  # noqa: F401
 import fsdp_int8._weight.linear  # noqa: F401
 import fsdp_int8._weight.ops  # noqa: F401
 from fsdp_int8 import integrations  # noqa: F401  (quantize_'s hook for transformers models; imports no framework)

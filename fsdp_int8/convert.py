@@ -20,7 +20,8 @@ from fsdp_int8._weight.load_checks import add_check_hook
 from fsdp_int8._weight.pickle_layout import recorded_int8_matmul
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8._weight.dbrx_experts import int8_dbrx_experts_
-from fsdp_int8._weight.transposed_experts import int8_transposed_experts_, transposed_value
+from fsdp_int8._weight.grouped_experts import int8_experts_, why_not_int8_experts
+from fsdp_int8._weight.transposed_experts import transposed_value
 from fsdp_int8.config import (
     OFF, ON, Int8TrainingConfig, expert_weight_names, is_conv1d, router_modules, training_config,
     transposed_expert_weights,
@@ -91,7 +92,10 @@ def _targets(model: nn.Module, config: Int8TrainingConfig) -> _Targets:
         if not config.should_quantize(module, name, router=id(module) in routers):
             continue
         if expert_weight_names(module):
-            if id(module) not in seen:
+            problem = why_not_int8_experts(module)
+            if problem is not None:
+                found.unsupported.append(f"{name} ({problem})")
+            elif id(module) not in seen:
                 seen.add(id(module))
                 found.experts.append(module)
             continue
@@ -319,8 +323,8 @@ def quantize_(model: nn.Module, config: Int8TrainingConfig | None = None) -> nn.
             module.weight = swapped[key]
         _keep_int8_on_load(module, config, ("weight",))
     for module, weights, blocks in experts:
-        # [E, in, out] experts (DBRX's w2) hold their transpose, read as before
-        int8_transposed_experts_(module, {n: w for n, w in weights.items() if n in blocks}, blocks)
+        # [E, in, out] experts (DBRX's w2) hold their transpose; the class computes through int8_grouped_mm
+        int8_experts_(module, {n: w for n, w in weights.items() if n in blocks}, blocks)
         for name, weight in weights.items():
             if name not in blocks:
                 setattr(module, name, weight)

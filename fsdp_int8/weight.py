@@ -1,8 +1,8 @@
 """The int8 weight: :class:`Int8Weight` (defined in the private ``fsdp_int8._weight`` package,
 with its op table and FSDP2 hooks), its metadata, :class:`Int8WeightMeta`, and
 :class:`Int8LoadError`, what every load path raises for an int8 weight it refuses, and
-:func:`int8_grouped_mm`, the grouped matmul of int8 experts (torchtitan's and
-transformers' ``torch._grouped_mm`` seam). Pickles
+:func:`int8_grouped_mm`, the one grouped matmul of expert weights, int8 or plain (what a
+model's own experts module calls in place of ``torch._grouped_mm``). Pickles
 and ``torch.load(weights_only=True)`` allow-lists name the weight here."""
 
 from fsdp_int8._weight.grouped_mm import int8_grouped_mm

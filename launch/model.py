@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_int8.weight import int8_grouped_mm
 from launch.rope import apply_rope, rope_frequencies
 
 
@@ -205,8 +206,8 @@ class Experts(nn.Module):
     """``num_experts`` SwiGLU experts as 3-D weights, in torchtitan's ``GroupedExperts``
     layout and computation: ``w1`` (gate) and ``w3`` (up) ``[experts, hidden, dim]``,
     ``w2`` (down) ``[experts, dim, hidden]``, each applied to its expert's tokens by one
-    ``torch._grouped_mm`` over the transposed weight (int8 weights with int8 GEMMs: one
-    int8 GEMM per expert)."""
+    ``torch._grouped_mm`` over the transposed weight: ``fsdp_int8.int8_grouped_mm``, which
+    runs it for plain weights and int8 GEMMs for int8 ones with ``Int8MatmulConfig``."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
         super().__init__()
@@ -223,9 +224,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x`` ``[tokens, dim]`` sorted by expert, ``tokens_per_expert[e]`` rows each."""
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
-        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
+        gate = int8_grouped_mm(x, self.w1, offsets)
+        up = int8_grouped_mm(x, self.w3, offsets)
+        return int8_grouped_mm(F.silu(gate) * up, self.w2, offsets)
 
 
 class MoE(nn.Module):

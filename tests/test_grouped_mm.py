@@ -146,22 +146,56 @@ def test_passes_left_in_the_compute_dtype_match_each_experts_linear(config):
             assert torch.equal(value, want), name
 
 
-def test_weight_only_experts_and_bad_offsets_are_refused():
+def test_bad_offsets_and_shapes_are_refused():
     x = torch.randn(4, IN)
-    weight_only = _experts(torch.float32)
-    weight_only = Int8Weight(weight_only.int_data, weight_only.scale, weight_only.meta.replace(int8_matmul=None),
-                             dtype=torch.float32)
-    with pytest.raises(ValueError, match="this expert weight has int8_matmul=None"):
-        int8_grouped_mm(x, weight_only, _offs())
     with pytest.raises(ValueError, match=r"offs must be \[5\] int32"):
         int8_grouped_mm(x, _experts(torch.float32), _offs().long())
     with pytest.raises(ValueError, match=r"cannot multiply experts of shape \(5, 48, 40\)"):
         int8_grouped_mm(torch.randn(4, IN + 1), _experts(torch.float32), _offs())
+    with pytest.raises(ValueError, match=r"takes expert weights \[E, out, in\]"):
+        int8_grouped_mm(x, torch.randn(OUT, IN), _offs())
 
 
-def test_grouped_mm_on_a_transposed_expert_weight_is_the_op():
-    # transformers' and torchtitan's call: torch._grouped_mm(x, w.transpose(-2, -1), offs)
-    weight = _experts(torch.float32)
-    x = torch.randn(sum(TOKENS_PER_EXPERT), IN, generator=torch.Generator().manual_seed(3))
-    through_torch = torch._grouped_mm(x, weight.transpose(-2, -1), offs=_offs())
-    assert torch.equal(through_torch, int8_grouped_mm(x, weight, _offs()))
+def _rows_of_each_expert(values: torch.Tensor, x: torch.Tensor, grad: torch.Tensor):
+    """``torch._grouped_mm``'s function computed per expert with ``F.linear`` in fp32:
+    outputs, input and weight gradients; rows past the last offset zero."""
+    out, grad_x, grad_w = torch.zeros(x.shape[0], OUT), torch.zeros_like(x), torch.zeros_like(values)
+    start = 0
+    for expert, count in enumerate(TOKENS_PER_EXPERT):
+        rows = slice(start, start + count)
+        start += count
+        out[rows] = x[rows] @ values[expert].T
+        grad_x[rows] = grad[rows] @ values[expert]
+        grad_w[expert] = grad[rows].T @ x[rows]
+    return out, grad_x, grad_w
+
+
+@pytest.mark.parametrize("kind", ["weight-only Int8Weight", "plain tensor"])
+def test_weight_only_and_plain_experts_compute_on_their_values(kind):
+    """Weight-only int8 experts (every pass on the values) and plain ones (what FSDP2
+    all-gathers for weight-only int8) give the same bits, and ``torch._grouped_mm``'s
+    function: against a loop over experts in fp32, within fp32 reassociation (1e-5
+    relative; the sums are 40 and at most 33 terms long)."""
+    int8 = _experts(torch.float32)
+    weight = (Int8Weight(int8.int_data, int8.scale, int8.meta.replace(int8_matmul=None), dtype=torch.float32)
+              .requires_grad_())
+    plain = int8.dequantize().detach().requires_grad_()
+    got = _run(weight if kind.startswith("weight-only") else plain, torch.float32)
+    x, grad = got[0].detach(), got[1]
+    other = _run(plain if kind.startswith("weight-only") else weight, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(got[2:], other[2:]))  # the same kernels on the same values
+    expected = _rows_of_each_expert(int8.dequantize(), x, grad)
+    for value, reference in zip(got[2:], expected):
+        torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_plain_experts_of_any_width_run_torch_grouped_mm():
+    """torch's CPU kernel needs 16-byte strides: a plain weight of 6 input features (24
+    bytes a row) runs all the same, padded with zeros."""
+    values = torch.randn(2, 5, 6, requires_grad=True)
+    x = torch.randn(7, 6, requires_grad=True)
+    offs = torch.tensor([3, 7], dtype=torch.int32)
+    out = int8_grouped_mm(x, values, offs)
+    torch.testing.assert_close(out, torch.cat([x[:3] @ values[0].detach().T, x[3:] @ values[1].detach().T]))
+    out.pow(2).sum().backward()
+    assert values.grad.shape == (2, 5, 6) and x.grad.shape == (7, 6)

@@ -23,7 +23,7 @@ SHORT = {
     "openai_privacy_filter": "a 1.4B token classifier: its embeddings are 9%",
 }
 # Families whose default config transformers cannot build as a whole model.
-NOT_BUILT = {"lfm2_moe", "deepseek_ocr2", "diffusion_gemma"}
+NOT_BUILT = {"deepseek_ocr2", "diffusion_gemma"}
 
 # llama4: transposed without a flag; longcat_flash: counted by num_routed_experts, with
 # zero-compute experts; gpt-oss: test_experts, test_hf_moe; the rest: exhaustive

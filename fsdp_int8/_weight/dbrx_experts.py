@@ -13,18 +13,16 @@ int8 for one whose ``forward`` computes the same sum,
 
 over the tokens sorted by expert (stably, so that each token's terms are added in the
 order of its experts, as the model's loop adds them). Each projection is one grouped
-matmul over the ``[E, out, in]`` views of the weights:
-:func:`.grouped_mm.int8_grouped_mm` where they run int8 GEMMs (its offsets stay on the
-device), else one ``F.linear`` per expert with tokens (the offsets read on the host once
-per forward, as the model's loop reads its ``nonzero``). An index of ``E`` (the model's one-hot keeps a
-slot for it) picks no expert and adds nothing.
+matmul over the ``[E, out, in]`` views of the weights, :func:`.grouped_mm.int8_grouped_mm`
+(int8 GEMMs where the weights' config asks for them; the offsets counted and kept on the
+device). An index of ``E`` (the model's one-hot keeps a slot for it) picks no expert and
+adds nothing.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from fsdp_int8._dist import local_shard
 from fsdp_int8._moe.layout import dbrx_expert_names
@@ -49,12 +47,9 @@ class _Int8DbrxExperts:
         counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # on the device: no host read
         offs = counts[:experts].cumsum(0).to(torch.int32)
         rows = x[token]
-        weights = [_per_expert(getattr(mlp, name), experts) for name in ("w1", "v1", "w2")]
-        # the per-expert loop's bounds, read on the host once for the three projections
-        bounds = None if all(map(_runs_int8_gemms, weights)) else [0, *offs.tolist()]
-        w1, v1, w2 = weights
-        hidden = mlp.activation_fn(_grouped(rows, w1, offs, bounds)) * _grouped(rows, v1, offs, bounds)
-        out = _grouped(hidden, w2, offs, bounds) * top_k_weights.reshape(-1)[order, None]
+        w1, v1, w2 = (_per_expert(getattr(mlp, name), experts) for name in ("w1", "v1", "w2"))
+        hidden = mlp.activation_fn(int8_grouped_mm(rows, w1, offs)) * int8_grouped_mm(rows, v1, offs)
+        out = int8_grouped_mm(hidden, w2, offs) * top_k_weights.reshape(-1)[order, None]
         summed = torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
         return summed.view(hidden_states.shape[0], -1, self.hidden_size)
 
@@ -62,23 +57,6 @@ class _Int8DbrxExperts:
 def _per_expert(weight: torch.Tensor, experts: int) -> torch.Tensor:
     """A 2-D ``[E * out, in]`` weight (int8, or the plain values FSDP2 gathered) as ``[E, out, in]``."""
     return weight.view(experts, -1, weight.shape[-1])
-
-
-def _runs_int8_gemms(weight: torch.Tensor) -> bool:
-    return isinstance(weight, Int8Weight) and weight.int8_matmul is not None
-
-
-def _grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
-    """``torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)``: row ``r`` of ``x``
-    times the expert whose offsets hold it; rows past the last offset give zeros. Without
-    int8 GEMMs, one ``F.linear`` per expert between ``bounds`` (``[0, *offs]`` on the host)."""
-    if _runs_int8_gemms(weight):
-        return int8_grouped_mm(x, weight, offs)
-    pieces = [F.linear(x[start:stop], weight[e]) for e, (start, stop) in enumerate(zip(bounds, bounds[1:]))
-              if stop > start]
-    if x.shape[0] > bounds[-1]:
-        pieces.append(x.new_zeros(x.shape[0] - bounds[-1], weight.shape[1]))
-    return torch.cat(pieces)
 
 
 def is_int8_dbrx_experts(module: nn.Module) -> bool:

@@ -1,8 +1,9 @@
-"""``int8_grouped_mm``: the grouped matmul of int8 experts with int8 GEMMs, device-side.
+"""``int8_grouped_mm``: the grouped matmul of experts, int8 GEMMs device-side.
 
 ``int8_grouped_mm(x, w, offs)`` is ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)``
-for an expert ``Int8Weight`` ``w`` ``[E, out, in]`` with an ``Int8MatmulConfig``. Each pass
-it runs in int8 quantizes its floating operand once for all experts, on the device:
+for expert weights ``w`` ``[E, out, in]``: the one op through which every int8 experts
+module computes. For an ``Int8Weight`` with an ``Int8MatmulConfig``, each pass it runs in
+int8 quantizes its floating operand once for all experts, on the device:
 
 * forward: ``x`` per token row (round to nearest); one grouped GEMM against the int8
   experts, scaled by the rows' and the experts' scales;
@@ -11,8 +12,9 @@ it runs in int8 quantizes its floating operand once for all experts, on the devi
   absmax); one grouped sum per expert. With ``save_int8_input`` the forward's int8 rows
   and per-token scales are what backward keeps, and their scales fold into ``grad_y``.
 
-A pass its config leaves in the compute dtype is ``torch._grouped_mm`` on the experts'
-dequantized values (a transient of that pass). Every int8 value equals what :mod:`.linear`
+A pass its config leaves in the compute dtype (every pass of a weight-only ``Int8Weight``)
+is ``torch._grouped_mm`` on the experts' dequantized values (a transient of that pass); a
+plain weight runs ``torch._grouped_mm`` as it is. Every int8 value equals what :mod:`.linear`
 computes for each expert's rows alone (its per-expert path, bit for bit: the tests compare
 them). The offsets never leave the device where
 :func:`fsdp_int8._quant.grouped_gemm.on_device` holds; rows at or past the last offset give
@@ -21,12 +23,27 @@ zeros.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from fsdp_int8._quant.grouped_gemm import expert_of_rows, grouped_rows, grouped_sums
 from fsdp_int8._quant.kernels import INT8_MAX, dequantize_whole, round_scaled
 from fsdp_int8._weight.linear import _quantize_activations as quantize_activations
 from fsdp_int8._weight.tensor import Int8Weight
+
+
+class _Passes(NamedTuple):
+    """Which passes run int8 GEMMs (an ``Int8MatmulConfig``'s fields)."""
+
+    output: bool = False
+    grad_input: bool = False
+    grad_weight: bool = False
+    save_int8_input: bool = False
+
+
+# a weight-only expert weight: every pass on its values
+_ALL_IN_COMPUTE_DTYPE = _Passes()
 
 
 def _segment_columns(values: torch.Tensor, experts_of_rows: torch.Tensor,
@@ -130,8 +147,8 @@ def _(grad_out, saved, saved_scale, int_data, scale, offs, compiled, need_input,
 class _Int8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: Int8Weight, offs: torch.Tensor) -> torch.Tensor:
-        config = weight.int8_matmul
-        keep_int8_input = config.save_int8_input and ctx.needs_input_grad[1]
+        config = weight.int8_matmul or _ALL_IN_COMPUTE_DTYPE
+        keep_int8_input = config.save_int8_input and config.output and ctx.needs_input_grad[1]
         out, qx, sx = _forward(x, weight.int_data, weight.scale, offs, weight.compiled, config.output, keep_int8_input)
         ctx.save_for_backward(qx if keep_int8_input else x, sx, weight, offs)
         return out
@@ -140,46 +157,70 @@ class _Int8GroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         saved, saved_scale, weight, offs = ctx.saved_tensors
         need_input, need_weight = ctx.needs_input_grad[:2]
-        config = weight.int8_matmul
+        config = weight.int8_matmul or _ALL_IN_COMPUTE_DTYPE
         grad_x, grad_w = _backward(grad_out.contiguous(), saved, saved_scale, weight.int_data, weight.scale, offs,
                                    weight.compiled, need_input, need_weight, config.grad_input, config.grad_weight)
         return grad_x if need_input else None, grad_w if need_weight else None, None
 
 
-def int8_grouped_mm(x: torch.Tensor, weight: Int8Weight, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)`` with int8 GEMMs.
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)`` for a plain weight, at
+    any shape (torch's CPU kernel needs 16-byte strides and a contiguous gradient), rows
+    past the last offset zero."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        past_the_end = expert_of_rows(offs, x.shape[0]) == weight.shape[0]
+        ctx.save_for_backward(x, weight, offs, past_the_end)
+        return _dense_rows(x, weight.to(x.dtype).mT, offs, past_the_end)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, offs, past_the_end = ctx.saved_tensors
+        need_input, need_weight = ctx.needs_input_grad[:2]
+        grad_x = _dense_rows(grad_out, weight.to(grad_out.dtype), offs, past_the_end) if need_input else None
+        grad_w = _dense_sums(grad_out, x.to(grad_out.dtype), offs).to(weight.dtype) if need_weight else None
+        return grad_x, grad_w, None
+
+
+def int8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)``: the experts of a MoE
+    block, each applied to its tokens. The one op every int8 experts module computes with
+    (transformers', torchtitan's, DBRX's, the launcher's); a model's own experts module
+    calls it in place of ``torch._grouped_mm``.
 
     Args:
         x: ``[tokens, in]`` floating, the tokens sorted by expert.
-        weight: An expert ``Int8Weight`` ``[E, out, in]`` with an ``int8_matmul``: the
-            passes it names run in int8, the others on the experts' values in ``x``'s dtype.
+        weight: ``[E, out, in]``: an expert ``Int8Weight`` (the passes its ``int8_matmul``
+            names run int8 GEMMs, the others, and all of a weight-only one, run on its
+            values in ``x``'s dtype, dequantized for that pass), or a plain tensor (what
+            FSDP2 all-gathers for weight-only int8, or a model left in full precision),
+            which runs ``torch._grouped_mm`` itself on ``weight`` cast to ``x``'s dtype.
+            The weight's gradient is in its own dtype.
         offs: ``[E]`` int32, cumulative tokens per expert, on ``x``'s device.
 
     Returns:
         ``[tokens, out]`` in ``x``'s dtype; rows at or past ``offs[-1]`` are zero.
-        Differentiable in ``x`` and ``weight`` (the weight's gradient is a plain
+        Differentiable in ``x`` and ``weight`` (an ``Int8Weight``'s gradient is a plain
         ``[E, out, in]`` tensor, what the optimizer writes back).
 
     Raises:
-        ValueError: ``weight`` is not a 3-D ``Int8Weight`` with an ``int8_matmul``, or the
-            shapes or dtypes do not fit.
+        ValueError: the shapes or dtypes do not fit.
 
-    On CUDA with Triton (and under ``TRITON_INTERPRET=1``) each pass is one kernel launch
-    that reads ``offs`` on the device; elsewhere a loop over the experts reads ``offs`` on
-    the host (docs/moe.md, "Grouped int8 GEMMs").
+    On CUDA with Triton (and under ``TRITON_INTERPRET=1``) each int8 pass is one kernel
+    launch that reads ``offs`` on the device; elsewhere a loop over the experts reads
+    ``offs`` on the host (docs/moe.md, "Grouped int8 GEMMs").
     """
     _check(x, weight, offs)
+    if not isinstance(weight, Int8Weight):
+        return _GroupedMM.apply(x, weight, offs)
     return _Int8GroupedMM.apply(x, weight, offs)
 
 
-def _check(x: torch.Tensor, weight: Int8Weight, offs: torch.Tensor) -> None:
-    if not isinstance(weight, Int8Weight) or weight.dim() != 3:
-        raise ValueError(f"int8_grouped_mm takes an expert Int8Weight [E, out, in], got {type(weight).__name__} "
-                         f"of shape {tuple(weight.shape)}")
-    if weight.int8_matmul is None:
-        raise ValueError(
-            "int8_grouped_mm runs int8 GEMMs: this expert weight has int8_matmul=None (weight-only "
-            "int8), whose grouped matmul is torch._grouped_mm on its values (weight.dequantize())")
+def _check(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> None:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        raise ValueError(f"int8_grouped_mm takes expert weights [E, out, in], got {type(weight).__name__} "
+                         f"of shape {tuple(getattr(weight, 'shape', ()))}")
     if x.dim() != 2 or x.shape[1] != weight.shape[2] or not x.is_floating_point():
         raise ValueError(f"int8_grouped_mm: tokens of shape {tuple(x.shape)} and dtype {x.dtype} cannot "
                          f"multiply experts of shape {tuple(weight.shape)}: [tokens, {weight.shape[2]}] floating")

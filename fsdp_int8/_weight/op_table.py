@@ -108,5 +108,6 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         ".dequantize() to work on a plain tensor; to initialise int8 weights with a "
         "multi-step initialiser (nn.init.orthogonal_, a model's own init), run it through "
         "fsdp_int8.init_int8_weights_(model, init_fn). If FSDP2, an optimizer or a "
-        "checkpoint API sent this op, please report it."
+        "checkpoint API sent this op, please report it. Expert weights [E, out, in] compute "
+        "through fsdp_int8.weight.int8_grouped_mm(x, w, offs) or F.linear(x, w[e])."
     )

@@ -4,18 +4,17 @@ gpt-oss (transformers' ``is_transposed``) and Llama 4 keep each expert's weight 
 ``[in, out]`` and multiply ``x @ w``. Their output features are the last dim, while an
 ``Int8Weight`` keeps one scale per row (and FSDP2 shards dim 0). So a quantized module
 holds each such weight as its transpose, ``[E, out, in]`` (one scale per expert and
-output feature, as for every other experts module), under the same name, and its class is
-swapped in place (``__class__`` assignment, as ``fully_shard`` and :mod:`.conv1d` do) to
-one whose ``forward`` shows the module's own code, while it runs, the ``[E, in, out]`` view
-it expects: ``weight.transpose(-2, -1)``, which for an int8 weight with int8 GEMMs is an
-:class:`~fsdp_int8._weight.experts.ExpertsTransposed` (``torch._grouped_mm`` runs int8
-GEMMs on it) and otherwise the values, transposed. Parameters, optimizers, FSDP2 and
-checkpoints see the ``[E, out, in]`` weight and work unchanged.
+output feature, as for every other experts module), under the same name. The module's
+own code, which would read ``[E, in, out]``, never runs on it: its class is swapped in
+place (``__class__`` assignment, as ``fully_shard`` and :mod:`.conv1d` do) for one that
+computes through ``int8_grouped_mm`` on the held layout (:mod:`.grouped_experts`), and
+``quantize_`` leaves transposed experts of a module it knows no such class for in full
+precision. Parameters, optimizers, FSDP2 and checkpoints see the ``[E, out, in]`` weight.
 
 DBRX's ``w2`` (2-D ``[E * F, hidden]``, each expert's ``[F, hidden]`` read as ``[in,
 out]``) is held the same way, each expert's block of rows transposed: ``[E * hidden, F]``
-(:func:`transposed_value` with ``E`` blocks). Its module's ``forward`` takes the weights as
-arguments and is never the one that runs (:mod:`.dbrx_experts`), so it is shown nothing.
+(:func:`transposed_value` with ``E`` blocks). Its module's ``forward`` is never the one that
+runs (:mod:`.dbrx_experts` computes for it).
 
 Plain tensors under the weight's state-dict key are the model's own layout, ``[E, in,
 out]`` (every Hugging Face state dict, and ``export_full_state_dict``'s output):
@@ -33,8 +32,8 @@ import torch
 import torch.nn as nn
 
 __all__ = [
-    "int8_transposed_experts_", "is_int8_transposed", "transposed_names", "transposed_blocks", "transposed_value",
-    "transposed_shape", "swapped_class",
+    "hold_transposed_", "transposed_names", "transposed_blocks", "transposed_value", "transposed_shape",
+    "swapped_class",
 ]
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -42,6 +41,9 @@ _CLASSES: dict[tuple[type, type], type] = {}
 _MIXINS: dict[str, tuple[str, str]] = {
     "Int8Transposed__": (__name__, "_TransposedExperts"),
     "Int8Dbrx__": ("fsdp_int8._weight.dbrx_experts", "_Int8DbrxExperts"),
+    "Int8Grouped__": ("fsdp_int8._weight.grouped_experts", "_Int8GroupedExperts"),
+    "Int8Llama4__": ("fsdp_int8._weight.grouped_experts", "_Int8Llama4Experts"),
+    "Int8Torchtitan__": ("fsdp_int8._weight.grouped_experts", "Int8TorchtitanExperts"),
 }
 
 
@@ -64,23 +66,12 @@ def transposed_shape(shape: Sequence[int], blocks: int = 1) -> torch.Size:
 
 class _TransposedExperts:
     """Mixed in before an experts module's class: its ``_int8_transposed`` parameters are
-    stored ``[E, out, in]`` and read by the module's code as ``[E, in, out]``."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # The module's code reads its weights as [E, in, out] while it runs; everything else
-        # (FSDP2, optimizers, state dicts) keeps reading the stored parameters. Under FSDP2
-        # the stored entry is the unsharded weight its hooks put there before this call.
-        stored = {name: self._parameters[name] for name in self._int8_transposed
-                  if name not in self.__dict__.get("_int8_transposed_blocks", {})}
-        try:
-            for name, weight in stored.items():
-                self._parameters[name] = weight.transpose(-2, -1)
-            return super().forward(*args, **kwargs)
-        finally:
-            self._parameters.update(stored)
+    stored ``[E, out, in]``, and plain values loaded under their names are the model's
+    ``[E, in, out]``. The mixins of :mod:`.grouped_experts` and :mod:`.dbrx_experts`
+    build on it; alone, it serves a module whose ``forward`` never runs (DBRX's ``mlp``)."""
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        for name in self._int8_transposed:
+        for name in transposed_names(self):
             value = state_dict.get(prefix + name)
             blocks = transposed_blocks(self, name)
             # square ones too: a plain tensor is always the model's layout; a DTensor's full
@@ -101,7 +92,9 @@ def _plain(value: Any) -> bool:
 
 def swapped_class(mixin: type, base: type) -> type:
     """``base`` with ``mixin`` before it (one class per pair), named after both so that a
-    pickle finds it here in a fresh process. ``mixin`` is one of :data:`_MIXINS`."""
+    pickle finds it here in a fresh process. ``mixin`` is one of :data:`_MIXINS`; ``base``
+    may be a class this made, whose original class is then used."""
+    base = next((b for (m, b), made in _CLASSES.items() if made is base), base)
     if (mixin, base) not in _CLASSES:
         prefix = next(p for p, (module, name) in _MIXINS.items() if name == mixin.__name__)
         name = f"{prefix}{base.__module__.replace('.', '__')}___{base.__qualname__}"
@@ -124,11 +117,6 @@ def __getattr__(name: str) -> type:
     return swapped_class(getattr(importlib.import_module(mixin_module), mixin_name), base)
 
 
-def is_int8_transposed(module: nn.Module) -> bool:
-    """Whether ``module`` is an experts module whose weights this module swapped."""
-    return isinstance(module, _TransposedExperts)
-
-
 def transposed_names(module: nn.Module) -> tuple[str, ...]:
     """Names of ``module``'s weights stored as their ``[E, out, in]`` transpose."""
     return module.__dict__.get("_int8_transposed", ())
@@ -139,14 +127,10 @@ def transposed_blocks(module: nn.Module, name: str) -> int:
     return module.__dict__.get("_int8_transposed_blocks", {}).get(name, 1)
 
 
-def int8_transposed_experts_(module: nn.Module, weights: dict[str, nn.Parameter], blocks: dict[str, int]) -> None:
-    """Give ``module`` the ``weights`` (by name) stored as :func:`transposed_value` of its
-    own with ``blocks`` (by name), and the class that reads the 3-D ones as ``[E, in,
-    out]``; in place. No ``weights``: nothing happens."""
-    if not weights:
-        return
-    if not is_int8_transposed(module):
-        module.__class__ = swapped_class(_TransposedExperts, type(module))
+def hold_transposed_(module: nn.Module, weights: dict[str, nn.Parameter], blocks: dict[str, int]) -> None:
+    """Give ``module`` (whose class has :class:`_TransposedExperts` mixed in) the
+    ``weights`` (by name) stored as :func:`transposed_value` of its own with ``blocks`` (by
+    name); in place."""
     module.__dict__["_int8_transposed"] = tuple(dict.fromkeys((*transposed_names(module), *weights)))
     flat = {name: count for name, count in blocks.items() if name in weights and weights[name].dim() == 2}
     if flat:

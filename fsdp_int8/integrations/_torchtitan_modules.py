@@ -10,8 +10,10 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torchtitan.models.common.moe import GroupedExperts
 
 from fsdp_int8._dist import local_shard
+from fsdp_int8._weight.grouped_experts import Int8TorchtitanExperts
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8.config import Int8TrainingConfig, expert_weight_names
 from fsdp_int8.convert import int8_parameter
@@ -26,7 +28,9 @@ def int8_class(parent: type) -> type:
     if parent in _INT8_CLASSES:
         return _INT8_CLASSES[parent]
 
-    class Int8Module(parent):  # type: ignore[valid-type, misc]
+    bases = (Int8TorchtitanExperts, parent) if issubclass(parent, GroupedExperts) else (parent,)
+
+    class Int8Module(*bases):  # type: ignore[valid-type, misc]
         @dataclass(kw_only=True, slots=True)
         class Config(parent.Config):  # type: ignore[misc, name-defined]
             # a leading underscore keeps it out of torchtitan's config dumps (to_dict)

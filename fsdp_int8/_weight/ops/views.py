@@ -41,7 +41,9 @@ _implements = _op_table.implements
 _ROW_BREAKING = (
     "it would not keep whole int8 rows with their per-row scales. Supported views keep "
     "rows intact (view/reshape to [rows, K], [*leading dims, K] or flat, slicing and "
-    "splitting along dim 0 or a leading dim). Call .dequantize() for a plain tensor. (A "
+    "splitting along dim 0 or a leading dim). Call .dequantize() for a plain tensor. "
+    "Expert weights [E, out, in] compute through fsdp_int8.weight.int8_grouped_mm(x, w, offs) "
+    "(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)) or F.linear(x, w[e]). (A "
     "DTensor matmul transposes its local weight: if this weight was sharded by tensor "
     "parallelism, " + TENSOR_PARALLEL_UNSUPPORTED + ")"
 )
