@@ -185,6 +185,31 @@ def test_qwen3_moe_experts_run_grouped_int8_gemms_under_every_implementation():
     assert abs(eager_loss.item() - ref_loss.item()) / ref_loss.item() < 1e-2
 
 
+def test_expert_parallel_sentinels_add_nothing_as_in_transformers():
+    """Under transformers' expert parallelism a token routed to another rank's expert
+    carries an id ``>= E`` (a sentinel): it adds nothing, biases included, as in
+    transformers' grouped_mm (gpt-oss: experts with biases, stored transposed)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.moe import grouped_mm_experts_forward
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=4)
+    torch.manual_seed(0)
+    experts, reference = GptOssExperts(config), GptOssExperts(config)
+    for parameter in experts.parameters():  # a bare module: transformers initialises whole models only
+        nn.init.normal_(parameter, std=0.1)
+    quantize_(nn.ModuleDict({"experts": experts}))
+    reference.load_state_dict(fsdp_int8.export_full_state_dict(experts, torch.float32))
+    experts._is_expert_parallel = reference._is_expert_parallel = True
+    hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(4))
+    index = torch.tensor([[0, 4], [3, 4], [4, 4], [3, 1], [2, 4], [1, 0]])  # 4: another rank's expert
+    weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out, expected = experts(hidden, index, weights), grouped_mm_experts_forward(reference, hidden, index, weights)
+    assert torch.equal(out[2], torch.zeros(64))  # a token with no local expert
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)  # fp32 sums in another order
+
+
 class TransposedExperts(nn.Module):  # transformers' is_transposed layout, [E, in, out], with its own code
     def __init__(self):
         super().__init__()
