@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from fsdp_int8._dist import local_shard
 from fsdp_int8._moe.layout import dbrx_expert_names
-from fsdp_int8._weight.grouped_mm import int8_grouped_mm
+from fsdp_int8._weight.grouped_mm import expert_offsets, int8_grouped_mm
 from fsdp_int8._weight.tensor import Int8Weight
 from fsdp_int8._weight.transposed_experts import swapped_class, transposed_names
 
@@ -43,9 +43,7 @@ class _Int8DbrxExperts:
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)
         token = order // top_k_index.shape[-1]
-        counts = torch.zeros(experts + 1, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # on the device: no host read
-        offs = counts[:experts].cumsum(0).to(torch.int32)
+        offs = expert_offsets(chosen, experts)
         rows = x[token]
         w1, v1, w2 = (_per_expert(getattr(mlp, name), experts) for name in ("w1", "v1", "w2"))
         hidden = mlp.activation_fn(int8_grouped_mm(rows, w1, offs)) * int8_grouped_mm(rows, v1, offs)

@@ -1,4 +1,5 @@
-"""transformers' experts modules with int8 weights, computing through ``int8_grouped_mm``.
+"""Experts modules with int8 weights computing through ``int8_grouped_mm``: transformers',
+Llama 4's and torchtitan's.
 
 An int8 expert weight takes part in one computation only, :func:`.grouped_mm.int8_grouped_mm`
 (and, per expert, ``F.linear(x, w[e])``: the eager loops of JetMoE, LongCat-Flash and the
@@ -16,7 +17,7 @@ compute otherwise (``__class__`` assignment, as ``fully_shard`` does) for one wh
 * torchtitan's ``GroupedExperts`` (``w1_EFD``, ``w2_EDF``, ``w3_EFD``): its own
   computation, minus the cast and transpose of the weights before its ``_grouped_mm``.
 
-Both read the weights in the ``[E, out, in]`` layout in which they are held, transposed
+Each reads the weights in the ``[E, out, in]`` layout in which they are held, transposed
 ones included (:mod:`.transposed_experts`), and work on the plain tensors FSDP2
 all-gathers for weight-only int8 as on ``Int8Weight``s.
 """
@@ -31,18 +32,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fsdp_int8._moe.layout import dbrx_expert_names, transposed_expert_weights
-from fsdp_int8._weight.grouped_mm import int8_grouped_mm
+from fsdp_int8._weight.grouped_mm import expert_offsets, int8_grouped_mm
 from fsdp_int8._weight.transposed_experts import _TransposedExperts, hold_transposed_, swapped_class
 
 __all__ = ["Int8TorchtitanExperts", "forward_mixin", "int8_experts_", "is_int8_grouped_experts", "why_not_int8_experts"]
-
-
-def _offsets(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
-    """``[E]`` int32 cumulative token counts of ``expert_ids`` (ids ``>= E``, expert
-    parallelism's sentinels, counted in none), on the device: no host read."""
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=expert_ids.device)
-    counts.scatter_add_(0, expert_ids.clamp(max=experts), torch.ones_like(expert_ids))
-    return counts[:experts].cumsum(0).to(torch.int32)
 
 
 class _Int8GroupedExperts(_TransposedExperts):
@@ -53,7 +46,7 @@ class _Int8GroupedExperts(_TransposedExperts):
         experts, top_k = self.num_experts, top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)
         sorted_ids, order = torch.sort(expert_ids, stable=True)
-        offs = _offsets(expert_ids, experts)
+        offs = expert_offsets(expert_ids, experts)
         bias_rows = sorted_ids.clamp(max=experts - 1)  # a sentinel's row is masked below
         rows = hidden_states[order // top_k]
         up = self.gate_up_proj if self.has_gate else self.up_proj

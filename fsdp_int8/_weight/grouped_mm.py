@@ -183,6 +183,15 @@ class _GroupedMM(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+def expert_offsets(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """``[E]`` int32 cumulative token counts of ``expert_ids``, the ``offs`` of
+    :func:`int8_grouped_mm` for tokens sorted by expert, counted on the device (no host
+    read). Ids ``>= E`` (expert parallelism's sentinels, DBRX's empty slot) count in none."""
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=expert_ids.device)
+    counts.scatter_add_(0, expert_ids.clamp(max=experts), torch.ones_like(expert_ids))
+    return counts[:experts].cumsum(0).to(torch.int32)
+
+
 def int8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)``: the experts of a MoE
     block, each applied to its tokens. The one op every int8 experts module computes with
