@@ -24,8 +24,6 @@ all-gathers for weight-only int8 as on ``Int8Weight``s.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -35,7 +33,7 @@ from fsdp_int8._moe.layout import dbrx_expert_names, transposed_expert_weights
 from fsdp_int8._weight.grouped_mm import expert_offsets, int8_grouped_mm
 from fsdp_int8._weight.transposed_experts import _TransposedExperts, hold_transposed_, swapped_class
 
-__all__ = ["Int8TorchtitanExperts", "forward_mixin", "int8_experts_", "is_int8_grouped_experts", "why_not_int8_experts"]
+__all__ = ["Int8TorchtitanExperts", "forward_mixin", "int8_experts_", "why_not_int8_experts"]
 
 
 class _Int8GroupedExperts(_TransposedExperts):
@@ -114,11 +112,6 @@ def forward_mixin(module: nn.Module) -> type | None:
     if all(isinstance(module._parameters.get(name), torch.Tensor) for name in _TORCHTITAN_WEIGHTS):
         return Int8TorchtitanExperts
     return None
-
-
-def is_int8_grouped_experts(module: Any) -> bool:
-    """Whether ``module``'s class was swapped for one computing through ``int8_grouped_mm``."""
-    return isinstance(module, (_Int8GroupedExperts, _Int8Llama4Experts, Int8TorchtitanExperts))
 
 
 def why_not_int8_experts(module: nn.Module) -> str | None:
