@@ -206,7 +206,7 @@ class Experts(nn.Module):
     """``num_experts`` SwiGLU experts as 3-D weights, in torchtitan's ``GroupedExperts``
     layout and computation: ``w1`` (gate) and ``w3`` (up) ``[experts, hidden, dim]``,
     ``w2`` (down) ``[experts, dim, hidden]``, each applied to its expert's tokens by one
-    ``torch._grouped_mm`` over the transposed weight: ``fsdp_int8.int8_grouped_mm``, which
+    ``torch._grouped_mm`` over the transposed weight: ``fsdp_int8.weight.int8_grouped_mm``, which
     runs it for plain weights and int8 GEMMs for int8 ones with ``Int8MatmulConfig``."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
