@@ -129,10 +129,8 @@ def _train_body(rank: int, world: int, settings: dict) -> dict:
     cuda = device.type == "cuda"
     models, memory = {}, {}
 
-    def batch(step: int) -> tuple:  # the same batch for every row at a step
-        tokens = torch.randint(0, args.vocab_size, (settings["batch_size"], settings["seq_len"] + 1),
-                               generator=torch.Generator().manual_seed(step * 1000 + rank))
-        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    def batch(step: int) -> tuple:
+        return ratios.token_batch(step, rank, args.vocab_size, settings, device)
 
     steps_of = {}
     for name in settings["rows"]:

@@ -86,6 +86,14 @@ CATEGORIES = (
 )
 
 
+def token_batch(step: int, rank: int, vocab_size: int, settings: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``(inputs, targets)`` of ``settings``' shape, seeded by step and rank: every row
+    of a run trains on the same batch at a step."""
+    tokens = torch.randint(0, vocab_size, (settings["batch_size"], settings["seq_len"] + 1),
+                           generator=torch.Generator().manual_seed(step * 1000 + rank))
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
 def _category(name: str) -> str:
     for category, patterns in CATEGORIES:
         if any(p in name for p in patterns):
@@ -129,10 +137,8 @@ def _body(rank: int, world: int, settings: dict) -> dict:
     args = shape(settings)
     device = device_type_for(world)
 
-    def batch(step: int) -> tuple:  # the same batch for every row at a step
-        tokens = torch.randint(0, args.vocab_size, (settings["batch_size"], settings["seq_len"] + 1),
-                               generator=torch.Generator().manual_seed(step * 1000 + rank))
-        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    def batch(step: int) -> tuple:
+        return token_batch(step, rank, args.vocab_size, settings, device)
 
     steps_of = {}
     for name in settings["rows"]:
