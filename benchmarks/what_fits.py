@@ -6,9 +6,13 @@ peak memory ``benchmarks.memory`` measured.
 
 Measured on a mixture-of-experts shape (``benchmarks.memory --shape qwen3-moe-scaled``),
 the table is of MoE models instead (Qwen3-30B-A3B, Qwen3-235B-A22B, a DeepSeek-V3-sized
-671B model), with FSDP alone: every block gathers all its experts, so the largest group
-is a MoE block (11 billion elements in DeepSeek-V3, which therefore needs expert
-parallelism, not modelled here).
+671B model). With FSDP alone every block gathers all its experts, so the largest group is
+a MoE block (11 billion elements in DeepSeek-V3). ``--expert-parallel`` adds rows with
+the experts split over the GPUs (expert parallelism of degree ``min(GPUs, experts)``,
+FSDP over the rest): a MoE block gathers its attention, router, shared expert and its
+own experts only (4 of DeepSeek-V3's 256 on 64 GPUs), and each recomputed block holds
+the all-to-all's buffers of its routed tokens. The sharded state per GPU is the same
+(every parameter still lives on one GPU's share).
 
 A step's peak (activation checkpointing on, as measured) is modelled as three terms:
 
@@ -41,6 +45,7 @@ not GPU runs: ``python -m benchmarks.gpu`` measures ``torch.cuda.max_memory_allo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -57,6 +62,8 @@ BLOCK_INPUT_BYTES = 2  # per token per hidden unit per block: a bf16 checkpoint
 RECOMPUTED_BLOCK_BYTES = 34  # per token per hidden unit, one block recomputed in backward
 LOGIT_BYTES = 12  # per token per vocabulary entry: fp32 logits, log-softmax, gradient
 MOE_FFN_BYTES = 6  # per token per routed expert unit of one recomputed MoE block (3 bf16 tensors)
+ALL_TO_ALL_BYTES = 4  # per token per top-k slot per hidden unit: bf16 dispatch and combine buffers
+EP = " + EP"  # suffix of the expert-parallel rows' names
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,14 @@ class MoEShape:
 
     @property
     def moe_block(self) -> int:
-        return (self.attention + 3 * self.hidden * (self.experts * self.expert_ffn + self.shared_ffn)
+        return self.moe_block_under(expert_parallel=1)
+
+    def moe_block_under(self, expert_parallel: int) -> int:
+        """Elements one rank gathers of a MoE block when ``expert_parallel`` ranks split its
+        experts: attention, router and shared expert whole, ``experts / expert_parallel``
+        routed experts."""
+        local_experts = self.experts // expert_parallel
+        return (self.attention + 3 * self.hidden * (local_experts * self.expert_ffn + self.shared_ffn)
                 + self.hidden * self.experts)
 
     @property
@@ -135,7 +149,19 @@ class MoEShape:
     def largest_group(self) -> int:
         """Elements of the largest FSDP2 group: a MoE block with all its experts (FSDP alone
         gathers every expert), or the embedding if larger."""
-        return max(self.vocab * self.hidden, self.moe_block, self.attention + 3 * self.hidden * self.dense_ffn)
+        return self.largest_group_under(expert_parallel=1)
+
+    def largest_group_under(self, expert_parallel: int) -> int:
+        """The largest group's elements with ``expert_parallel`` ranks splitting the experts."""
+        return max(self.vocab * self.hidden, self.moe_block_under(expert_parallel),
+                   self.attention + 3 * self.hidden * self.dense_ffn)
+
+    def expert_parallel_on(self, gpus: int) -> int:
+        """The degree of expert parallelism on ``gpus`` GPUs: all of them, at most one
+        expert each (both are powers of two in every shape here)."""
+        if self.experts % min(gpus, self.experts):
+            raise ValueError(f"{self.name}'s {self.experts} experts do not split over {gpus} GPUs")
+        return min(gpus, self.experts)
 
     @property
     def ffn(self) -> int:
@@ -174,21 +200,29 @@ class Coefficients:
     sharded: float  # bytes per parameter per rank, on the GPU
     group: float  # bytes per element of the largest group
     host: float = 0.0  # bytes per parameter per rank in host memory (CPU offload)
+    expert_parallel: bool = False  # MoE shapes: experts split over the GPUs
+
+    def with_expert_parallel(self) -> "Coefficients":
+        """The same recipe with the experts split over the GPUs (the same measured bytes)."""
+        return dataclasses.replace(self, expert_parallel=True)
 
     def offloaded(self) -> "Coefficients":
         """The same recipe under FSDP2's CPU offload: the sharded state moves to the host."""
-        return Coefficients(sharded=0.0, group=self.group, host=self.sharded + self.host)
+        return dataclasses.replace(self, sharded=0.0, host=self.sharded + self.host)
 
 
 OFFLOAD = " + offload"  # suffix of the offloaded rows' names
 
 
-def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int, moe_ffn: int = 0) -> float:
+def activation_bytes(tokens: int, hidden: int, layers: int, vocab: int, moe_ffn: int = 0,
+                     routed_slots: int = 0) -> float:
     """The activation term for ``tokens`` tokens per GPU (see the module docstring); a MoE
     block recomputes ``moe_ffn`` expert units per token more (its top-k experts' gate, up
-    and product in bf16, ``MOE_FFN_BYTES`` each)."""
-    return tokens * (hidden * (BLOCK_INPUT_BYTES * layers + RECOMPUTED_BLOCK_BYTES) + LOGIT_BYTES * vocab
-                     + MOE_FFN_BYTES * moe_ffn)
+    and product in bf16, ``MOE_FFN_BYTES`` each), and under expert parallelism holds the
+    all-to-all's buffers of ``routed_slots`` (top-k) copies of each token."""
+    return tokens * (hidden * (BLOCK_INPUT_BYTES * layers + RECOMPUTED_BLOCK_BYTES
+                               + ALL_TO_ALL_BYTES * routed_slots)
+                     + LOGIT_BYTES * vocab + MOE_FFN_BYTES * moe_ffn)
 
 
 def coefficients(measured: dict) -> dict[str, Coefficients]:
@@ -206,9 +240,13 @@ def coefficients(measured: dict) -> dict[str, Coefficients]:
 
 
 def peak_bytes(shape: LlamaShape | MoEShape, gpus: int, costs: Coefficients, tokens: int) -> float:
-    moe_ffn = shape.ffn if isinstance(shape, MoEShape) else 0
-    return (costs.sharded * shape.parameters / gpus + costs.group * shape.largest_group
-            + activation_bytes(tokens, shape.hidden, shape.layers, shape.vocab, moe_ffn))
+    if not isinstance(shape, MoEShape):
+        return (costs.sharded * shape.parameters / gpus + costs.group * shape.largest_group
+                + activation_bytes(tokens, shape.hidden, shape.layers, shape.vocab))
+    expert_parallel = shape.expert_parallel_on(gpus) if costs.expert_parallel else 1
+    routed_slots = shape.top_k if expert_parallel > 1 else 0
+    return (costs.sharded * shape.parameters / gpus + costs.group * shape.largest_group_under(expert_parallel)
+            + activation_bytes(tokens, shape.hidden, shape.layers, shape.vocab, shape.ffn, routed_slots))
 
 
 def largest_fitting(gpu_gb: int, gpus: int, costs: Coefficients, tokens: int,
@@ -226,6 +264,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("measured", help="the JSON file of benchmarks.memory --json")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per micro-batch")
+    parser.add_argument("--expert-parallel", action="store_true", help="MoE models: also rows with the experts "
+                        "split over the GPUs (expert parallelism of degree min(GPUs, experts), FSDP over the rest)")
     parser.add_argument("--log", action="store_true", help="also append a dated section (command, the measurement's "
                         "machine, table) to benchmarks/results/memory.md")
     args = parser.parse_args(argv)
@@ -236,6 +276,11 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]
     costs.update({row + OFFLOAD: found.offloaded() for row, found in list(costs.items())})
     shape = measured["shape"]
     moe = shape.get("model") == "qwen3_moe"  # measured on a MoE: MoE models are estimated
+    if args.expert_parallel and not moe:
+        parser.error("--expert-parallel needs a measurement of a MoE shape (benchmarks.memory --shape qwen3-moe-scaled)")
+    if args.expert_parallel:
+        costs.update({row + EP: found.with_expert_parallel() for row, found in list(costs.items())
+                      if not row.endswith(OFFLOAD)})
     shapes, family = (MOE, "mixture-of-experts") if moe else (LLAMA3, "Llama 3")
     moe_ffn = MoEShape.of_hf("measured", shape).ffn if moe else 0
     predicted = activation_bytes(measured["tokens_per_rank"], shape["hidden_size"], shape["num_hidden_layers"],
@@ -250,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], dict[str, str]]
         print(f"# {row}: device {costs[row].sharded:.2f} B/param, host {costs[row].host:.2f} B/param per rank")
     rows = list(costs)
     print(f"\nLargest {family} model per GPU, {args.tokens} tokens per GPU, activation checkpointing on, "
-          f"FSDP alone (estimated peak in brackets)\n")
+          f"{'FSDP, and FSDP with expert parallelism (+ EP)' if args.expert_parallel else 'FSDP alone'} "
+          f"(estimated peak in brackets)\n")
     print("| GPU memory | GPUs | " + " | ".join(rows) + " |")
     print("|---|---:|" + "---|" * len(rows))
     table = {}

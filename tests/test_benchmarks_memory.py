@@ -149,3 +149,53 @@ def test_the_lean_call_peaks_as_the_launchers_lean():
     # one recipe built two ways: the same storages by category, to the byte
     assert peaks["lean call"] == peaks["launcher --lean"] == peaks["build_model(lean=True)"], peaks
     assert peaks["lean call"]["Total"] > 0
+
+
+# benchmarks.memory --shape qwen3-moe-scaled's figures (2026-11-29, logged in
+# benchmarks/results/memory.md), the parts what_fits reads
+_MOE_MEASURED = dict(
+    machine="AMD EPYC, avx2; torch 2.13.0+cpu", world_size=2, tokens_per_rank=256, parameters=119_633_664,
+    largest_group=4_898_816,
+    shape=dict(model="qwen3_moe", hidden_size=256, num_hidden_layers=24, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=32, moe_intermediate_size=96, num_experts=64,
+               num_experts_per_tok=8, vocab_size=4000, tie_word_embeddings=False),
+    rows={"bf16": dict(parts={"Sharded Param": 4.0, "Sharded Grad": 3.604, "OptState": 8.0, "Temp": 0.528,
+                              "Unsharded Param": 0.068, "All Gather": 0.164, "Reduce Scatter": 0.328}),
+          "lean-4bit": dict(parts={"Sharded Param": 1.06, "OptState": 1.063, "Temp": 0.381,
+                                   "Unsharded Param": 0.12, "All Gather": 0.084, "Activation": 0.053})},
+)
+
+
+def test_what_fits_with_expert_parallelism(tmp_path, capsys):
+    figures = tmp_path / "moe.json"
+    figures.write_text(json.dumps(_MOE_MEASURED))
+    table = what_fits.main([str(figures), "--expert-parallel"])
+    order = ["none", *(shape.name for shape in what_fits.MOE)]
+
+    def rank(entry: str) -> int:
+        return order.index(entry.split(" (")[0])
+
+    for fits in table.values():
+        for row in ("bf16", "lean-4bit"):
+            assert rank(fits[row + what_fits.EP]) >= rank(fits[row]), fits  # splitting experts never fits less
+    # FSDP alone gathers all 256 of DeepSeek-V3's experts per block (11 billion elements):
+    # no GPU here holds that; split 64 ways, 4-bit states fit it on 64 GPUs of 80 GB
+    assert all(not fits[row].startswith("DeepSeek") for fits in table.values() for row in ("bf16", "lean-4bit"))
+    assert table[80, 64]["lean-4bit" + what_fits.EP].startswith("DeepSeek-V3-671B"), table[80, 64]
+    # the estimate's terms, by hand, for DeepSeek-V3 on 64 GPUs: 4 local experts per block
+    deepseek = what_fits.MOE[-1]
+    costs = what_fits.coefficients(_MOE_MEASURED)["lean-4bit"].with_expert_parallel()
+    local_block = deepseek.attention + 3 * 7168 * (4 * 2048 + 2048) + 7168 * 256
+    group = max(local_block, deepseek.vocab * 7168)
+    activations = 4096 * (7168 * (2 * 61 + 34 + 4 * 8) + 12 * deepseek.vocab + 6 * (8 * 2048 + 2048))
+    expected = costs.sharded * deepseek.parameters / 64 + costs.group * group + activations
+    assert what_fits.peak_bytes(deepseek, 64, costs, 4096) == pytest.approx(expected, rel=1e-12)
+    assert "+ EP" in capsys.readouterr().out
+
+
+def test_what_fits_refuses_expert_parallelism_for_a_dense_measurement(tmp_path, capsys):
+    figures = tmp_path / "dense.json"
+    figures.write_text(json.dumps({**_MOE_MEASURED, "shape": {**_MOE_MEASURED["shape"], "model": "llama"}}))
+    with pytest.raises(SystemExit):
+        what_fits.main([str(figures), "--expert-parallel"])
+    assert "--expert-parallel needs a measurement of a MoE shape" in capsys.readouterr().err
