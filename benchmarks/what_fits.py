@@ -145,14 +145,10 @@ class MoEShape:
         return (self.dense_layers * dense_block + (self.layers - self.dense_layers) * self.moe_block
                 + embeddings + (2 * self.layers + 1) * self.hidden)
 
-    @property
-    def largest_group(self) -> int:
-        """Elements of the largest FSDP2 group: a MoE block with all its experts (FSDP alone
-        gathers every expert), or the embedding if larger."""
-        return self.largest_group_under(expert_parallel=1)
-
     def largest_group_under(self, expert_parallel: int) -> int:
-        """The largest group's elements with ``expert_parallel`` ranks splitting the experts."""
+        """Elements of the largest FSDP2 group with ``expert_parallel`` ranks splitting the
+        experts: a MoE block with its share of the experts (all of them under FSDP alone),
+        or the embedding if larger."""
         return max(self.vocab * self.hidden, self.moe_block_under(expert_parallel),
                    self.attention + 3 * self.hidden * self.dense_ffn)
 
