@@ -8,8 +8,9 @@ one per seed, in the same seed order for every row: the first row is the baselin
 each validation step that every run logged, the table gives each row's validation loss per
 seed, the mean over seeds and the mean's difference from the baseline's (each seed shared
 by the rows it compares, so the seeds' own spread cancels from the difference); the last
-column gives the gap at each step, so whether it grows with steps reads down it. ``--plot`` draws each row's training loss
-(mean over seeds, smoothed over 20 steps) and validation points side by side.
+column gives the gap at each step, so whether it grows with steps reads down it. ``--plot``
+draws each row's training loss (mean over seeds, smoothed over 20 steps) and validation
+points side by side, and below them each row's validation gap to the baseline by step.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def read_run(folder: Path) -> tuple[dict[int, float], dict[int, float]]:
 Run = tuple[dict[int, float], dict[int, float]]
 
 
+def validation_means(runs: list[Run]) -> dict[int, float]:
+    """Mean validation loss over a row's runs at each step that all of them logged."""
+    steps = sorted(set.intersection(*(set(v) for _, v in runs)))
+    return {step: statistics.fmean(v[step] for _, v in runs) for step in steps}
+
+
 def compare(runs: dict[str, list[Run]]) -> list[str]:
     """The table's lines: validation loss per row and seed at each shared step."""
     seeds = {len(v) for v in runs.values()}
@@ -53,8 +60,9 @@ def compare(runs: dict[str, list[Run]]) -> list[str]:
     baseline = next(iter(runs))
     header = "| step | " + " | ".join(f"{name} (per seed: mean)" for name in runs) + " | vs " + baseline + " |"
     lines = [header, "|" + "---|" * (len(runs) + 2)]
+    row_means = {name: validation_means(r) for name, r in runs.items()}
     for step in steps:
-        means = {name: statistics.fmean(v[step] for _, v in r) for name, r in runs.items()}
+        means = {name: row_means[name][step] for name in runs}
         cells = [", ".join(f"{v[step]:.4f}" for _, v in r) + f": **{means[name]:.4f}**" for name, r in runs.items()]
         gaps = ", ".join(f"{name} {100 * (means[name] / means[baseline] - 1):+.2f}%"
                          for name in runs if name != baseline)
@@ -68,20 +76,28 @@ def plot(runs_by_row: dict[str, list[Run]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figure, (axis, gap_axis) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=(3, 2))
+    baseline_name = next(iter(runs_by_row))
+    baseline = validation_means(runs_by_row[baseline_name])
     for name, runs in runs_by_row.items():
         steps = sorted(set.intersection(*(set(t) for t, _ in runs)))
         mean = [statistics.fmean(t[s] for t, _ in runs) for s in steps]
         smooth = [statistics.fmean(mean[max(0, i - SMOOTHING_STEPS + 1):i + 1]) for i in range(len(mean))]
         line, = axis.plot(steps, smooth, label=f"{name} (training, mean of {len(runs)})")
-        val_steps = sorted(set.intersection(*(set(v) for _, v in runs)))
-        axis.plot(val_steps, [statistics.fmean(v[s] for _, v in runs) for s in val_steps], "o",
-                  color=line.get_color(), label=f"{name} (validation)")
-    axis.set_xlabel("step")
+        validation = validation_means(runs)
+        axis.plot(list(validation), list(validation.values()), "o", color=line.get_color(),
+                  label=f"{name} (validation)")
+        shared = [step for step in validation if step in baseline]
+        gap_axis.plot(shared, [100 * (validation[s] / baseline[s] - 1) for s in shared], "o-",
+                      color=line.get_color(), label=name)
     axis.set_ylabel("loss (nats per byte)")
     axis.set_ylim(top=min(3.0, axis.get_ylim()[1]))
-    axis.legend()
-    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small")
+    gap_axis.axhline(0.0, color="black", linewidth=0.8)
+    gap_axis.set_xlabel("step")
+    gap_axis.set_ylabel(f"validation vs {baseline_name} (%)")
+    for each in (axis, gap_axis):
+        each.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(out, dpi=100)
 
