@@ -126,10 +126,6 @@ class MoEShape:
     dense_ffn: int = 0
     tied: bool = False
 
-    @property
-    def moe_block(self) -> int:
-        return self.moe_block_under(expert_parallel=1)
-
     def moe_block_under(self, expert_parallel: int) -> int:
         """Elements one rank gathers of a MoE block when ``expert_parallel`` ranks split its
         experts: attention, router and shared expert whole, ``experts / expert_parallel``
@@ -142,7 +138,7 @@ class MoEShape:
     def parameters(self) -> int:
         dense_block = self.attention + 3 * self.hidden * self.dense_ffn
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return (self.dense_layers * dense_block + (self.layers - self.dense_layers) * self.moe_block
+        return (self.dense_layers * dense_block + (self.layers - self.dense_layers) * self.moe_block_under(1)
                 + embeddings + (2 * self.layers + 1) * self.hidden)
 
     def largest_group_under(self, expert_parallel: int) -> int:
